@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Usage: source scripts/setup_venv.sh
+# Creates .venv in the repository root if it is missing (reuses it otherwise) and installs the
+# project with its CPU dependencies. torch is pinned to 2.13.0 for CPU installs: that wheel is on
+# local disk on our machines; any other version downloads several GB.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+# Install only what is missing so a reused venv costs a second, not a minute.
+if ! "$PY" -c "import torch, megatron.core, psutil, pytest, safetensors" >/dev/null 2>&1; then
+  "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
+  "$PY" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements.txt"
+fi
+if ! "$PY" -c "import datastates, megatron.training" >/dev/null 2>&1 \
+   || ! "$PY" -m pip show -q datastates-llm >/dev/null 2>&1; then
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT"
+fi
+export PATH="$VENV/bin:$PATH"
