@@ -1,0 +1,148 @@
+"""Scale tools: architecture formula, the projection model, its agreement with the paper, CLI."""
+import dataclasses
+import json
+import math
+
+import pytest
+
+from tools import project_scale
+from tools.scale.architecture import (PAPER_MODELS, GPTArch, WeightsWriter, checkpoint_bytes_per_rank,
+                                      layer_split, rank_params, unique_parameters)
+from tools.scale.compare import end_to_end_checks, throughput_checks
+from tools.scale.inputs import load_inputs
+from tools.scale.paper import calibrate, derive_paper_phases
+from tools.scale.projection import Phases, Platform, ScaleCase, Variant, predict
+
+PAPER_INPUTS = project_scale.DEFAULT_INPUTS
+TINY = GPTArch("tiny", num_layers=4, hidden_size=8, num_attention_heads=2, nodes=1, vocab_size=100,
+               seq_length=16, make_vocab_size_divisible_by=8)
+
+
+def test_parameter_formula_matches_a_hand_count():
+    h, f, v, s, layers = 8, 32, 104, 16, 4  # vocab 100 padded to a multiple of 8 (TP 1)
+    per_layer = (3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h) + 2 * (2 * h)
+    assert unique_parameters(TINY) == v * h + s * h + layers * per_layer + 2 * h
+    # Splitting over TP and PP keeps every unique parameter exactly once...
+    # (TP 2 pads the vocabulary to a multiple of 8 * 2 = 112.)
+    assert unique_parameters(TINY, tp=2, pp=2) == unique_parameters(dataclasses.replace(TINY, vocab_size=112))
+    # ...while TP-replicated tensors and the last stage's embedding copy are written more than once.
+    per_rank = checkpoint_bytes_per_rank(TINY, tp=2, pp=2)
+    replicated = sum(rank_params(TINY, 2, 2, st).tp_replicated for st in range(2))
+    copy = rank_params(TINY, 2, 2, 1).embedding_copy
+    assert copy == 112 * 8 // 2  # padded to a multiple of 8*2
+    assert sum(per_rank) == 14 * (unique_parameters(TINY, 2, 2) + replicated + 2 * copy)
+
+
+def test_data_parallel_layouts_conserve_bytes():
+    arch = PAPER_MODELS[2]
+    one = checkpoint_bytes_per_rank(arch, 4, 4, dp=1)
+    first = checkpoint_bytes_per_rank(arch, 4, 4, dp=4, writer=WeightsWriter.FIRST_REPLICA)
+    spread = checkpoint_bytes_per_rank(arch, 4, 4, dp=4, writer=WeightsWriter.SPREAD_OVER_DP)
+    assert abs(sum(first) - sum(one)) <= len(first) and abs(sum(spread) - sum(one)) <= len(spread)
+    assert max(first) > max(spread) == pytest.approx(max(one) / 4, rel=1e-6)
+
+
+def test_layer_splits_and_errors():
+    assert layer_split(60, 8, first=6, last=6) == [6] + [8] * 6 + [6]
+    assert layer_split(80, 20) == [4] * 20
+    with pytest.raises(ValueError, match="cannot be split over 8"):
+        layer_split(60, 8)
+    assert [a.stage_layers(a.nodes) for a in PAPER_MODELS][3] == [6, 8, 8, 8, 8, 8, 8, 6]
+
+
+def _case(gb=10.0, ranks=4, phases=Phases(1.0, 2.0, 0.5), iterations=5, interval=1, mp=4):
+    return ScaleCase("t", (int(gb * 1e9),) * ranks, mp, phases, iterations, interval)
+
+
+PLAIN = Platform(gpus_per_node=4, d2h_gbps=20.0, staging_gbps=2.0, write_stream_gbps=1.0, node_write_gbps=100.0,
+                 fs_aggregate_gbps=1000.0, host_cache_gb_per_node=400.0, dist_streams=2, coordination_s=0.5,
+                 coordination_s_per_mp_rank=0.0)
+
+
+def test_synchronous_variants_block_for_staging_and_writing():
+    p = predict(_case(), PLAIN, Variant.TORCH_SAVE)
+    assert p.stall_per_checkpoint_s == pytest.approx(0.5 + 10 / 2 + 10 / 1)
+    assert p.checkpoint_throughput_gbps == pytest.approx(40 / 15.5)
+    assert predict(_case(), PLAIN, Variant.TORCH_DIST).stall_per_checkpoint_s == pytest.approx(0.5 + 5 + 5)
+    # The job's share of the file system caps each writer: 1000 ranks share 1000 GB/s.
+    many = predict(_case(ranks=1000), PLAIN, Variant.TORCH_DIST)
+    assert many.stall_per_checkpoint_s == pytest.approx(0.5 + 5 + 10 / 1.0)
+
+
+def test_copy_then_flush_waits_for_the_previous_flush():
+    # Flush 10 GB at 2 GB/s = 5 s; an iteration is 3.5 s: from the second save on, the save first
+    # waits for the previous flush to end.
+    p = predict(_case(), PLAIN, Variant.TORCH_DIST_ASYNC)
+    assert p.breakdown["staging"] == pytest.approx(5.0)
+    assert p.breakdown["back_pressure"] > 0
+    long_iterations = predict(_case(phases=Phases(3, 6, 1)), PLAIN, Variant.TORCH_DIST_ASYNC)
+    assert long_iterations.breakdown["back_pressure"] == 0
+    assert long_iterations.stall_per_checkpoint_s == pytest.approx(0.5 + 5.0)
+    assert long_iterations.final_drain_s == pytest.approx(5.0)
+
+
+def test_lazy_copy_hides_behind_forward_backward_until_it_cannot():
+    hidden = predict(_case(phases=Phases(3, 6, 1)), PLAIN, Variant.DATASTATES_LAZY)
+    assert hidden.stall_per_checkpoint_s == pytest.approx(0.5)  # copy 0.5 s < 9 s of forward/backward
+    slow_pcie = dataclasses.replace(PLAIN, d2h_gbps=1.0)  # copy 10 s vs 9 s window: 1 s wait per save
+    p = predict(_case(phases=Phases(3, 6, 1), iterations=4), slow_pcie, Variant.DATASTATES_LAZY)
+    # Saves after iterations 1-3 each make the next update wait 1 s; the last one is drained.
+    assert p.breakdown["d2h_wait"] * 4 == pytest.approx(3.0)
+
+
+def test_lazy_back_pressure_when_the_host_cache_is_full():
+    # One 10 GB snapshot fits per rank (40 GB / 4 ranks); flushing takes 10 s, iterations 3.5 s:
+    # in steady state a snapshot can only be copied once the previous one is flushed, so every
+    # iteration stretches to the 10 s flush (the copy wait lands before the update).
+    small_cache = dataclasses.replace(PLAIN, host_cache_gb_per_node=40.0)
+    runs = [predict(_case(iterations=n), small_cache, Variant.DATASTATES_LAZY) for n in (40, 80)]
+    assert runs[1].end_to_end_s - runs[0].end_to_end_s == pytest.approx(40 * 10.0)
+    assert runs[1].breakdown["d2h_wait"] > 5
+    roomy = predict(_case(iterations=5), PLAIN, Variant.DATASTATES_LAZY)  # 10 slots: no wait in 5
+    assert roomy.stall_per_checkpoint_s == pytest.approx(0.5)
+    assert roomy.final_drain_s > 30  # but the run's end waits for the flushes
+
+
+def test_paper_inputs_are_the_documented_derivation_and_calibration():
+    inputs = load_inputs(PAPER_INPUTS)
+    derived = derive_paper_phases()
+    for name, phases in inputs.phases.items():
+        for field in ("forward", "backward", "update"):
+            assert getattr(phases, field) == pytest.approx(getattr(derived[name], field), rel=1e-3)
+    p = inputs.platform
+    start = dataclasses.replace(p, staging_gbps=p.staging_gbps * 1.5, write_stream_gbps=p.write_stream_gbps / 1.5,
+                                coordination_s=p.coordination_s * 2, coordination_s_per_mp_rank=0.0)
+    fitted = calibrate(start, derived)
+    for field in ("staging_gbps", "write_stream_gbps", "coordination_s", "coordination_s_per_mp_rank"):
+        assert getattr(inputs.platform, field) == pytest.approx(getattr(fitted, field), rel=2e-3), field
+
+
+def test_projection_reproduces_the_shape_of_the_papers_results():
+    inputs = load_inputs(PAPER_INPUTS)
+    checks = throughput_checks(inputs.platform, inputs.phases) + end_to_end_checks(inputs.platform, inputs.phases)
+    bad = [c for c in checks if not c.ok]
+    assert not bad, bad
+    assert sum(not c.calibrated for c in checks) >= 15  # most points are predictions, not fits
+    # And it is not vacuous: the paper's own 13B torch.save point is far from the 7B one per rank.
+    assert any(abs(math.log(c.predicted / c.paper)) > math.log(1.3) for c in checks)
+
+
+def test_cli_writes_json_and_reports_bad_inputs(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert project_scale.main(["--models", "7B", "13B", "--experiment", "e2e", "--checkpoint-interval", "10", "1",
+                               "--json", str(out), "--compare-paper"]) == 0
+    text = capsys.readouterr().out
+    assert "7B end-to-end torch/datastates" in text and "OUT OF TOLERANCE" not in text
+    data = json.loads(out.read_text())
+    assert len(data["predictions"]) == 2 * 2 * 4
+    row = next(r for r in data["predictions"] if r["case"] == "7B dp1 every1" and r["variant"] == "torch")
+    assert row["end_to_end_s"] > row["end_to_end_no_checkpoint_s"]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"platform": {"d2h_gbps": 25,\n "warp_speed": 9}}')
+    assert project_scale.main(["--inputs", str(bad)]) == 2
+    assert "unknown platform fields ['warp_speed']" in capsys.readouterr().err
+    bad.write_text('{"platform": \n{,}}')
+    assert project_scale.main(["--inputs", str(bad)]) == 2
+    assert "bad.json:2: invalid JSON" in capsys.readouterr().err
+    assert project_scale.main(["--models", "9B"]) == 2
+    assert "unknown paper model '9B'" in capsys.readouterr().err

@@ -1,0 +1,126 @@
+"""Project checkpoint stall, checkpoint throughput and end-to-end time at the paper's scales.
+
+Usage:
+    python tools/project_scale.py                          # paper platform, 5 models, DP=1
+    python tools/project_scale.py --compare-paper          # + ratios vs the paper, with tolerances
+    python tools/project_scale.py --models 13B 30B --dp 1 2 4 8 16 --experiment throughput
+    python tools/project_scale.py --inputs my_node.json --d2h-gbps 12 --json out.json
+
+Inputs: a JSON file (format in tools/scale/inputs.py; default tools/scale/paper_polaris.json),
+then flags override it. Experiments: "throughput" = a checkpoint every iteration over 5
+iterations; "e2e" = --iterations (50) with each --checkpoint-interval (10 and 1).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make `tools.` importable from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.errors import ToolInputError  # noqa: E402
+from tools.scale.architecture import PAPER_MODELS, paper_model  # noqa: E402
+from tools.scale.compare import dp_scaling_row, end_to_end_checks, format_checks, throughput_checks  # noqa: E402
+from tools.scale.inputs import load_inputs  # noqa: E402
+from tools.scale.paper import paper_case  # noqa: E402
+from tools.scale.projection import Phases, Platform, ScaleCase, Variant, predict  # noqa: E402
+
+DEFAULT_INPUTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale", "paper_polaris.json")
+_PLATFORM_FLAGS = [f.name for f in dataclasses.fields(Platform)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--inputs", default=DEFAULT_INPUTS, help="JSON inputs (platform, phases, cases)")
+    parser.add_argument("--models", nargs="+", default=[a.name for a in PAPER_MODELS])
+    parser.add_argument("--dp", nargs="+", type=int, default=[1], help="data-parallel sizes")
+    parser.add_argument("--experiment", choices=["throughput", "e2e"], default="throughput")
+    parser.add_argument("--iterations", type=int, default=50, help="e2e iterations")
+    parser.add_argument("--checkpoint-interval", nargs="+", type=int, default=[10, 1], help="e2e intervals")
+    parser.add_argument("--bytes", choices=["formula", "paper"], default="formula",
+                        help="checkpoint size: our GPT's formula (default) or scaled to the paper's sizes")
+    parser.add_argument("--compare-paper", action="store_true", help="print ratios vs the paper")
+    parser.add_argument("--json", default=None, help="also write the predictions here")
+    group = parser.add_argument_group("platform overrides")
+    for name in _PLATFORM_FLAGS:
+        kind = int if name in ("gpus_per_node", "dist_streams") else float
+        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    group = parser.add_argument_group("phase overrides (seconds, all models)")
+    for name in ("forward", "backward", "update"):
+        group.add_argument(f"--{name}", type=float, default=None)
+    return parser
+
+
+def _cases(args, inputs) -> list[ScaleCase]:
+    if args.experiment == "throughput":
+        runs = [(5, 1)]
+    else:
+        runs = [(args.iterations, interval) for interval in args.checkpoint_interval]
+    cases = []
+    for name in args.models:
+        try:
+            arch = paper_model(name)
+        except KeyError as error:
+            raise ToolInputError(str(error.args[0])) from None
+        if name not in inputs.phases:
+            raise ToolInputError(f"no phase times for {name!r} in the inputs", path=args.inputs)
+        phases = _override_phases(args, inputs.phases[name])
+        for dp in args.dp:
+            for iterations, interval in runs:
+                case = paper_case(arch, phases, iterations, interval, dp, paper_sized=args.bytes == "paper")
+                cases.append(dataclasses.replace(case, name=f"{name} dp{dp} every{interval}"))
+    for custom in inputs.cases:
+        for iterations, interval in runs:
+            cases.append(ScaleCase(f"{custom.name} every{interval}",
+                                   tuple(int(b * 1e9) for b in custom.bytes_per_rank_gb), custom.mp_ranks,
+                                   _override_phases(args, custom.phases), iterations, interval))
+    return cases
+
+
+def _override_phases(args, phases: Phases) -> Phases:
+    changes = {k: getattr(args, k) for k in ("forward", "backward", "update") if getattr(args, k) is not None}
+    return dataclasses.replace(phases, **changes)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        inputs = load_inputs(args.inputs)
+        overrides = {k: getattr(args, k) for k in _PLATFORM_FLAGS if getattr(args, k) is not None}
+        platform = dataclasses.replace(inputs.platform, **overrides)
+        cases = _cases(args, inputs)
+    except ToolInputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    rows = []
+    print(f"{'case':<22} {'variant':<17} {'GB/ckpt':>8} {'stall s':>8} {'GB/s':>8} {'e2e s':>8} {'no-ckpt s':>9}")
+    for case in cases:
+        for variant in Variant:
+            p = predict(case, platform, variant)
+            rows.append({"case": case.name, "variant": variant.value, "checkpoint_gb": case.checkpoint_bytes / 1e9,
+                         "max_rank_gb": max(case.bytes_per_rank) / 1e9, "ranks": case.ranks,
+                         "stall_per_checkpoint_s": p.stall_per_checkpoint_s,
+                         "checkpoint_throughput_gbps": p.checkpoint_throughput_gbps,
+                         "end_to_end_s": p.end_to_end_s, "end_to_end_no_checkpoint_s": p.end_to_end_no_checkpoint_s,
+                         "final_drain_s": p.final_drain_s, "breakdown_s": p.breakdown})
+            print(f"{case.name:<22} {variant.value:<17} {case.checkpoint_bytes / 1e9:>8.1f} "
+                  f"{p.stall_per_checkpoint_s:>8.2f} {p.checkpoint_throughput_gbps:>8.1f} "
+                  f"{p.end_to_end_s:>8.1f} {p.end_to_end_no_checkpoint_s:>9.1f}")
+    result = {"platform": dataclasses.asdict(platform), "predictions": rows}
+    if args.compare_paper:
+        checks = throughput_checks(platform, inputs.phases) + end_to_end_checks(platform, inputs.phases)
+        checks.append(dp_scaling_row(platform, inputs.phases))
+        print()
+        print(format_checks(checks))
+        result["paper_checks"] = [dataclasses.asdict(c) for c in checks]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
