@@ -1,0 +1,89 @@
+"""Read the figures of one training run out of its Megatron-format log.
+
+Recognized lines (everything else is ignored):
+- ``iteration N/ M | ... elapsed time per iteration (ms): X | ...`` (Megatron's training log);
+- ``successfully saved checkpoint from iteration N ...`` / ``saved checkpoint ... iteration N``;
+- ``save-checkpoint ...: X`` or ``(min, max)`` timer lines (Megatron's timers, milliseconds);
+- ``... checkpoint ... blocking time (ms): X`` (our checkpoint log lines);
+- ``[run] tag=T rc=R wall_seconds=S`` (written by examples/slurm/common.sh around the launch).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|.*?elapsed time per iteration \(ms\):\s*([0-9.eE+-]+)")
+_SAVED = re.compile(r"saved checkpoint\b.*?\biteration\s+(\d+)", re.IGNORECASE)
+_SAVE_TIMER = re.compile(r"\bsave-checkpoint\b[ .]*:\s*\(?\s*([0-9.]+)(?:\s*,\s*([0-9.]+))?")
+_BLOCKING = re.compile(r"checkpoint\b[^|\n]*?\bblocking time \(ms\):\s*([0-9.]+)", re.IGNORECASE)
+_RUN = re.compile(r"^\[run\] tag=(\S+) rc=(-?\d+) wall_seconds=([0-9.]+)")
+
+
+@dataclass
+class RunFigures:
+    """What one log says about its run."""
+
+    iteration_ms: dict = field(default_factory=dict)
+    """Elapsed time per iteration (ms) by iteration number (the last report wins)."""
+    train_iters: Optional[int] = None
+    saved_iterations: list = field(default_factory=list)
+    save_ms: list = field(default_factory=list)
+    """Per-checkpoint save time (timer max across ranks, or our blocking time), ms."""
+    rc: Optional[int] = None
+    wall_seconds: Optional[float] = None
+
+    def mean_iteration_ms(self, skip_first: bool = False) -> Optional[float]:
+        items = sorted(self.iteration_ms.items())
+        if skip_first:
+            items = items[1:]  # the first iteration carries warm-up (allocation, compilation)
+        return sum(v for _, v in items) / len(items) if items else None
+
+
+def parse_log(lines) -> RunFigures:
+    figures = RunFigures()
+    for line in lines:
+        m = _ITERATION.search(line)
+        if m:
+            figures.iteration_ms[int(m.group(1))] = float(m.group(3))
+            figures.train_iters = int(m.group(2))
+            continue
+        m = _SAVED.search(line)
+        if m:
+            figures.saved_iterations.append(int(m.group(1)))
+            continue
+        m = _SAVE_TIMER.search(line) or _BLOCKING.search(line)
+        if m:
+            values = [float(g) for g in m.groups() if g is not None]
+            figures.save_ms.append(max(values))
+            continue
+        m = _RUN.search(line)
+        if m:
+            figures.rc, figures.wall_seconds = int(m.group(2)), float(m.group(3))
+    return figures
+
+
+CSV_COLUMNS = (
+    "experiment", "model", "dp", "nodes", "variant", "iterations", "save_interval", "rc", "wall_seconds",
+    "iterations_logged", "mean_iteration_ms", "mean_iteration_ms_after_first", "checkpoints_saved",
+    "mean_save_ms", "max_save_ms", "log",
+)
+
+
+def csv_row(figures: RunFigures, **run) -> dict:
+    """One results.csv row: the run's identity (keyword arguments) plus its parsed figures."""
+    def fmt(x):
+        return "" if x is None else f"{x:.3f}"
+
+    row = {k: run.get(k, "") for k in CSV_COLUMNS}
+    row.update(
+        rc="" if figures.rc is None else figures.rc,
+        wall_seconds=fmt(figures.wall_seconds),
+        iterations_logged=len(figures.iteration_ms),
+        mean_iteration_ms=fmt(figures.mean_iteration_ms()),
+        mean_iteration_ms_after_first=fmt(figures.mean_iteration_ms(skip_first=True)),
+        checkpoints_saved=len(set(figures.saved_iterations)),
+        mean_save_ms=fmt(sum(figures.save_ms) / len(figures.save_ms) if figures.save_ms else None),
+        max_save_ms=fmt(max(figures.save_ms) if figures.save_ms else None),
+    )
+    return row

@@ -1,0 +1,63 @@
+"""Append one run's figures (parsed from its log) to a results CSV; used by examples/slurm/.
+
+Usage:
+    python tools/slurm_results.py --csv runs/slurm/results.csv --log run.log \
+        --experiment throughput --model 7B --dp 1 --nodes 2 --variant torch --iterations 5 --save-interval 1
+
+Several jobs may append to the same CSV at once: the file is locked while a row is written.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import fcntl
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make `tools.` importable from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.runlog import CSV_COLUMNS, csv_row, parse_log  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--csv", required=True)
+    parser.add_argument("--log", required=True)
+    for name in ("experiment", "model", "variant"):
+        parser.add_argument(f"--{name}", required=True)
+    for name in ("dp", "nodes", "iterations", "save-interval"):
+        parser.add_argument(f"--{name}", type=int, required=True)
+    return parser
+
+
+def append_row(csv_path: str, row: dict) -> None:
+    with open(csv_path, "a+", newline="", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released on close
+        f.seek(0, os.SEEK_END)
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        if f.tell() == 0:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with open(args.log, encoding="utf-8", errors="replace") as f:
+            figures = parse_log(f)
+    except FileNotFoundError:
+        print(f"error: {args.log}: log not found", file=sys.stderr)
+        return 2
+    row = csv_row(figures, experiment=args.experiment, model=args.model, dp=args.dp, nodes=args.nodes,
+                  variant=args.variant, iterations=args.iterations, save_interval=args.save_interval, log=args.log)
+    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+    append_row(args.csv, row)
+    print(f"{args.csv}: {args.experiment} {args.model} dp{args.dp} {args.variant}: "
+          f"{row['iterations_logged']} iterations, mean {row['mean_iteration_ms']} ms, "
+          f"{row['checkpoints_saved']} checkpoints", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
