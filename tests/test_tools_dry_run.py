@@ -1,0 +1,96 @@
+"""Dry run: models built on the meta device per (stage, TP rank) agree with the architecture
+formula, for small layouts and the paper's five models, and through pretrain_gpt.py's parser."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.config import ModelConfig, ParallelConfig
+from tools import dry_run as dry_run_cli
+from tools.scale.architecture import PAPER_MODELS, GPTArch, checkpoint_bytes_per_rank, rank_params, unique_parameters
+from tools.scale.dry_run import dry_run
+
+
+def _configs(arch: GPTArch, tp: int, pp: int, dp: int = 1, bf16: bool = True):
+    model = ModelConfig(num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+                        num_attention_heads=arch.num_attention_heads, ffn_hidden_size=arch.ffn,
+                        seq_length=arch.seq_length, max_position_embeddings=arch.seq_length,
+                        vocab_size=arch.vocab_size, padded_vocab_size=arch.padded_vocab(tp), bf16=bf16,
+                        untie_embeddings_and_output_weights=arch.untie_embeddings_and_output_weights)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              use_distributed_optimizer=True, world_size=tp * pp * dp)
+    return model, parallel
+
+
+SMALL = GPTArch("small", num_layers=6, hidden_size=64, num_attention_heads=4, nodes=1, vocab_size=1000,
+                seq_length=32, make_vocab_size_divisible_by=8)
+
+
+@pytest.mark.parametrize("tp,pp,untie", [(1, 1, False), (2, 3, False), (4, 2, True), (2, 2, False)])
+def test_built_ranks_match_the_formula(tp, pp, untie):
+    arch = dataclasses.replace(SMALL, untie_embeddings_and_output_weights=untie)
+    report = dry_run(*_configs(arch, tp, pp))
+    assert len(report.ranks) == tp * pp
+    for count in report.ranks:
+        expected = rank_params(arch, tp, pp, count.stage)
+        assert (count.params, count.tp_replicated, count.embedding_copy) == (
+            expected.total, expected.tp_replicated if tp > 1 else 0, expected.embedding_copy)
+    assert report.unique_parameters() == unique_parameters(arch, tp, pp)
+    assert [report.rank_bytes(c).total for c in report.ranks] == checkpoint_bytes_per_rank(arch, tp, pp)
+
+
+def test_bytes_per_rank_follow_precision_and_data_parallel_sharding():
+    model, parallel = _configs(SMALL, 2, 1, dp=4)
+    report = dry_run(model, parallel)
+    c = report.ranks[1]
+    held = report.rank_bytes(c)
+    assert (held.weights, held.main_params, held.adam_moments) == (2 * c.params, c.params * 4 // 4, c.params * 8 // 4)
+    # torch_dist writes TP-replicated tensors once (TP rank 0) and weights once (DP rank 0).
+    assert report.rank_bytes(c, unique_only=True, dp_rank=1).weights == 0
+    assert report.rank_bytes(c, unique_only=True).weights == 2 * (c.params - c.tp_replicated)
+    fp32 = dry_run(dataclasses.replace(model, bf16=False), parallel)
+    assert fp32.rank_bytes(fp32.ranks[0]).main_params == 0  # fp32 weights are the main params
+    assert fp32.rank_bytes(fp32.ranks[0]).weights == 4 * fp32.ranks[0].params
+
+
+def test_paper_models_built_on_meta_match_the_formula_used_by_the_projection():
+    for arch in PAPER_MODELS:
+        report = dry_run(*_configs(arch, 4, arch.nodes), arch.stage_layers(arch.nodes))
+        assert report.unique_parameters() == unique_parameters(arch, 4, arch.nodes)
+        assert [report.rank_bytes(c).total for c in report.ranks] == checkpoint_bytes_per_rank(arch, 4, arch.nodes)
+    seventy = report
+    assert list(seventy.stage_layers) == [4] * 20 and seventy.total_bytes(False) == pytest.approx(914.8e9, rel=1e-3)
+
+
+def test_uneven_split_must_be_given_and_must_add_up():
+    model, parallel = _configs(SMALL, 1, 4)
+    with pytest.raises(ValueError, match="do not split evenly over 4 stages"):
+        dry_run(model, parallel)
+    with pytest.raises(ValueError, match="must be 4 counts summing to 6"):
+        dry_run(model, parallel, [1, 1, 1, 1])
+    assert [c.layers for c in dry_run(model, parallel, [1, 2, 2, 1]).ranks] == [1, 2, 2, 1]
+
+
+def test_cli_validates_launch_arguments(capsys):
+    launch = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+              "--micro-batch-size", "2", "--train-iters", "1", "--tensor-model-parallel-size", "2",
+              "--pipeline-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer", "--mock-data",
+              "--vocab-size", "999"]
+    assert dry_run_cli.main(["--world-size", "8", "--"] + launch) == 0
+    out = capsys.readouterr().out
+    assert "layer split per stage: [2, 2]  (TP=2, DP=2" in out
+    assert dry_run_cli.main(["--world-size", "6", "--"] + launch) == 2
+    assert "world size 6 is not divisible by TP*PP = 2*2 = 4" in capsys.readouterr().err
+    assert dry_run_cli.main(["--"] + launch + ["--no-such-flag"]) == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_cli_paper_table_runs_as_a_script(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "dry_run.py")
+    proc = subprocess.run([sys.executable, script, "--paper-models", "--json", str(tmp_path / "d.json")],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.split("paper B/param")[1]
+    assert "70B" in table and "1065" in table and "914.8" in table
