@@ -136,10 +136,12 @@ def test_runlog_parses_megatron_lines_and_our_checkpoint_lines():
              "  successfully saved checkpoint from iteration       2 to /x [ t 1/4, p 1/2 ]",
              "[rank0] checkpoint iteration 2: blocking time (ms): 12.5 | bytes: 100",
              "    save-checkpoint ...............: (10.00, 20.00)",
+             "saved checkpoint at iteration       4 to /tmp/ck in 53.5 ms (format torch_dist, async)",
+             " validation loss at iteration 4 | lm loss value: 5.376557E+00 |",
              "[run] tag=t rc=1 wall_seconds=12.250"]
     fig = parse_log(lines)
     assert fig.iteration_ms == {1: 5000.5, 2: 4000.0} and fig.train_iters == 50
-    assert fig.saved_iterations == [2] and fig.save_ms == [12.5, 20.0]
+    assert fig.saved_iterations == [2, 4] and fig.save_ms == [12.5, 20.0, 53.5]
     assert (fig.rc, fig.wall_seconds) == (1, 12.25)
 
 

@@ -2,7 +2,8 @@
 
 Recognized lines (everything else is ignored):
 - ``iteration N/ M | ... elapsed time per iteration (ms): X | ...`` (Megatron's training log);
-- ``successfully saved checkpoint from iteration N ...`` / ``saved checkpoint ... iteration N``;
+- ``successfully saved checkpoint from iteration N ...`` (Megatron-LM) and
+  ``saved checkpoint at iteration N to DIR in X ms ...`` (our trainer);
 - ``save-checkpoint ...: X`` or ``(min, max)`` timer lines (Megatron's timers, milliseconds);
 - ``... checkpoint ... blocking time (ms): X`` (our checkpoint log lines);
 - ``[run] tag=T rc=R wall_seconds=S`` (written by examples/slurm/common.sh around the launch).
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|.*?elapsed time per iteration \(ms\):\s*([0-9.eE+-]+)")
-_SAVED = re.compile(r"saved checkpoint\b.*?\biteration\s+(\d+)", re.IGNORECASE)
+_SAVED = re.compile(r"saved checkpoint\b.*?\biteration\s+(\d+)(?:.*?\bin\s+([0-9.]+)\s*ms\b)?", re.IGNORECASE)
 _SAVE_TIMER = re.compile(r"\bsave-checkpoint\b[ .]*:\s*\(?\s*([0-9.]+)(?:\s*,\s*([0-9.]+))?")
 _BLOCKING = re.compile(r"checkpoint\b[^|\n]*?\bblocking time \(ms\):\s*([0-9.]+)", re.IGNORECASE)
 _RUN = re.compile(r"^\[run\] tag=(\S+) rc=(-?\d+) wall_seconds=([0-9.]+)")
@@ -51,6 +52,8 @@ def parse_log(lines) -> RunFigures:
         m = _SAVED.search(line)
         if m:
             figures.saved_iterations.append(int(m.group(1)))
+            if m.group(2) is not None:  # our trainer: "saved checkpoint at iteration N to DIR in X ms"
+                figures.save_ms.append(float(m.group(2)))
             continue
         m = _SAVE_TIMER.search(line) or _BLOCKING.search(line)
         if m:
