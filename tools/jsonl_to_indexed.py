@@ -109,8 +109,10 @@ class _LineEncoder:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as error:
+            # Some json messages end in " at" (they expect a position after them).
+            reason = error.msg.removesuffix(" at")
             raise ValueError(
-                f"invalid JSON ({error.msg} at column {error.colno}); expected one JSON object per line"
+                f"invalid JSON at column {error.colno} ({reason}); expected one JSON object per line"
             ) from None
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, found a JSON {type(obj).__name__}")
