@@ -150,8 +150,8 @@ class TorchDistCheckpointManager(CheckpointManager):
                                       include_optim=self.ckpt.save_optim,
                                       include_rng=self.ckpt.save_rng)
         request = dist_checkpointing.save(
-            sd, directory, sharded_strategy=self.save_strategy(), async_sharded_save=self._queue is not None,
-            content_metadata=dict(OPTIMIZER_METADATA))
+            sd, directory, sharded_strategy=self.save_strategy(),
+            async_sharded_save=self._queue is not None, content_metadata=dict(OPTIMIZER_METADATA))
         finish = lambda: write_tracker(self.ckpt.save, iteration, self.config)  # noqa: E731
         if self._queue is None:
             dist.barrier()
