@@ -221,4 +221,19 @@ def apply_torch_adam_patches() -> bool:
 
     set_states.__torch_adam_patch__ = True
     cls._set_main_param_and_optimizer_states = set_states
+
+    # `DistributedOptimizer.load_state_dict` gives every param's state the *same* `step` tensor;
+    # torch Adam's foreach path increments each param's `step` in place, so after one step the
+    # shared counter has advanced once per parameter and bias correction is wrong from then on
+    # (a resumed run silently diverges from the uninterrupted one). Give each param its own copy.
+    original_load = cls.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for param_state in self.optimizer.state.values():
+            step = param_state.get("step")
+            if isinstance(step, torch.Tensor):
+                param_state["step"] = step.detach().clone()
+
+    cls.load_state_dict = load_state_dict
     return True
