@@ -146,3 +146,33 @@ def test_cli_writes_json_and_reports_bad_inputs(tmp_path, capsys):
     assert "bad.json:2: invalid JSON" in capsys.readouterr().err
     assert project_scale.main(["--models", "9B"]) == 2
     assert "unknown paper model '9B'" in capsys.readouterr().err
+
+
+def test_custom_measured_case_from_the_inputs_file(tmp_path, capsys):
+    inputs = tmp_path / "node.json"
+    inputs.write_text(json.dumps({
+        "platform": {"gpus_per_node": 2, "d2h_gbps": 10, "staging_gbps": 1, "write_stream_gbps": 0.5,
+                     "node_write_gbps": 10, "fs_aggregate_gbps": 10, "coordination_s": 0.1,
+                     "coordination_s_per_mp_rank": 0},
+        "cases": [{"name": "mynode", "bytes_per_rank_gb": [1.0, 1.0], "phases": {"forward": 1, "backward": 2,
+                                                                               "update": 0.1}}]}))
+    out = tmp_path / "o.json"
+    # Paper models need phase times, which this file does not give: a clear error.
+    assert project_scale.main(["--inputs", str(inputs), "--models", "7B"]) == 2
+    assert "no phase times for '7B'" in capsys.readouterr().err
+    assert project_scale.main(["--inputs", str(inputs), "--models", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["predictions"]
+    torch_row = next(r for r in rows if r["variant"] == "torch")
+    assert torch_row["case"] == "mynode every1"
+    assert torch_row["stall_per_checkpoint_s"] == pytest.approx(0.1 + 1 / 1 + 1 / 0.5)
+    lazy = next(r for r in rows if r["variant"] == "datastates_lazy")
+    assert lazy["stall_per_checkpoint_s"] == pytest.approx(0.1)
+
+
+def test_weights_writer_spreads_weight_bytes_over_replicas(tmp_path):
+    out = tmp_path / "o.json"
+    project_scale.main(["--models", "13B", "--dp", "4", "--json", str(out)])
+    first = json.loads(out.read_text())["predictions"][0]["max_rank_gb"]
+    project_scale.main(["--models", "13B", "--dp", "4", "--weights-writer", "spread_over_dp", "--json", str(out)])
+    spread = json.loads(out.read_text())["predictions"][0]["max_rank_gb"]
+    assert spread == pytest.approx(first * (14 / 4) / (2 + 12 / 4), rel=1e-6)

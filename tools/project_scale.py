@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make `tools.` importable from 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.errors import ToolInputError  # noqa: E402
-from tools.scale.architecture import PAPER_MODELS, paper_model  # noqa: E402
+from tools.scale.architecture import PAPER_MODELS, WeightsWriter, paper_model  # noqa: E402
 from tools.scale.compare import dp_scaling_row, end_to_end_checks, format_checks, throughput_checks  # noqa: E402
 from tools.scale.inputs import load_inputs  # noqa: E402
 from tools.scale.paper import paper_case  # noqa: E402
@@ -35,13 +35,17 @@ _PLATFORM_FLAGS = [f.name for f in dataclasses.fields(Platform)]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--inputs", default=DEFAULT_INPUTS, help="JSON inputs (platform, phases, cases)")
-    parser.add_argument("--models", nargs="+", default=[a.name for a in PAPER_MODELS])
+    parser.add_argument("--models", nargs="*", default=[a.name for a in PAPER_MODELS],
+                        help="paper models to project (none: only the inputs file's own cases)")
     parser.add_argument("--dp", nargs="+", type=int, default=[1], help="data-parallel sizes")
     parser.add_argument("--experiment", choices=["throughput", "e2e"], default="throughput")
     parser.add_argument("--iterations", type=int, default=50, help="e2e iterations")
     parser.add_argument("--checkpoint-interval", nargs="+", type=int, default=[10, 1], help="e2e intervals")
     parser.add_argument("--bytes", choices=["formula", "paper"], default="formula",
                         help="checkpoint size: our GPT's formula (default) or scaled to the paper's sizes")
+    parser.add_argument("--weights-writer", choices=[w.value for w in WeightsWriter],
+                        default=WeightsWriter.FIRST_REPLICA.value,
+                        help="with DP > 1: DP rank 0 writes the weights (paper, default) or replicas share them")
     parser.add_argument("--compare-paper", action="store_true", help="print ratios vs the paper")
     parser.add_argument("--json", default=None, help="also write the predictions here")
     group = parser.add_argument_group("platform overrides")
@@ -70,7 +74,8 @@ def _cases(args, inputs) -> list[ScaleCase]:
         phases = _override_phases(args, inputs.phases[name])
         for dp in args.dp:
             for iterations, interval in runs:
-                case = paper_case(arch, phases, iterations, interval, dp, paper_sized=args.bytes == "paper")
+                case = paper_case(arch, phases, iterations, interval, dp, paper_sized=args.bytes == "paper",
+                                  writer=WeightsWriter(args.weights_writer))
                 cases.append(dataclasses.replace(case, name=f"{name} dp{dp} every{interval}"))
     for custom in inputs.cases:
         for iterations, interval in runs:

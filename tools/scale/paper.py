@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tools.scale.architecture import PAPER_MODELS, GPTArch, checkpoint_bytes_per_rank, paper_model, unique_parameters
+from tools.scale.architecture import (PAPER_MODELS, GPTArch, WeightsWriter, checkpoint_bytes_per_rank, paper_model,
+                                      unique_parameters)
 from tools.scale.projection import Phases, Platform, ScaleCase, Variant, predict
 
 TP = 4
@@ -65,14 +66,15 @@ def derive_paper_phases() -> dict[str, Phases]:
 
 
 def paper_case(arch: GPTArch, phases: Phases, iterations: int, interval: int, dp: int = 1,
-               paper_sized: bool = True) -> ScaleCase:
-    """A paper run: TP=4, PP=nodes, DeepSpeed layout (weights written by DP rank 0).
+               paper_sized: bool = True, writer: WeightsWriter = WeightsWriter.FIRST_REPLICA) -> ScaleCase:
+    """A paper run: TP=4, PP=nodes; by default the paper's DeepSpeed layout (DP rank 0 writes the
+    weights; ``SPREAD_OVER_DP`` is Megatron's fully parallel torch_dist save).
 
     ``paper_sized``: scale the formula's per-rank bytes so the total is the paper's reported
     checkpoint size, so throughputs compare directly with its table (the formula's own totals
     differ by -22% to +16%; docs/SCALE.md explains why).
     """
-    per_rank = checkpoint_bytes_per_rank(arch, TP, arch.nodes, dp)
+    per_rank = checkpoint_bytes_per_rank(arch, TP, arch.nodes, dp, writer=writer)
     if paper_sized:
         factor = arch.paper_checkpoint_gb * 1e9 / sum(per_rank)
         per_rank = [int(round(b * factor)) for b in per_rank]
