@@ -173,3 +173,19 @@ def test_flags_exist_in_pretrain_gpt_parser(model, variant):
         raise
     assert config.parallel.pipeline_model_parallel_size == MODELS[model]
     assert config.parallel.data_parallel_size == 1 and config.model.seq_length == 2048
+
+
+def test_dry_run_mode_checks_each_launch_without_srun(tmp_path):
+    # One variant keeps this to one megatron import; the others differ only in checkpoint flags.
+    env = {**_stub_env(tmp_path, nodes=2), "DRY_RUN": "1", "PYTHONWARNINGS": "ignore", "ONLY_VARIANTS": "torch_dist"}
+    env["PATH"] = env["PATH"].split(":", 1)[1]  # no srun stub: a dry run must not need it
+    proc = subprocess.run(["bash", os.path.join(SLURM, "throughput.sbatch"), "7B"], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("== dry run: throughput_7B_dp1_every1_") == 1
+    assert "layer split per stage: [16, 16]  (TP=4, DP=1" in proc.stdout
+    assert not (tmp_path / "results" / "results.csv").exists()
+    env["ONLY_VARIANTS"] = "torch fast"
+    proc = subprocess.run(["bash", os.path.join(SLURM, "throughput.sbatch"), "7B"], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown variant 'fast'" in proc.stderr

@@ -10,6 +10,9 @@
 #   GPUS_PER_NODE GPUs (= ranks) per node                      (default: 4, as the paper's Polaris)
 #   MASTER_PORT   rendezvous port on the first node            (default: 29500)
 #   EXTRA_ARGS    extra pretrain_gpt.py arguments, word-split  (default: empty)
+#   ONLY_VARIANTS space-separated subset of the variants to run (default: all four)
+#   DRY_RUN=1     no srun: check each run's arguments with tools/dry_run.py (on any CPU machine:
+#                 DRY_RUN=1 SLURM_JOB_NUM_NODES=2 bash examples/slurm/throughput.sbatch 7B)
 # ACCOUNT and PARTITION are given to sbatch (-A, -p) or by examples/slurm/submit_all.sh.
 
 REPO="${REPO:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
@@ -21,7 +24,9 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-4}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 
-VARIANTS=(torch torch_dist torch_dist_async datastates_lazy)
+ALL_VARIANTS=(torch torch_dist torch_dist_async datastates_lazy)
+# shellcheck disable=SC2206  # ONLY_VARIANTS is a space-separated subset
+VARIANTS=(${ONLY_VARIANTS:-${ALL_VARIANTS[*]}})
 TP=4
 SEQ_LENGTH=2048
 MICRO_BATCH=16
@@ -52,7 +57,7 @@ variant_args() {
     torch_dist)       VARIANT_ARGS=(--ckpt-format torch_dist) ;;
     torch_dist_async) VARIANT_ARGS=(--ckpt-format torch_dist --async-save) ;;
     datastates_lazy)  VARIANT_ARGS=(--async-lazy-save) ;;
-    *) die "unknown variant '$1'; expected one of ${VARIANTS[*]}" ;;
+    *) die "unknown variant '$1'; expected one of ${ALL_VARIANTS[*]}" ;;
   esac
 }
 
@@ -100,6 +105,11 @@ check_nodes() {
 launch() {
   local tag="$1" log="$RESULTS_DIR/$1.log" start end
   mkdir -p "$RESULTS_DIR"
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "== dry run: $tag"
+    "$PYTHON" "$REPO/tools/dry_run.py" --world-size $((SLURM_JOB_NUM_NODES * GPUS_PER_NODE)) -- "${ARGS[@]}"
+    return
+  fi
   MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
   export MASTER_ADDR MASTER_PORT
   LAUNCH_ARGS=(
@@ -129,11 +139,13 @@ run_matrix() {
   set_model "$model"
   check_nodes $((MODEL_NODES * dp))
   local interval variant tag status=0
+  for variant in "${VARIANTS[@]}"; do variant_args "$variant"; done  # fail before the first launch
   for interval in "$@"; do
     for variant in "${VARIANTS[@]}"; do
       tag="${experiment}_${model}_dp${dp}_every${interval}_${variant}_${SLURM_JOB_ID}"
       build_args "$model" "$dp" "$iters" "$interval" "$variant" "$CKPT_ROOT/$tag"
       launch "$tag" || status=1  # keep going: one failed variant must not hide the others
+      [ "${DRY_RUN:-0}" = 1 ] && continue
       record "$experiment" "$model" "$dp" "$variant" "$iters" "$interval" "$tag" || status=1
       rm -rf "${CKPT_ROOT:?}/$tag"  # checkpoints of a benchmark are not kept (they are TBs)
     done
