@@ -1,0 +1,440 @@
+"""When things happen: the asynchronous save pipeline and its life cycle.
+
+Call order, per rank:
+  1) `save(state, directory, step)`: small objects are encoded now; tensors are queued for the
+     copy threads (live -> host cache), which hand each copied piece to the writer threads
+     (host cache -> shard file). Returns a `SaveHandle` at once.
+  2) `wait_for_snapshot()`: right before the caller mutates its tensors (optimizer step).
+  3) `poll()` now and then, or `wait_for_durable()`: get `SaveRecord`s of finished saves and any
+     background error. A save is durable when its shard and index are fsync'd and its rank marker
+     is written. With `CommitPolicy.RANK0`, rank 0 also writes the commit marker once every
+     rank's marker is there (see `try_commit`).
+  4) `close()` (or leaving the `with` block, or interpreter exit): drain and stop.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import layout
+from .cache import HostCache
+from .config import CommitPolicy, EngineConfig
+from .errors import CheckpointError
+from .index import build_index
+from .state import TensorEntry, flatten_state
+from .telemetry import SaveRecord, append_record
+from .transfer import Copier, iter_pieces
+
+logger = logging.getLogger(__name__)
+FILE_ALIGN = 64
+
+
+@dataclass(eq=False)
+class SaveHandle:
+    """Identifies one `save` call; pass it to `wait_for_durable` / `wait_for_commit`."""
+
+    id: int
+    step: int
+    directory: str
+
+
+@dataclass(eq=False)
+class _Save:
+    handle: SaveHandle
+    entries: List[TensorEntry]
+    skeleton: Any
+    shard_path: str
+    fd: int
+    file_offsets: List[int]
+    total_bytes: int
+    t_start: float
+    ready_events: Dict[Any, Any] = field(default_factory=dict)
+    chunks: List[List[List[int]]] = field(default_factory=list)  # per entry: [off, nbytes, crc]
+    entries_copied: int = 0
+    bytes_written: int = 0
+    t_copied: Optional[float] = None
+    t_first_write: Optional[float] = None
+    blocked_s: float = 0.0
+    peak_cache: int = 0
+    error: Optional[CheckpointError] = None
+    finalizing: bool = False
+    done: bool = False
+    record: Optional[SaveRecord] = None
+    reported: bool = False
+
+    @property
+    def copied(self) -> bool:
+        return self.entries_copied == len(self.entries) or self.error is not None
+
+
+_STOP = object()
+
+
+class CheckpointEngine:
+    """Lazy asynchronous checkpointing of one rank's state. Thread-safe for one caller thread."""
+
+    def __init__(self, config: EngineConfig):
+        self.cfg = config
+        self._cond = threading.Condition()
+        self._saves: List[_Save] = []
+        self._errors: List[CheckpointError] = []
+        self._uncommitted: List[_Save] = []
+        self._next_id = 0
+        self._closed = False
+        self._cache: Optional[HostCache] = None
+        self._copier: Optional[Copier] = None
+        self._copy_q: "queue.Queue" = queue.Queue()
+        self._write_q: "queue.Queue" = queue.Queue()
+        self._threads = [threading.Thread(target=self._copy_loop, name=f"datastates-copy-{i}",
+                                          daemon=True) for i in range(config.copy_threads)]
+        self._threads += [threading.Thread(target=self._write_loop, name=f"datastates-write-{i}",
+                                           daemon=True) for i in range(config.writer_threads)]
+        for t in self._threads:
+            t.start()
+        atexit.register(self._atexit)
+
+    # ----------------------------------------------------------------- public API
+    def save(self, state: Any, directory: str, step: int) -> SaveHandle:
+        """Register a snapshot of `state` into version directory `directory` and return at once.
+        The tensors must not be mutated until `wait_for_snapshot()` returns."""
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_pending()
+        skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
+        self._ensure_cache(entries)
+        shard_path = os.path.join(directory, layout.shard_file(self.cfg.rank))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(shard_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
+                                  file=shard_path) from e
+        offsets, off = [], 0
+        for e in entries:
+            off = -(-off // FILE_ALIGN) * FILE_ALIGN
+            offsets.append(off)
+            off += e.nbytes
+        with self._cond:
+            handle = SaveHandle(self._next_id, int(step), directory)
+            self._next_id += 1
+            sv = _Save(handle, entries, skeleton, shard_path, fd, offsets,
+                       sum(e.nbytes for e in entries), t0,
+                       chunks=[[] for _ in entries])
+            sv.ready_events = self._record_ready_events(entries)
+            self._saves.append(sv)
+        for i in range(len(entries)):
+            self._copy_q.put((sv, i))
+        if not entries:
+            self._maybe_finalize(sv)
+        sv.blocked_s += time.perf_counter() - t0
+        return handle
+
+    def wait_for_snapshot(self) -> None:
+        """Block until every tensor of every pending save is in the host cache (or on disk)."""
+        self._wait(lambda: all(s.copied for s in self._saves))
+
+    def poll(self) -> List[SaveRecord]:
+        """Non-blocking: records of saves that became durable since the last poll/wait; raises a
+        pending background error. Rank 0 (CommitPolicy.RANK0) also retries pending commits."""
+        self._raise_pending()
+        self._retry_commits()
+        return self._collect()
+
+    def wait_for_durable(self, handle: Optional[SaveHandle] = None) -> List[SaveRecord]:
+        """Block until `handle`'s save (or every pending save) is durable on this rank. Returns the
+        records not yet returned by poll/wait."""
+        if handle is None:
+            self._wait(lambda: all(s.done for s in self._saves))
+        else:
+            self._wait(lambda: all(s.done for s in self._saves if s.handle is handle))
+        self._retry_commits()
+        return self._collect()
+
+    def wait_for_commit(self, handle: SaveHandle, timeout: Optional[float] = None) -> bool:
+        """Rank 0 helper: wait until `handle`'s version is committed (every rank's marker present);
+        returns False on timeout. Other ranks use it to wait for rank 0's commit."""
+        self.wait_for_durable(handle)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.cfg.rank == 0 and self.cfg.commit_policy is CommitPolicy.RANK0:
+                if layout.try_commit(handle.directory, self.cfg.world_size):
+                    self._retry_commits()
+                    return True
+            elif layout.is_committed(handle.directory):
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Drain in-flight saves, stop the threads; raise a pending error, if any."""
+        if self._closed:
+            self._raise_pending()
+            return
+        try:
+            self._wait(lambda: all(s.done for s in self._saves), raise_errors=False)
+            self._retry_commits()
+        finally:
+            self._closed = True
+            for _ in range(self.cfg.copy_threads):
+                self._copy_q.put(_STOP)
+            for _ in range(self.cfg.writer_threads):
+                self._write_q.put(_STOP)
+            for t in self._threads:
+                t.join()
+            atexit.unregister(self._atexit)
+        self._raise_pending()
+
+    def __enter__(self) -> "CheckpointEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the caller's exception with ours
+            try:
+                self.close()
+            except CheckpointError as e:
+                logger.error("DataStates: error while closing after an exception: %s", e)
+
+    @property
+    def peak_cache_bytes(self) -> int:
+        return self._cache.peak if self._cache is not None else 0
+
+    # ----------------------------------------------------------------- internals: caller side
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("the engine is closed", rank=self.cfg.rank)
+
+    def _raise_pending(self) -> None:
+        with self._cond:
+            if self._errors:
+                raise self._errors.pop(0)
+
+    def _wait(self, pred, raise_errors: bool = True) -> None:
+        t0 = time.perf_counter()
+        with self._cond:
+            pending = [s for s in self._saves if not s.done]
+            while not pred() and not (raise_errors and self._errors):
+                self._cond.wait(0.5)
+        dt = time.perf_counter() - t0
+        for s in pending:
+            s.blocked_s += dt
+        if raise_errors:
+            self._raise_pending()
+
+    def _ensure_cache(self, entries: List[TensorEntry]) -> None:
+        if self._cache is None:
+            pinned = torch.cuda.is_available() and any(e.tensor.is_cuda for e in entries)
+            self._cache = HostCache(self.cfg.host_cache_bytes, pinned=pinned)
+            self._cache.add_peak_listener(self._on_cache_use)
+            self._copier = Copier(self._cache)
+
+    def _record_ready_events(self, entries: List[TensorEntry]) -> Dict[Any, Any]:
+        events = {}
+        for e in entries:
+            dev = e.tensor.device
+            if e.tensor.is_cuda and dev not in events:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                events[dev] = ev
+        return events
+
+    def _on_cache_use(self, used: int) -> None:
+        for s in list(self._saves):
+            if not s.done and used > s.peak_cache:
+                s.peak_cache = used
+
+    def _collect(self) -> List[SaveRecord]:
+        with self._cond:
+            out = [s.record for s in self._saves if s.done and s.record and not s.reported]
+            for s in self._saves:
+                if s.done and (s.record or s.error):
+                    s.reported = True
+            self._saves = [s for s in self._saves if not s.reported]
+        return out
+
+    def _retry_commits(self) -> None:
+        if self.cfg.rank != 0 or self.cfg.commit_policy is not CommitPolicy.RANK0:
+            return
+        for s in list(self._uncommitted):
+            if layout.try_commit(s.handle.directory, self.cfg.world_size):
+                self._uncommitted.remove(s)
+                logger.info("DataStates: committed step %d in %s", s.handle.step,
+                            s.handle.directory)
+
+    def _atexit(self) -> None:
+        try:
+            self.close()
+        except CheckpointError as e:
+            logger.error("DataStates: error while draining saves at exit: %s", e)
+
+    # ----------------------------------------------------------------- internals: threads
+    def _fail(self, sv: _Save, err: CheckpointError) -> None:
+        with self._cond:
+            if sv.error is None:
+                sv.error = err
+                self._errors.append(err)
+                logger.error("DataStates: save of step %d failed: %s", sv.handle.step, err)
+            self._close_fd(sv)
+            sv.done = True
+            self._cond.notify_all()
+
+    @staticmethod
+    def _close_fd(sv: _Save) -> None:
+        if sv.fd >= 0:
+            os.close(sv.fd)
+            sv.fd = -1
+
+    def _nice(self) -> None:
+        if self.cfg.background_nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.background_nice)
+
+    def _copy_loop(self) -> None:
+        self._nice()
+        while True:
+            item = self._copy_q.get()
+            if item is _STOP:
+                return
+            sv, i = item
+            entry = sv.entries[i]
+            try:
+                if sv.error is None:
+                    self._copy_entry(sv, i)
+            except CheckpointError as e:
+                self._fail(sv, e)
+            except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+                self._fail(sv, CheckpointError(f"copy to host cache failed: {e!r}",
+                                               rank=self.cfg.rank, file=sv.shard_path,
+                                               tensor=entry.key))
+            with self._cond:
+                sv.entries_copied += 1
+                if sv.entries_copied == len(sv.entries):
+                    sv.t_copied = time.perf_counter()
+                entry.tensor = None  # drop our reference to the live tensor
+                self._cond.notify_all()
+            self._maybe_finalize(sv)
+
+    def _copy_entry(self, sv: _Save, i: int) -> None:
+        t = sv.entries[i].tensor
+        cache = self._cache
+        max_piece = max(4096, min(self.cfg.chunk_bytes, cache.capacity // 2))
+        ready = sv.ready_events.get(t.device) if t.is_cuda else None
+        for piece, off in iter_pieces(t, max_piece):
+            nbytes = piece.numel() * piece.element_size()
+            start = cache.alloc(nbytes, abort=lambda: sv.error is not None)
+            try:
+                self._copier.copy(piece, start, ready)
+            except BaseException:
+                cache.free(start)
+                raise
+            self._write_q.put((sv, i, off, nbytes, start))
+
+    def _write_loop(self) -> None:
+        self._nice()
+        while True:
+            item = self._write_q.get()
+            if item is _STOP:
+                return
+            sv, i, off, nbytes, start = item
+            try:
+                if sv.error is None:
+                    self._write_piece(sv, i, off, nbytes, start)
+            except CheckpointError as e:
+                self._fail(sv, e)
+            except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+                self._fail(sv, CheckpointError(f"write failed: {e!r}", rank=self.cfg.rank,
+                                               file=sv.shard_path, tensor=sv.entries[i].key))
+            finally:
+                self._cache.free(start)
+            self._maybe_finalize(sv)
+
+    def _write_piece(self, sv: _Save, i: int, off: int, nbytes: int, start: int) -> None:
+        mv = self._cache.memview(start, nbytes)
+        file_off = sv.file_offsets[i] + off
+        if sv.t_first_write is None:
+            sv.t_first_write = time.perf_counter()
+        if self.cfg.write_hook is not None:
+            self.cfg.write_hook("write", {"rank": self.cfg.rank, "file": sv.shard_path,
+                                          "tensor": sv.entries[i].key, "offset": file_off,
+                                          "nbytes": nbytes})
+        crc = zlib.crc32(mv) if self.cfg.checksum == "crc32" else 0
+        done = 0
+        while done < nbytes:
+            n = os.pwrite(sv.fd, mv[done:], file_off + done)
+            if n <= 0:
+                raise OSError(f"pwrite wrote {n} bytes")
+            done += n
+        with self._cond:
+            sv.chunks[i].append([off, nbytes, crc])
+            sv.bytes_written += nbytes
+
+    def _maybe_finalize(self, sv: _Save) -> None:
+        with self._cond:
+            if (sv.finalizing or sv.error is not None or not sv.copied
+                    or sv.bytes_written != sv.total_bytes):
+                return
+            sv.finalizing = True
+        try:
+            self._finalize(sv)
+        except CheckpointError as e:
+            self._fail(sv, e)
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+            self._fail(sv, CheckpointError(f"finalizing the save failed: {e!r}",
+                                           rank=self.cfg.rank, file=sv.shard_path))
+
+    def _finalize(self, sv: _Save) -> None:
+        """fsync the shard, then write index, format file and (last) this rank's marker."""
+        cfg = self.cfg
+        t_flush0 = sv.t_first_write or time.perf_counter()
+        if cfg.write_hook is not None:
+            cfg.write_hook("fsync", {"rank": cfg.rank, "file": sv.shard_path, "tensor": None})
+        if cfg.fsync:
+            os.fsync(sv.fd)
+        with self._cond:
+            self._close_fd(sv)
+        directory = sv.handle.directory
+        index = build_index(cfg, sv.handle.step, sv.entries, sv.file_offsets, sv.chunks,
+                            sv.skeleton)
+        index_bytes = layout.dumps(index)
+        layout.atomic_write(os.path.join(directory, layout.index_file(cfg.rank)), index_bytes,
+                            durable=cfg.fsync)
+        layout.atomic_write(os.path.join(directory, layout.FORMAT_FILE),
+                            layout.dumps(layout.format_header()), durable=cfg.fsync)
+        marker = dict(layout.format_header(), rank=cfg.rank, world_size=cfg.world_size,
+                      step=sv.handle.step, index=layout.index_file(cfg.rank),
+                      index_crc32=zlib.crc32(index_bytes), bytes=sv.total_bytes)
+        layout.atomic_write(os.path.join(directory, layout.rank_marker_file(cfg.rank)),
+                            layout.dumps(marker), durable=cfg.fsync)
+        t_end = time.perf_counter()
+        committed = False
+        if cfg.rank == 0 and cfg.commit_policy is CommitPolicy.RANK0:
+            committed = layout.try_commit(directory, cfg.world_size)
+            if not committed:
+                with self._cond:
+                    self._uncommitted.append(sv)
+        durable_s = t_end - sv.t_start
+        record = SaveRecord(
+            step=sv.handle.step, directory=directory, rank=cfg.rank, bytes=sv.total_bytes,
+            num_tensors=len(sv.entries), blocked_s=sv.blocked_s,
+            copy_s=(sv.t_copied or t_end) - sv.t_start, flush_s=t_end - t_flush0,
+            durable_s=durable_s, gbps=sv.total_bytes / max(durable_s, 1e-9) / 1e9,
+            peak_cache_bytes=sv.peak_cache, committed=committed)
+        append_record(cfg.telemetry_path, record)
+        logger.info("DataStates: rank %d step %d durable: %.3f GB in %.3f s (%.2f GB/s), "
+                    "caller blocked %.3f s%s", cfg.rank, sv.handle.step, sv.total_bytes / 1e9,
+                    durable_s, record.gbps, sv.blocked_s, ", committed" if committed else "")
+        with self._cond:
+            sv.record = record
+            sv.done = True
+            sv.skeleton = None
+            self._cond.notify_all()
