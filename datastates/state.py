@@ -87,6 +87,9 @@ class _Encoder:
         if isinstance(obj, torch.Tensor):
             key = _path_str(path)
             return self._tensor(obj, key, tuple(obj.shape), (0,) * obj.dim(), False, path)
+        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+            return {TAG: "npscalar", "dtype": obj.dtype.str,
+                    "b64": base64.b64encode(obj.tobytes()).decode()}
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, enum.Enum):
@@ -118,9 +121,6 @@ class _Encoder:
         if isinstance(obj, np.ndarray) and obj.dtype != object:
             return {TAG: "ndarray", "dtype": obj.dtype.str, "shape": list(obj.shape),
                     "b64": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode()}
-        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
-            return {TAG: "npscalar", "dtype": obj.dtype.str,
-                    "b64": base64.b64encode(obj.tobytes()).decode()}
         if isinstance(obj, argparse.Namespace):
             return {TAG: "namespace", "v": self.encode(vars(obj), path)}
         return self._other(obj, path)
