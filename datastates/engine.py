@@ -90,8 +90,12 @@ class CheckpointEngine:
         self._uncommitted: List[_Save] = []
         self._next_id = 0
         self._closed = False
-        self._cache: Optional[HostCache] = None
-        self._copier: Optional[Copier] = None
+        # Allocated (and its pages touched) once, here, so no save pays for page faults. Pinned
+        # whenever CUDA is present, since then the saved tensors normally live on the device.
+        self._cache = HostCache(config.host_cache_bytes, pinned=torch.cuda.is_available())
+        self._cache.buffer.fill_(0)
+        self._cache.add_peak_listener(self._on_cache_use)
+        self._copier = Copier(self._cache)
         self._copy_q: "queue.Queue" = queue.Queue()
         self._write_q: "queue.Queue" = queue.Queue()
         self._threads = [threading.Thread(target=self._copy_loop, name=f"datastates-copy-{i}",
@@ -110,7 +114,6 @@ class CheckpointEngine:
         self._check_open()
         self._raise_pending()
         skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
-        self._ensure_cache(entries)
         shard_path = os.path.join(directory, layout.shard_file(self.cfg.rank))
         try:
             os.makedirs(directory, exist_ok=True)
@@ -231,13 +234,6 @@ class CheckpointEngine:
             s.blocked_s += dt
         if raise_errors:
             self._raise_pending()
-
-    def _ensure_cache(self, entries: List[TensorEntry]) -> None:
-        if self._cache is None:
-            pinned = torch.cuda.is_available() and any(e.tensor.is_cuda for e in entries)
-            self._cache = HostCache(self.cfg.host_cache_bytes, pinned=pinned)
-            self._cache.add_peak_listener(self._on_cache_use)
-            self._copier = Copier(self._cache)
 
     def _record_ready_events(self, entries: List[TensorEntry]) -> Dict[Any, Any]:
         events = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .cache import HostCache
@@ -70,4 +71,18 @@ class Copier:
             # The writer reads the host bytes next, so they must have landed.
             done.synchronize()
         else:
-            dst.copy_(piece)
+            # numpy's copy is single-threaded and drops the GIL. torch's copy_ would start an
+            # OpenMP team from this thread whose spin-waiting competes with training on few cores.
+            np.copyto(_as_numpy(dst), _as_numpy(piece), casting="no")
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of `t`'s bytes, reinterpreted as an integer type of the same element size
+    (numpy has no bfloat16; a bit-exact copy needs no arithmetic type)."""
+    size = t.element_size()
+    if size in _SAME_SIZE_INT:
+        t = t.view(_SAME_SIZE_INT[size])
+    return t.numpy()

@@ -21,7 +21,7 @@ def state(n=4096, seed=0):
 
 
 def save(d, st, **cfg):
-    with CheckpointEngine(EngineConfig(**cfg)) as eng:
+    with CheckpointEngine(EngineConfig(**{"host_cache_bytes": 1 << 20, **cfg})) as eng:
         eng.wait_for_durable(eng.save(st, d, step=1))
 
 
@@ -32,7 +32,7 @@ def markers(d):
 def test_unwritable_directory_fails_at_save_naming_the_file(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with CheckpointEngine(EngineConfig()) as eng:
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20)) as eng:
         with pytest.raises(CheckpointError, match=r"rank 0, file .*file/v/shard_r00000\.bin"):
             eng.save(state(), str(blocker / "v"), step=1)
 

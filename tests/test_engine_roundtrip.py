@@ -20,7 +20,7 @@ class Color(enum.Enum):
 
 def save_and_load(state, tmp_path, allow_pickle=False, **cfg):
     d = str(tmp_path / "v")
-    with CheckpointEngine(EngineConfig(allow_pickle=allow_pickle, **cfg)) as eng:
+    with CheckpointEngine(EngineConfig(allow_pickle=allow_pickle, **{"host_cache_bytes": 1 << 20, **cfg})) as eng:
         h = eng.save(state, d, step=7)
         eng.wait_for_snapshot()
         records = eng.wait_for_durable(h)
@@ -120,14 +120,14 @@ class Opaque:
 
 
 def test_unsupported_type_is_refused_with_its_path(tmp_path):
-    with CheckpointEngine(EngineConfig()) as eng:
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20)) as eng:
         with pytest.raises(CheckpointError, match=r"Opaque.*'a/b/1'.*allow_pickle"):
             eng.save({"a": {"b": [1, Opaque(2)]}}, str(tmp_path / "v"), step=1)
 
 
 def test_pickle_needs_opt_in_on_both_sides(tmp_path):
     d = str(tmp_path / "v")
-    with CheckpointEngine(EngineConfig(allow_pickle=True)) as eng:
+    with CheckpointEngine(EngineConfig(allow_pickle=True, host_cache_bytes=1 << 20)) as eng:
         eng.save({"o": Opaque(5)}, d, step=1)
     with pytest.raises(CheckpointError, match="allow_pickle"):
         CheckpointReader(d).load_state()
