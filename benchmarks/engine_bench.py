@@ -109,12 +109,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--cache-mb", type=int, default=256)
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--no-early-writeback", action="store_true",
+                   help="disable EngineConfig.early_writeback (for comparison)")
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     state = make_state(int(args.size_gb * 1e9), args.tensors)
     nbytes = sum(v["weight"].nbytes for k, v in state.items() if k != "step")
     rounds = []
-    with CheckpointEngine(EngineConfig(host_cache_bytes=args.cache_mb << 20)) as eng:
+    with CheckpointEngine(EngineConfig(host_cache_bytes=args.cache_mb << 20,
+                                       early_writeback=not args.no_early_writeback)) as eng:
         base_rss = psutil.Process().memory_info().rss  # state + engine cache, before any save
         for r in range(args.rounds):
             subprocess.run(["sync"], check=True)
@@ -134,7 +137,8 @@ def main() -> None:
         "rss_before_bytes": base_rss,
     }
     print(f"state {nbytes / 1e9:.3f} GB in {args.tensors} tensors, cache {args.cache_mb} MiB, "
-          f"load avg {os.getloadavg()[0]:.2f}")
+          f"early writeback {not args.no_early_writeback}, load avg (1/5/15 min) "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     rows = [("raw dd conv=fdatasync (GB/s)", "raw_gbps", "{:.3f}"),
             ("torch.save + fsync (s)", "torch_save_s", "{:.3f}"),
             ("engine blocked, no overlap (s)", "blocked_s", "{:.3f}"),

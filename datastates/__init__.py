@@ -12,7 +12,7 @@ Typical use, per rank::
     reader = CheckpointReader(step_dir("ckpt", step))                 # committed versions only
     state = reader.load_state(rank=r)
 """
-from .config import CommitPolicy, EngineConfig
+from .config import Checksum, CommitPolicy, EngineConfig
 from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointError
 from .layout import FORMAT_VERSION, is_committed, step_dir, try_commit
@@ -20,6 +20,6 @@ from .reader import CheckpointReader, TensorMeta
 from .state import TensorShard
 from .telemetry import SaveRecord
 
-__all__ = ["CheckpointEngine", "CheckpointError", "CheckpointReader", "CommitPolicy", "EngineConfig",
+__all__ = ["Checksum", "CheckpointEngine", "CheckpointError", "CheckpointReader", "CommitPolicy", "EngineConfig",
            "FORMAT_VERSION", "SaveHandle", "SaveRecord", "TensorMeta", "TensorShard", "is_committed",
            "step_dir", "try_commit"]

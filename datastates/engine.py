@@ -27,12 +27,13 @@ import torch
 
 from . import layout
 from .cache import HostCache
-from .config import CommitPolicy, EngineConfig
+from .config import Checksum, CommitPolicy, EngineConfig
 from .errors import CheckpointError
 from .index import build_index
 from .state import TensorEntry, flatten_state
 from .telemetry import SaveRecord, append_record
 from .transfer import Copier, iter_pieces
+from .writeback import drop_cached, start_writeback
 
 logger = logging.getLogger(__name__)
 FILE_ALIGN = 64
@@ -363,13 +364,15 @@ class CheckpointEngine:
             self.cfg.write_hook("write", {"rank": self.cfg.rank, "file": sv.shard_path,
                                           "tensor": sv.entries[i].key, "offset": file_off,
                                           "nbytes": nbytes})
-        crc = zlib.crc32(mv) if self.cfg.checksum == "crc32" else 0
+        crc = zlib.crc32(mv) if self.cfg.checksum is Checksum.CRC32 else 0
         done = 0
         while done < nbytes:
             n = os.pwrite(sv.fd, mv[done:], file_off + done)
             if n <= 0:
                 raise OSError(f"pwrite wrote {n} bytes")
             done += n
+        if self.cfg.early_writeback:
+            start_writeback(sv.fd, file_off, nbytes)
         with self._cond:
             sv.chunks[i].append([off, nbytes, crc])
             sv.bytes_written += nbytes
@@ -396,6 +399,8 @@ class CheckpointEngine:
             cfg.write_hook("fsync", {"rank": cfg.rank, "file": sv.shard_path, "tensor": None})
         if cfg.fsync:
             os.fsync(sv.fd)
+            if cfg.early_writeback:
+                drop_cached(sv.fd)
         with self._cond:
             self._close_fd(sv)
         directory = sv.handle.directory

@@ -19,9 +19,10 @@ from typing import Any, List, Sequence, Tuple
 import torch
 
 from . import layout
+from .config import Checksum
 from .errors import CheckpointError
 
-CHECKSUM_NAMES = {"crc32": "zlib-crc32", "none": "none"}
+CHECKSUM_NAMES = {Checksum.CRC32: "zlib-crc32", Checksum.NONE: "none"}
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,

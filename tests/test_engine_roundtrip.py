@@ -161,3 +161,19 @@ def test_tensors_larger_than_cache_stream_in_chunks(tmp_path):
     reader = CheckpointReader(d)
     assert torch.equal(reader.read("big", (100, 7), (3, 500)), big[100:103, 7:507])
     assert torch.equal(reader.read("rows", (1, 100), (2, 3)), rows[1:3, 100:103])
+
+
+def test_bad_config_is_explained():
+    with pytest.raises(CheckpointError, match="0 <= rank < world_size.*rank=2, world_size=2"):
+        EngineConfig(rank=2, world_size=2)
+    with pytest.raises(CheckpointError, match="host_cache_bytes must be at least"):
+        EngineConfig(host_cache_bytes=1000)
+
+
+def test_checksum_none_is_recorded_and_reads_skip_verification(tmp_path):
+    from datastates import Checksum
+    state = {"x": torch.arange(100, dtype=torch.int32)}
+    loaded, _, d = save_and_load(state, tmp_path, checksum=Checksum.NONE)
+    assert torch.equal(loaded["x"], state["x"])
+    with open(os.path.join(d, "index_r00000.json")) as f:
+        assert json.load(f)["checksum"] == "none"
