@@ -2,10 +2,12 @@
 
 Usage:
   python benchmarks/engine_bench.py [--dir DIR] [--size-gb 1.0] [--tensors 64] [--rounds 2]
-                                    [--cache-mb 256] [--json out.json]
+                                    [--cache-mb MB] [--writers 1] [--modes buffered,direct]
+                                    [--json out.json]
 
 Each round runs, in this order, on the same directory: raw write (dd, conv=fdatasync), the engine
-(save -> wait_for_snapshot with no overlapping work -> wait_for_durable), torch.save + fsync.
+in each write mode (save -> wait_for_snapshot with no overlapping work -> wait_for_durable),
+torch.save + fsync.
 Ratios use the raw bandwidth of the same round, since disk bandwidth swings between runs.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import psutil
 import torch
 
-from datastates import CheckpointEngine, EngineConfig
+from datastates import CheckpointEngine, EngineConfig, WriteMode
 
 
 class PeakRSS:
@@ -101,66 +103,77 @@ def engine_save(eng: CheckpointEngine, state: dict, directory: str, step: int) -
             "peak_rss": rss.peak, "cpu_s": cpu}
 
 
+def print_table(rounds, nbytes, modes):
+    rows = [("raw dd conv=fdatasync (GB/s)", "raw_gbps", "{:.3f}"),
+            ("torch.save + fsync (s)", "torch_save_s", "{:.3f}"),
+            ("torch.save GB/s / raw GB/s", "torch_save_vs_raw", "{:.2f}")]
+    for m in modes:
+        rows += [(f"[{m}] engine blocked, no overlap (s)", f"{m}.blocked_s", "{:.3f}"),
+                 (f"[{m}] engine time to durable (s)", f"{m}.durable_s", "{:.3f}"),
+                 (f"[{m}] engine GB/s to durable", f"{m}.engine_gbps", "{:.3f}"),
+                 (f"[{m}] engine GB/s / raw GB/s", f"{m}.engine_vs_raw", "{:.2f}"),
+                 (f"[{m}] engine CPU s per GB saved", f"{m}.cpu_s_per_gb", "{:.2f}"),
+                 (f"[{m}] peak RSS / state size", f"{m}.peak_rss_ratio", "{:.2f}"),
+                 (f"[{m}] peak cache / state size", f"{m}.peak_cache_ratio", "{:.2f}")]
+    print(f"| {'metric':42s} | " + " | ".join(f"round {x['round']}" for x in rounds) + " | median  |")
+    print("|" + "-" * 44 + "|" + "---------|" * (len(rounds) + 1))
+    for name, key, fmt in rows:
+        vals = [x[key] for x in rounds]
+        cells = [fmt.format(v) for v in vals] + [fmt.format(statistics.median(vals))]
+        print(f"| {name:42s} | " + " | ".join(f"{c:7s}" for c in cells) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dir", default="/tmp/datastates_bench")
     p.add_argument("--size-gb", type=float, default=1.0)
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--cache-mb", type=int, default=256)
+    p.add_argument("--cache-mb", type=int, default=None,
+                   help="host cache size (default: the state size, so the snapshot never waits "
+                        "for the disk)")
+    p.add_argument("--writers", type=int, default=1)
+    p.add_argument("--modes", default="buffered,direct",
+                   help="comma-separated WriteMode values to compare")
     p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--no-early-writeback", action="store_true",
-                   help="disable EngineConfig.early_writeback (for comparison)")
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     state = make_state(int(args.size_gb * 1e9), args.tensors)
     nbytes = sum(v["weight"].nbytes for k, v in state.items() if k != "step")
+    cache = (args.cache_mb << 20) if args.cache_mb else nbytes + (16 << 20)
+    modes = args.modes.split(",")
+    load_before = os.getloadavg()
     rounds = []
-    with CheckpointEngine(EngineConfig(host_cache_bytes=args.cache_mb << 20,
-                                       early_writeback=not args.no_early_writeback)) as eng:
-        base_rss = psutil.Process().memory_info().rss  # state + engine cache, before any save
-        for r in range(args.rounds):
-            subprocess.run(["sync"], check=True)
-            dd = raw_dd(os.path.join(args.dir, "dd.bin"), nbytes)
-            e = engine_save(eng, state, os.path.join(args.dir, f"engine_{r}"), r)
-            ts = torch_save(state, os.path.join(args.dir, "torch_save.pt"))
-            e.update(round=r, raw_gbps=dd, torch_save_s=ts,
-                     engine_gbps=nbytes / e["durable_s"] / 1e9,
-                     engine_flush_gbps=nbytes / e["flush_s"] / 1e9)
-            e["engine_vs_raw"] = e["engine_gbps"] / dd
-            rounds.append(e)
-    med = lambda k: statistics.median(x[k] for x in rounds)  # noqa: E731
-    result = {
-        "state_bytes": nbytes, "tensors": args.tensors, "cache_bytes": args.cache_mb << 20,
-        "load_avg": os.getloadavg(), "rounds": rounds,
-        "median": {k: med(k) for k in rounds[0] if k != "round"},
-        "rss_before_bytes": base_rss,
-    }
-    print(f"state {nbytes / 1e9:.3f} GB in {args.tensors} tensors, cache {args.cache_mb} MiB, "
-          f"early writeback {not args.no_early_writeback}, load avg (1/5/15 min) "
+    for r in range(args.rounds):
+        res = {"round": r}
+        subprocess.run(["sync"], check=True)
+        res["raw_gbps"] = raw_dd(os.path.join(args.dir, "dd.bin"), nbytes)
+        for m in modes:
+            # A fresh engine per variant and round: its cache is allocated before the save.
+            with CheckpointEngine(EngineConfig(host_cache_bytes=cache, writer_threads=args.writers,
+                                               write_mode=WriteMode(m))) as eng:
+                base = psutil.Process().memory_info().rss
+                e = engine_save(eng, state, os.path.join(args.dir, f"engine_{m}"), r)
+            e["engine_gbps"] = nbytes / e["durable_s"] / 1e9
+            e["engine_vs_raw"] = e["engine_gbps"] / res["raw_gbps"]
+            e["cpu_s_per_gb"] = e["cpu_s"] / (nbytes / 1e9)
+            e["peak_rss_ratio"] = e["peak_rss"] / nbytes
+            e["extra_rss_ratio"] = (e["peak_rss"] - base) / nbytes
+            e["peak_cache_ratio"] = e["peak_cache_bytes"] / nbytes
+            res.update({f"{m}.{k}": v for k, v in e.items()})
+        res["torch_save_s"] = torch_save(state, os.path.join(args.dir, "torch_save.pt"))
+        res["torch_save_vs_raw"] = nbytes / res["torch_save_s"] / 1e9 / res["raw_gbps"]
+        rounds.append(res)
+    print(f"state {nbytes / 1e9:.3f} GB in {args.tensors} tensors, cache {cache / 2**20:.0f} MiB, "
+          f"{args.writers} writer thread(s); load avg (1/5/15 min) before "
+          + " ".join(f"{x:.2f}" for x in load_before) + ", after "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    rows = [("raw dd conv=fdatasync (GB/s)", "raw_gbps", "{:.3f}"),
-            ("torch.save + fsync (s)", "torch_save_s", "{:.3f}"),
-            ("engine blocked, no overlap (s)", "blocked_s", "{:.3f}"),
-            ("engine time to durable (s)", "durable_s", "{:.3f}"),
-            ("engine GB/s to durable", "engine_gbps", "{:.3f}"),
-            ("engine GB/s / raw GB/s", "engine_vs_raw", "{:.2f}"),
-            ("engine CPU seconds per save", "cpu_s", "{:.2f}"),
-            ("peak RSS / state size", None, None),
-            ("(peak RSS - RSS before) / state size", None, "extra")]
-    print(f"| {'metric':34s} | " + " | ".join(f"round {x['round']}" for x in rounds) + " | median |")
-    print("|" + "-" * 36 + "|" + "---------|" * (len(rounds) + 1))
-    for name, key, fmt in rows:
-        if key is None:
-            base = base_rss if fmt == "extra" else 0
-            vals = [(x["peak_rss"] - base) / nbytes for x in rounds]
-            cells = [f"{v:.2f}" for v in vals] + [f"{statistics.median(vals):.2f}"]
-        else:
-            cells = [fmt.format(x[key]) for x in rounds] + [fmt.format(med(key))]
-        print(f"| {name:34s} | " + " | ".join(f"{c:7s}" for c in cells) + " |")
+    print_table(rounds, nbytes, modes)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({"state_bytes": nbytes, "tensors": args.tensors, "cache_bytes": cache,
+                       "writers": args.writers, "load_before": load_before,
+                       "load_after": os.getloadavg(), "rounds": rounds}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Typical use, per rank::
     reader = CheckpointReader(step_dir("ckpt", step))                 # committed versions only
     state = reader.load_state(rank=r)
 """
-from .config import Checksum, CommitPolicy, EngineConfig
+from .config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointError
 from .layout import FORMAT_VERSION, is_committed, step_dir, try_commit
@@ -22,4 +22,4 @@ from .telemetry import SaveRecord
 
 __all__ = ["Checksum", "CheckpointEngine", "CheckpointError", "CheckpointReader", "CommitPolicy", "EngineConfig",
            "FORMAT_VERSION", "SaveHandle", "SaveRecord", "TensorMeta", "TensorShard", "is_committed",
-           "step_dir", "try_commit"]
+           "step_dir", "try_commit", "WriteMode"]

@@ -7,6 +7,7 @@ requested size is free, `alloc` waits (back-pressure) until writers free enough.
 from __future__ import annotations
 
 import collections
+import mmap
 import threading
 from typing import Callable, Deque, List, Optional
 
@@ -23,12 +24,17 @@ class HostCache:
     `used <= capacity` always, and `peak` is the largest `used` seen.
     """
 
-    ALIGN = 64
+    #: Blocks start on page boundaries so that O_DIRECT can write straight from them.
+    ALIGN = 4096
 
     def __init__(self, capacity: int, pinned: bool = False):
         self.capacity = capacity - capacity % self.ALIGN
         self.pinned = pinned
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pinned)
+        if pinned:  # cudaHostAlloc memory is page-aligned
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+        else:  # torch.empty is only 64-byte aligned; an anonymous mapping is page-aligned
+            self._mmap = mmap.mmap(-1, self.capacity)
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.array = self.buffer.numpy()  # same memory; gives writers a buffer-protocol view
         self._cond = threading.Condition()
         # Each block: [start, end, freed]. Wrap padding is its own pre-freed block.

@@ -14,6 +14,7 @@ Call order, per rank:
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import queue
@@ -27,7 +28,7 @@ import torch
 
 from . import layout
 from .cache import HostCache
-from .config import Checksum, CommitPolicy, EngineConfig
+from .config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from .errors import CheckpointError
 from .index import build_index
 from .state import TensorEntry, flatten_state
@@ -36,7 +37,17 @@ from .transfer import Copier, iter_pieces
 from .writeback import drop_cached, start_writeback
 
 logger = logging.getLogger(__name__)
-FILE_ALIGN = 64
+FILE_ALIGN = 4096  # page-aligned tensor offsets allow O_DIRECT writes
+DIRECT_ALIGN = 4096
+
+
+def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(mv):
+        n = os.pwrite(fd, mv[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        done += n
 
 
 @dataclass(eq=False)
@@ -55,6 +66,7 @@ class _Save:
     skeleton: Any
     shard_path: str
     fd: int
+    dfd: int  # O_DIRECT descriptor of the same file, or -1
     file_offsets: List[int]
     total_bytes: int
     t_start: float
@@ -91,6 +103,7 @@ class CheckpointEngine:
         self._uncommitted: List[_Save] = []
         self._next_id = 0
         self._closed = False
+        self._final_peak = 0
         # Allocated (and its pages touched) once, here, so no save pays for page faults. Pinned
         # whenever CUDA is present, since then the saved tensors normally live on the device.
         self._cache = HostCache(config.host_cache_bytes, pinned=torch.cuda.is_available())
@@ -122,6 +135,7 @@ class CheckpointEngine:
         except OSError as e:
             raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
                                   file=shard_path) from e
+        dfd = self._open_direct(shard_path) if self.cfg.write_mode is WriteMode.DIRECT else -1
         offsets, off = [], 0
         for e in entries:
             off = -(-off // FILE_ALIGN) * FILE_ALIGN
@@ -130,7 +144,7 @@ class CheckpointEngine:
         with self._cond:
             handle = SaveHandle(self._next_id, int(step), directory)
             self._next_id += 1
-            sv = _Save(handle, entries, skeleton, shard_path, fd, offsets,
+            sv = _Save(handle, entries, skeleton, shard_path, fd, dfd, offsets,
                        sum(e.nbytes for e in entries), t0,
                        chunks=[[] for _ in entries])
             sv.ready_events = self._record_ready_events(entries)
@@ -196,6 +210,10 @@ class CheckpointEngine:
             for t in self._threads:
                 t.join()
             atexit.unregister(self._atexit)
+            self._final_peak = self._cache.peak
+            # Give the cache's memory back now, not whenever the engine object is collected.
+            self._cache = None
+            self._copier = None
         self._raise_pending()
 
     def __enter__(self) -> "CheckpointEngine":
@@ -212,7 +230,7 @@ class CheckpointEngine:
 
     @property
     def peak_cache_bytes(self) -> int:
-        return self._cache.peak if self._cache is not None else 0
+        return self._cache.peak if self._cache is not None else self._final_peak
 
     # ----------------------------------------------------------------- internals: caller side
     def _check_open(self) -> None:
@@ -291,6 +309,16 @@ class CheckpointEngine:
         if sv.fd >= 0:
             os.close(sv.fd)
             sv.fd = -1
+        if sv.dfd >= 0:
+            os.close(sv.dfd)
+            sv.dfd = -1
+
+    def _open_direct(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError as e:  # e.g. tmpfs: EINVAL. Buffered writes still work there.
+            logger.info("DataStates: O_DIRECT unavailable for %s (%s); writing buffered", path, e)
+            return -1
 
     def _nice(self) -> None:
         if self.cfg.background_nice:
@@ -365,14 +393,32 @@ class CheckpointEngine:
                                           "tensor": sv.entries[i].key, "offset": file_off,
                                           "nbytes": nbytes})
         crc = zlib.crc32(mv) if self.cfg.checksum is Checksum.CRC32 else 0
-        done = 0
-        while done < nbytes:
-            n = os.pwrite(sv.fd, mv[done:], file_off + done)
-            if n <= 0:
-                raise OSError(f"pwrite wrote {n} bytes")
-            done += n
-        if self.cfg.early_writeback:
-            start_writeback(sv.fd, file_off, nbytes)
+        last = off + nbytes == sv.entries[i].nbytes
+        if (sv.dfd >= 0 and file_off % DIRECT_ALIGN == 0 and start % DIRECT_ALIGN == 0
+                and (nbytes % DIRECT_ALIGN == 0 or last)):
+            # A last piece is padded to the page: the padding lands in the gap before the next
+            # page-aligned tensor (the cache block is page-rounded too).
+            padded = -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
+            try:
+                _pwrite_all(sv.dfd, self._cache.memview(start, padded), file_off)
+                direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                # The filesystem accepted O_DIRECT at open but not our alignment: go buffered.
+                logger.info("DataStates: O_DIRECT write refused for %s (%s); writing buffered",
+                            sv.shard_path, e)
+                with self._cond:
+                    if sv.dfd >= 0:
+                        os.close(sv.dfd)
+                        sv.dfd = -1
+                direct = False
+        else:
+            direct = False
+        if not direct:
+            _pwrite_all(sv.fd, mv, file_off)
+            if self.cfg.early_writeback:
+                start_writeback(sv.fd, file_off, nbytes)
         with self._cond:
             sv.chunks[i].append([off, nbytes, crc])
             sv.bytes_written += nbytes
