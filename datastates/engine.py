@@ -73,6 +73,7 @@ class _Save:
     ready_events: Dict[Any, Any] = field(default_factory=dict)
     chunks: List[List[List[int]]] = field(default_factory=list)  # per entry: [off, nbytes, crc]
     entries_copied: int = 0
+    inflight: int = 0  # pieces handed to writers and not yet processed
     bytes_written: int = 0
     t_copied: Optional[float] = None
     t_first_write: Optional[float] = None
@@ -129,8 +130,17 @@ class CheckpointEngine:
         self._raise_pending()
         skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
         shard_path = os.path.join(directory, layout.shard_file(self.cfg.rank))
+        with self._cond:
+            if any(os.path.abspath(s.handle.directory) == os.path.abspath(directory)
+                   and not s.done for s in self._saves):
+                raise CheckpointError("a save into this directory is still in flight; wait for it "
+                                      "(wait_for_durable) before saving there again",
+                                      rank=self.cfg.rank, file=directory)
         try:
             os.makedirs(directory, exist_ok=True)
+            # Overwriting a version: withdraw its commit and our marker before touching the
+            # shard, so no reader can pair old markers with new, partial bytes.
+            layout.invalidate(directory, self.cfg.rank)
             fd = os.open(shard_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
@@ -300,9 +310,16 @@ class CheckpointEngine:
                 sv.error = err
                 self._errors.append(err)
                 logger.error("DataStates: save of step %d failed: %s", sv.handle.step, err)
-            self._close_fd(sv)
             sv.done = True
             self._cond.notify_all()
+        self._release_failed(sv)
+
+    def _release_failed(self, sv: _Save) -> None:
+        """Close a failed save's files once no thread can still write to them (closing earlier
+        would let a late pwrite hit a reused descriptor of another file)."""
+        with self._cond:
+            if sv.error is not None and sv.copied and sv.inflight == 0:
+                self._close_fd(sv)
 
     @staticmethod
     def _close_fd(sv: _Save) -> None:
@@ -348,6 +365,7 @@ class CheckpointEngine:
                 entry.tensor = None  # drop our reference to the live tensor
                 self._cond.notify_all()
             self._maybe_finalize(sv)
+            self._release_failed(sv)
 
     def _copy_entry(self, sv: _Save, i: int) -> None:
         t = sv.entries[i].tensor
@@ -362,6 +380,8 @@ class CheckpointEngine:
             except BaseException:
                 cache.free(start)
                 raise
+            with self._cond:
+                sv.inflight += 1
             self._write_q.put((sv, i, off, nbytes, start))
 
     def _write_loop(self) -> None:
@@ -381,7 +401,10 @@ class CheckpointEngine:
                                                file=sv.shard_path, tensor=sv.entries[i].key))
             finally:
                 self._cache.free(start)
+                with self._cond:
+                    sv.inflight -= 1
             self._maybe_finalize(sv)
+            self._release_failed(sv)
 
     def _write_piece(self, sv: _Save, i: int, off: int, nbytes: int, start: int) -> None:
         mv = self._cache.memview(start, nbytes)

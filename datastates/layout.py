@@ -115,6 +115,20 @@ def check_format(doc: Any, path: str, rank: Optional[int] = None) -> None:
                               rank=rank, file=path)
 
 
+def invalidate(directory: str, rank: int) -> None:
+    """Before rank `rank` rewrites a version directory: remove the commit marker and this rank's
+    marker (durably), so the directory reads as incomplete until the new save commits."""
+    removed = False
+    for name in (COMMIT_FILE, rank_marker_file(rank)):
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed = True
+        except FileNotFoundError:
+            pass
+    if removed:
+        fsync_dir(directory)
+
+
 def is_committed(directory: str) -> bool:
     """True if `directory` carries a valid commit marker."""
     path = os.path.join(directory, COMMIT_FILE)

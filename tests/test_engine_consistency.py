@@ -1,10 +1,15 @@
 """Snapshot consistency under in-place mutation, several saves in flight, telemetry."""
 import json
+import subprocess
+import sys
+import textwrap
 import threading
 
+import pytest
 import torch
 
-from datastates import CheckpointEngine, CheckpointReader, EngineConfig, is_committed
+from datastates import (CheckpointEngine, CheckpointError, CheckpointReader, EngineConfig,
+                        is_committed)
 
 
 class Gate:
@@ -102,3 +107,34 @@ def test_close_drains_in_flight_saves(tmp_path):
     eng.close()
     assert is_committed(str(tmp_path / "v"))
     assert_state(CheckpointReader(str(tmp_path / "v")).load_state(), make_state(5))
+
+
+def test_resaving_a_directory_withdraws_its_commit_until_the_new_save_commits(tmp_path):
+    d = str(tmp_path / "v")
+    gate = Gate()
+    state = make_state(1)
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20)) as eng:
+        eng.wait_for_durable(eng.save(make_state(0), d, step=1))
+    assert is_committed(d)
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20, write_hook=gate)) as eng:
+        h = eng.save(state, d, step=1)
+        with pytest.raises(CheckpointError, match="still in flight"):
+            eng.save(state, d, step=1)
+        eng.wait_for_snapshot()
+        assert not is_committed(d)
+        gate.release.set()
+        eng.wait_for_durable(h)
+    assert is_committed(d)
+    assert_state(CheckpointReader(d).load_state(), make_state(1))
+
+
+def test_interpreter_exit_drains_an_unclosed_engine(tmp_path):
+    code = textwrap.dedent(f"""
+        import torch
+        from datastates import CheckpointEngine, EngineConfig
+        eng = CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20))
+        eng.save({{"w": torch.arange(100000.0)}}, {str(tmp_path / "v")!r}, step=1)
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert is_committed(str(tmp_path / "v"))
+    assert torch.equal(CheckpointReader(str(tmp_path / "v")).read("w"), torch.arange(100000.0))

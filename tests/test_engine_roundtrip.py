@@ -143,7 +143,8 @@ def test_tensor_shard_leaves_come_back_as_tensor_shards(tmp_path):
     assert torch.equal(loaded["w"].data, shard.data)
 
 
-def test_tensors_larger_than_cache_stream_in_chunks(tmp_path):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tensors_larger_than_cache_stream_in_chunks(tmp_path, threads):
     """Back-pressure: cache (64 KiB) smaller than the state and than its largest tensors,
     including a non-contiguous one whose single row exceeds a chunk."""
     g = torch.Generator().manual_seed(1)
@@ -152,7 +153,8 @@ def test_tensors_larger_than_cache_stream_in_chunks(tmp_path):
     rows = torch.randn(4, 30000, generator=g)[:, ::2]   # non-contiguous, rows of 60 KB > chunk
     state = {"big": big, "wide": wide, "rows": rows, "small": torch.arange(5)}
     cache = 64 * 1024
-    loaded, rec, d = save_and_load(state, tmp_path, host_cache_bytes=cache, chunk_bytes=16384)
+    loaded, rec, d = save_and_load(state, tmp_path, host_cache_bytes=cache, chunk_bytes=16384,
+                                   copy_threads=threads, writer_threads=threads)
     assert_same(state, loaded)
     assert 0 < rec.peak_cache_bytes <= cache
     with open(os.path.join(d, "index_r00000.json")) as f:
