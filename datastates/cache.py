@@ -11,7 +11,6 @@ import mmap
 import threading
 from typing import Callable, Deque, List, Optional
 
-import numpy as np
 import torch
 
 from .errors import CheckpointError

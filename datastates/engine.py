@@ -14,80 +14,27 @@ Call order, per rank:
 from __future__ import annotations
 
 import atexit
-import errno
 import logging
 import os
 import queue
 import threading
 import time
-import zlib
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from . import layout
 from .cache import HostCache
-from .config import Checksum, CommitPolicy, EngineConfig, WriteMode
+from .config import CommitPolicy, EngineConfig, WriteMode
 from .errors import CheckpointError
-from .index import build_index
+from .flush import write_piece, write_version_files
+from .job import SaveHandle, SaveJob
 from .state import TensorEntry, flatten_state
 from .telemetry import SaveRecord, append_record
 from .transfer import Copier, iter_pieces
-from .writeback import drop_cached, start_writeback
 
 logger = logging.getLogger(__name__)
 FILE_ALIGN = 4096  # page-aligned tensor offsets allow O_DIRECT writes
-DIRECT_ALIGN = 4096
-
-
-def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(mv):
-        n = os.pwrite(fd, mv[done:], offset + done)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes")
-        done += n
-
-
-@dataclass(eq=False)
-class SaveHandle:
-    """Identifies one `save` call; pass it to `wait_for_durable` / `wait_for_commit`."""
-
-    id: int
-    step: int
-    directory: str
-
-
-@dataclass(eq=False)
-class _Save:
-    handle: SaveHandle
-    entries: List[TensorEntry]
-    skeleton: Any
-    shard_path: str
-    fd: int
-    dfd: int  # O_DIRECT descriptor of the same file, or -1
-    file_offsets: List[int]
-    total_bytes: int
-    t_start: float
-    ready_events: Dict[Any, Any] = field(default_factory=dict)
-    chunks: List[List[List[int]]] = field(default_factory=list)  # per entry: [off, nbytes, crc]
-    entries_copied: int = 0
-    inflight: int = 0  # pieces handed to writers and not yet processed
-    bytes_written: int = 0
-    t_copied: Optional[float] = None
-    t_first_write: Optional[float] = None
-    blocked_s: float = 0.0
-    peak_cache: int = 0
-    error: Optional[CheckpointError] = None
-    finalizing: bool = False
-    done: bool = False
-    record: Optional[SaveRecord] = None
-    reported: bool = False
-
-    @property
-    def copied(self) -> bool:
-        return self.entries_copied == len(self.entries) or self.error is not None
 
 
 _STOP = object()
@@ -99,9 +46,9 @@ class CheckpointEngine:
     def __init__(self, config: EngineConfig):
         self.cfg = config
         self._cond = threading.Condition()
-        self._saves: List[_Save] = []
+        self._saves: List[SaveJob] = []
         self._errors: List[CheckpointError] = []
-        self._uncommitted: List[_Save] = []
+        self._uncommitted: List[SaveJob] = []
         self._next_id = 0
         self._closed = False
         self._final_peak = 0
@@ -154,7 +101,7 @@ class CheckpointEngine:
         with self._cond:
             handle = SaveHandle(self._next_id, int(step), directory)
             self._next_id += 1
-            sv = _Save(handle, entries, skeleton, shard_path, fd, dfd, offsets,
+            sv = SaveJob(handle, entries, skeleton, shard_path, fd, dfd, offsets,
                        sum(e.nbytes for e in entries), t0,
                        chunks=[[] for _ in entries])
             sv.ready_events = self._record_ready_events(entries)
@@ -304,7 +251,7 @@ class CheckpointEngine:
             logger.error("DataStates: error while draining saves at exit: %s", e)
 
     # ----------------------------------------------------------------- internals: threads
-    def _fail(self, sv: _Save, err: CheckpointError) -> None:
+    def _fail(self, sv: SaveJob, err: CheckpointError) -> None:
         with self._cond:
             if sv.error is None:
                 sv.error = err
@@ -314,7 +261,7 @@ class CheckpointEngine:
             self._cond.notify_all()
         self._release_failed(sv)
 
-    def _release_failed(self, sv: _Save) -> None:
+    def _release_failed(self, sv: SaveJob) -> None:
         """Close a failed save's files once no thread can still write to them (closing earlier
         would let a late pwrite hit a reused descriptor of another file)."""
         with self._cond:
@@ -322,7 +269,7 @@ class CheckpointEngine:
                 self._close_fd(sv)
 
     @staticmethod
-    def _close_fd(sv: _Save) -> None:
+    def _close_fd(sv: SaveJob) -> None:
         if sv.fd >= 0:
             os.close(sv.fd)
             sv.fd = -1
@@ -367,7 +314,7 @@ class CheckpointEngine:
             self._maybe_finalize(sv)
             self._release_failed(sv)
 
-    def _copy_entry(self, sv: _Save, i: int) -> None:
+    def _copy_entry(self, sv: SaveJob, i: int) -> None:
         t = sv.entries[i].tensor
         cache = self._cache
         max_piece = max(4096, min(self.cfg.chunk_bytes, cache.capacity // 2))
@@ -406,47 +353,15 @@ class CheckpointEngine:
             self._maybe_finalize(sv)
             self._release_failed(sv)
 
-    def _write_piece(self, sv: _Save, i: int, off: int, nbytes: int, start: int) -> None:
-        mv = self._cache.memview(start, nbytes)
-        file_off = sv.file_offsets[i] + off
+    def _write_piece(self, sv: SaveJob, i: int, off: int, nbytes: int, start: int) -> None:
         if sv.t_first_write is None:
             sv.t_first_write = time.perf_counter()
-        if self.cfg.write_hook is not None:
-            self.cfg.write_hook("write", {"rank": self.cfg.rank, "file": sv.shard_path,
-                                          "tensor": sv.entries[i].key, "offset": file_off,
-                                          "nbytes": nbytes})
-        crc = zlib.crc32(mv) if self.cfg.checksum is Checksum.CRC32 else 0
-        last = off + nbytes == sv.entries[i].nbytes
-        if (sv.dfd >= 0 and file_off % DIRECT_ALIGN == 0 and start % DIRECT_ALIGN == 0
-                and (nbytes % DIRECT_ALIGN == 0 or last)):
-            # A last piece is padded to the page: the padding lands in the gap before the next
-            # page-aligned tensor (the cache block is page-rounded too).
-            padded = -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
-            try:
-                _pwrite_all(sv.dfd, self._cache.memview(start, padded), file_off)
-                direct = True
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                # The filesystem accepted O_DIRECT at open but not our alignment: go buffered.
-                logger.info("DataStates: O_DIRECT write refused for %s (%s); writing buffered",
-                            sv.shard_path, e)
-                with self._cond:
-                    if sv.dfd >= 0:
-                        os.close(sv.dfd)
-                        sv.dfd = -1
-                direct = False
-        else:
-            direct = False
-        if not direct:
-            _pwrite_all(sv.fd, mv, file_off)
-            if self.cfg.early_writeback:
-                start_writeback(sv.fd, file_off, nbytes)
+        crc = write_piece(self.cfg, self._cache, sv, i, off, nbytes, start, self._cond)
         with self._cond:
             sv.chunks[i].append([off, nbytes, crc])
             sv.bytes_written += nbytes
 
-    def _maybe_finalize(self, sv: _Save) -> None:
+    def _maybe_finalize(self, sv: SaveJob) -> None:
         with self._cond:
             if (sv.finalizing or sv.error is not None or not sv.copied
                     or sv.bytes_written != sv.total_bytes):
@@ -460,31 +375,12 @@ class CheckpointEngine:
             self._fail(sv, CheckpointError(f"finalizing the save failed: {e!r}",
                                            rank=self.cfg.rank, file=sv.shard_path))
 
-    def _finalize(self, sv: _Save) -> None:
-        """fsync the shard, then write index, format file and (last) this rank's marker."""
+    def _finalize(self, sv: SaveJob) -> None:
+        """Make the save durable on this rank, then commit (rank 0) and publish its record."""
         cfg = self.cfg
         t_flush0 = sv.t_first_write or time.perf_counter()
-        if cfg.write_hook is not None:
-            cfg.write_hook("fsync", {"rank": cfg.rank, "file": sv.shard_path, "tensor": None})
-        if cfg.fsync:
-            os.fsync(sv.fd)
-            if cfg.early_writeback:
-                drop_cached(sv.fd)
-        with self._cond:
-            self._close_fd(sv)
+        write_version_files(cfg, sv, self._cond, self._close_fd)
         directory = sv.handle.directory
-        index = build_index(cfg, sv.handle.step, sv.entries, sv.file_offsets, sv.chunks,
-                            sv.skeleton)
-        index_bytes = layout.dumps(index)
-        layout.atomic_write(os.path.join(directory, layout.index_file(cfg.rank)), index_bytes,
-                            durable=cfg.fsync)
-        layout.atomic_write(os.path.join(directory, layout.FORMAT_FILE),
-                            layout.dumps(layout.format_header()), durable=cfg.fsync)
-        marker = dict(layout.format_header(), rank=cfg.rank, world_size=cfg.world_size,
-                      step=sv.handle.step, index=layout.index_file(cfg.rank),
-                      index_crc32=zlib.crc32(index_bytes), bytes=sv.total_bytes)
-        layout.atomic_write(os.path.join(directory, layout.rank_marker_file(cfg.rank)),
-                            layout.dumps(marker), durable=cfg.fsync)
         t_end = time.perf_counter()
         committed = False
         if cfg.rank == 0 and cfg.commit_policy is CommitPolicy.RANK0:
