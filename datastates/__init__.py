@@ -15,11 +15,12 @@ Typical use, per rank::
 from .config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointError
-from .layout import FORMAT_VERSION, is_committed, step_dir, try_commit
+from .layout import FORMAT_VERSION, is_committed, latest_committed, step_dir, try_commit
 from .reader import CheckpointReader, TensorMeta
 from .state import TensorShard
 from .telemetry import SaveRecord
 
-__all__ = ["Checksum", "CheckpointEngine", "CheckpointError", "CheckpointReader", "CommitPolicy", "EngineConfig",
-           "FORMAT_VERSION", "SaveHandle", "SaveRecord", "TensorMeta", "TensorShard", "is_committed",
-           "step_dir", "try_commit", "WriteMode"]
+__all__ = ["Checksum", "CheckpointEngine", "CheckpointError", "CheckpointReader", "CommitPolicy",
+           "EngineConfig", "FORMAT_VERSION", "SaveHandle", "SaveRecord", "TensorMeta",
+           "TensorShard", "WriteMode", "is_committed", "latest_committed", "step_dir",
+           "try_commit"]

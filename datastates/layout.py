@@ -15,7 +15,7 @@ import os
 import re
 import uuid
 import zlib
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .errors import CheckpointError
 
@@ -23,6 +23,7 @@ FORMAT_NAME = "datastates"
 FORMAT_VERSION = 1
 FORMAT_FILE = "FORMAT.json"
 COMMIT_FILE = "COMMIT.json"
+_STEP_DIR = re.compile(r"^step_(\d{9,})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -41,6 +42,22 @@ def rank_marker_file(rank: int) -> str:
 def step_dir(root: str, step: int) -> str:
     """Conventional version directory for a step: ROOT/step_000000010."""
     return os.path.join(root, f"step_{step:09d}")
+
+
+def latest_committed(root: str) -> Optional[Tuple[int, str]]:
+    """(step, directory) of the highest-step committed `step_*` directory under `root` (as
+    named by `step_dir`), or None. Uncommitted (partial) versions are skipped."""
+    best = None
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return None
+    for name in names:
+        m = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and is_committed(path) and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), path)
+    return best
 
 
 def safe_join(directory: str, name: Any, *, rank: Optional[int] = None) -> str:

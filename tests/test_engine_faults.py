@@ -213,3 +213,16 @@ def test_sigkill_during_flush_keeps_previous_version(tmp_path):
     assert markers(v2) == [] and not is_committed(v2) and not try_commit(v2, 1)
     with pytest.raises(CheckpointError, match="not committed"):
         CheckpointReader(v2)
+
+
+def test_latest_committed_skips_partial_versions(tmp_path):
+    from datastates import latest_committed, step_dir
+    root = str(tmp_path)
+    assert latest_committed(root) is None
+    for step in (5, 40):
+        save(step_dir(root, step), state(n=64))
+    os.makedirs(step_dir(root, 100))  # a save that never finished
+    with open(os.path.join(step_dir(root, 100), "shard_r00000.bin"), "wb") as f:
+        f.write(b"partial")
+    assert latest_committed(root) == (40, step_dir(root, 40))
+    assert step_dir(root, 40).endswith("step_000000040")
