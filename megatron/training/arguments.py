@@ -1,0 +1,259 @@
+"""Megatron-LM-style command line: parse flags, check them, and build the typed RunConfig.
+
+Only entry points call this module; the library receives the frozen dataclasses of ``config.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional, Sequence
+
+from megatron.training.config import (
+    CheckpointConfig,
+    CkptFormat,
+    DataConfig,
+    LoggingConfig,
+    LrDecayStyle,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainingConfig,
+)
+from megatron.training.tokenizer import TokenizerType, build_tokenizer
+
+
+class ArgumentError(ValueError):
+    """A flag, or a combination of flags, that cannot describe a valid run."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would call sys.exit(2) here; the entry point decides.
+        raise ArgumentError(message)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=[s.value for s in LrDecayStyle], default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true")
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--ckpt-format", choices=[f.value for f in CkptFormat], default="torch_dist")
+    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--async-lazy-save", action="store_true",
+                   help="DataStates lazy asynchronous checkpointing (reserved)")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--tokenizer-type", choices=[t.value for t in TokenizerType],
+                   default="NullTokenizer")
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt.py", description="Train a GPT model with megatron-core.",
+                allow_abbrev=False)
+    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_checkpoint_args,
+                _add_data_args):
+        add(p)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse Megatron-LM flags; unknown flags raise ArgumentError naming them."""
+    return build_parser().parse_args(argv)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgumentError(message)
+
+
+def _check_parallel(a: argparse.Namespace, world_size: int) -> Optional[int]:
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    _require(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1, got TP={tp} PP={pp}")
+    _require(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by TP*PP = {tp}*{pp} = {tp * pp}")
+    _require(a.num_layers % pp == 0,
+             f"--num-layers {a.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    _require(a.num_attention_heads % tp == 0,
+             f"--num-attention-heads {a.num_attention_heads} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    _require(a.hidden_size % a.num_attention_heads == 0,
+             f"--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
+             f"{a.num_attention_heads}")
+    _require(not a.sequence_parallel or tp > 1,
+             "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    vpp = None
+    if a.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = a.num_layers // pp
+        chunk = a.num_layers_per_virtual_pipeline_stage
+        _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs "
+                         "--pipeline-model-parallel-size > 1")
+        _require(chunk >= 1 and per_stage % chunk == 0,
+                 f"layers per pipeline stage ({a.num_layers} / PP {pp} = {per_stage}) are not "
+                 f"divisible by --num-layers-per-virtual-pipeline-stage {chunk}")
+        vpp = per_stage // chunk
+        if vpp == 1:
+            vpp = None  # one chunk per stage is the plain (non-interleaved) schedule
+    return vpp
+
+
+def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) -> int:
+    gbs = a.global_batch_size if a.global_batch_size is not None else a.micro_batch_size * dp
+    _require(a.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {a.micro_batch_size}")
+    _require(gbs % (a.micro_batch_size * dp) == 0,
+             f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+             f"{a.micro_batch_size} * data-parallel size {dp}")
+    if vpp is not None:
+        microbatches = gbs // (a.micro_batch_size * dp)
+        _require(microbatches % pp == 0,
+                 f"the interleaved schedule needs the number of micro-batches ({microbatches}) to "
+                 f"be a multiple of --pipeline-model-parallel-size {pp}")
+    return gbs
+
+
+def _check_checkpointing(a: argparse.Namespace) -> None:
+    if a.async_lazy_save:
+        raise ArgumentError("--async-lazy-save (DataStates lazy checkpointing) is not yet "
+                            "implemented in this build; use --async-save or a sync save")
+    _require(not a.async_save or a.ckpt_format == "torch_dist",
+             f"--async-save needs --ckpt-format torch_dist, got --ckpt-format {a.ckpt_format}")
+    _require(a.save_interval is None or a.save_interval > 0,
+             f"--save-interval must be > 0, got {a.save_interval}")
+    _require(a.save_interval is None or a.save is not None, "--save-interval needs --save DIR")
+    if a.load is not None:
+        _require(os.path.isdir(a.load),
+                 f"--load directory {a.load!r} does not exist (expected a directory holding "
+                 f"latest_checkpointed_iteration.txt and iter_NNNNNNN/)")
+
+
+def _check_data(a: argparse.Namespace) -> None:
+    _require(a.mock_data != bool(a.data_path),
+             "give exactly one of --mock-data or --data-path PREFIX [PREFIX ...]")
+    if a.data_path:
+        for item in a.data_path:
+            try:
+                float(item)
+                continue  # a blend weight
+            except ValueError:
+                pass
+            _require(os.path.isfile(item + ".bin") and os.path.isfile(item + ".idx"),
+                     f"--data-path {item!r}: expected {item}.bin and {item}.idx "
+                     f"(made by tools/preprocess_data.py)")
+
+
+def _padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return ((vocab + multiple - 1) // multiple) * multiple
+
+
+def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) -> RunConfig:
+    """Check the parsed flags against each other and the world size; return the frozen config."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    vpp = _check_parallel(a, world_size)
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    dp = world_size // (tp * pp)
+    gbs = _check_batch(a, dp, vpp, pp)
+    _check_checkpointing(a)
+    _check_data(a)
+    _require(a.train_iters >= 0, f"--train-iters must be >= 0, got {a.train_iters}")
+    _require(a.log_interval > 0, f"--log-interval must be > 0, got {a.log_interval}")
+    max_pos = a.max_position_embeddings or a.seq_length
+    _require(max_pos >= a.seq_length, f"--max-position-embeddings {max_pos} is smaller than "
+                                      f"--seq-length {a.seq_length}")
+    if a.mock_data and a.vocab_size is None and a.tokenizer_type == "NullTokenizer":
+        raise ArgumentError("--mock-data with NullTokenizer needs --vocab-size")
+    tokenizer = build_tokenizer(a.tokenizer_type, a.vocab_size, a.tokenizer_model)
+    model = ModelConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        ffn_hidden_size=a.ffn_hidden_size or 4 * a.hidden_size, seq_length=a.seq_length,
+        max_position_embeddings=max_pos, vocab_size=tokenizer.vocab_size,
+        padded_vocab_size=_padded_vocab(tokenizer.vocab_size, a.make_vocab_size_divisible_by, tp),
+        hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+        init_method_std=a.init_method_std,
+        untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights, bf16=a.bf16)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=a.sequence_parallel,
+        use_distributed_optimizer=a.use_distributed_optimizer, world_size=world_size)
+    optimizer = OptimizerConfig(
+        lr=a.lr, min_lr=a.min_lr, lr_decay_style=LrDecayStyle(a.lr_decay_style),
+        lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters,
+        weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
+        adam_beta2=a.adam_beta2, adam_eps=a.adam_eps)
+    training = TrainingConfig(
+        micro_batch_size=a.micro_batch_size, global_batch_size=gbs, train_iters=a.train_iters,
+        seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
+        exit_interval=a.exit_interval, exit_signal_handler=a.exit_signal_handler)
+    checkpoint = CheckpointConfig(
+        save=a.save, load=a.load, save_interval=a.save_interval,
+        ckpt_format=CkptFormat(a.ckpt_format), async_save=a.async_save,
+        save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
+        save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
+        async_lazy_save=a.async_lazy_save)
+    data = DataConfig(
+        mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
+        tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size,
+        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+    return RunConfig(model=model, parallel=parallel, optimizer=optimizer, training=training,
+                     checkpoint=checkpoint, data=data,
+                     logging=LoggingConfig(log_interval=a.log_interval))

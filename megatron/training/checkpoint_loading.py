@@ -1,0 +1,136 @@
+"""Resume from ``--load``: find the newest complete checkpoint, check it fits, restore it.
+
+Format is detected from the directory (torch_dist writes ``metadata.json``; torch writes
+``mp_rank_*``), so a run may save in one format and resume from the other.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Optional
+
+import torch
+
+from megatron.training.checkpoint_state import (
+    CheckpointError,
+    TrainState,
+    apply_loaded_state_dict,
+    build_sharded_state_dict,
+    check_model_shape,
+    layout,
+)
+from megatron.training.checkpointing import (
+    TORCH_FILENAME,
+    checkpoint_dir,
+    read_tracker,
+    torch_rank_dir,
+)
+from megatron.training.config import CkptFormat, RunConfig
+from megatron.training.log import print_rank_0
+
+
+def detect_format(directory: str) -> CkptFormat:
+    if os.path.isfile(os.path.join(directory, "metadata.json")):
+        return CkptFormat.TORCH_DIST
+    if any(name.startswith("mp_rank_") for name in os.listdir(directory)):
+        return CkptFormat.TORCH
+    raise CheckpointError("not a checkpoint directory: expected metadata.json (torch_dist) or "
+                          "mp_rank_* (torch)", path=directory)
+
+
+def _saved_config(directory: str, fmt: CkptFormat) -> str:
+    if fmt is CkptFormat.TORCH_DIST:
+        from megatron.core import dist_checkpointing
+
+        return dist_checkpointing.load_common_state_dict(directory)["run_config"]
+    path = os.path.join(torch_rank_dir(directory), TORCH_FILENAME)
+    if not os.path.isfile(path):
+        raise CheckpointError("torch-format checkpoint has no file for this rank's TP/PP "
+                              "position; it was saved with another layout (the torch format "
+                              "cannot be resharded: save with --ckpt-format torch_dist)", path=path)
+    return torch.load(path, map_location="cpu", weights_only=False)["run_config"]
+
+
+def _init_distributed_optimizer_state(optimizer) -> None:
+    # A fresh DistributedOptimizer has no Adam state; fully_reshardable loading copies into
+    # existing state tensors (and asserts one `step` per group), so create them first.
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def load_checkpoint(state: TrainState, config: RunConfig,
+                    loader: Optional[Callable[[dict, str], dict]] = None) -> bool:
+    """Restore ``state`` from ``config.checkpoint.load``; False when there is nothing to load.
+
+    ``loader(sharded_state_dict, directory) -> state_dict`` replaces megatron-core's
+    ``dist_checkpointing.load`` for a custom strategy (torch_dist layout assumed).
+    """
+    ckpt = config.checkpoint
+    if ckpt.load is None:
+        return False
+    iteration = read_tracker(ckpt.load)
+    directory = checkpoint_dir(ckpt.load, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"tracker names iteration {iteration} but {directory} is missing",
+                              path=ckpt.load)
+    fmt = detect_format(directory)
+    saved_json = _saved_config(directory, fmt)
+    check_model_shape(saved_json, config, directory)
+    saved = json.loads(saved_json)
+    saved_layout = _layout_of(saved)
+    same_layout = saved_layout == layout(config)
+    load_optim = ckpt.load_optim and not ckpt.finetune and saved["checkpoint"]["save_optim"]
+    load_rng = ckpt.load_rng and not ckpt.finetune and saved["checkpoint"]["save_rng"]
+    if load_rng and not same_layout:
+        print_rank_0(f"checkpoint layout {saved_layout} differs from this run's {layout(config)}: "
+                     "RNG states are per rank and are not restored")
+        load_rng = False
+    if fmt is CkptFormat.TORCH and not same_layout:
+        raise CheckpointError(f"torch-format checkpoint saved at layout {saved_layout} cannot be "
+                              f"loaded at {layout(config)}; use --ckpt-format torch_dist to "
+                              "change TP/PP/DP", path=directory)
+    if load_optim and config.parallel.use_distributed_optimizer != \
+            saved["parallel"]["use_distributed_optimizer"]:
+        raise CheckpointError("optimizer state was saved with use_distributed_optimizer="
+                              f"{saved['parallel']['use_distributed_optimizer']}; load it with the "
+                              "same setting or pass --no-load-optim", path=directory)
+    if load_optim and config.parallel.use_distributed_optimizer:
+        _init_distributed_optimizer_state(state.optimizer)
+    if fmt is CkptFormat.TORCH_DIST:
+        sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
+                                      include_rng=load_rng)
+        loaded = _load_torch_dist(sd, directory, loader)
+    else:
+        loaded = torch.load(os.path.join(torch_rank_dir(directory), TORCH_FILENAME),
+                            map_location="cpu", weights_only=False)
+    apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
+                            finetune=ckpt.finetune)
+    if fmt is CkptFormat.TORCH and load_optim and config.parallel.use_distributed_optimizer:
+        # After load_state_dict (param groups, step), as Megatron does: the sharded Adam state.
+        state.optimizer.load_parameter_state(
+            os.path.join(torch_rank_dir(directory), "distrib_optim.pt"))
+    print_rank_0(f"loaded checkpoint {directory} (format {fmt.value}, iteration {iteration}; "
+                 f"optimizer {'restored' if load_optim else 'not restored'}, rng "
+                 f"{'restored' if load_rng else 'not restored'})")
+    return True
+
+
+def _layout_of(saved: dict) -> dict:
+    p = saved["parallel"]
+    tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
+    return {"tp": tp, "pp": pp, "vpp": p["virtual_pipeline_model_parallel_size"],
+            "dp": p["world_size"] // (tp * pp)}
+
+
+def _load_torch_dist(sd: dict, directory: str, loader) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    try:
+        if loader is not None:
+            return loader(sd, directory)
+        return dist_checkpointing.load(sd, directory)
+    except CheckpointingException as err:
+        raise CheckpointError(f"megatron-core could not load the checkpoint: {err}",
+                              path=directory) from err

@@ -1,0 +1,167 @@
+"""What a checkpoint holds: building the state dict to save and applying a loaded one.
+
+Kept apart from *how* it is written (checkpointing.py) so another dist_checkpointing strategy can
+reuse exactly the dict torch_dist saves: ``build_sharded_state_dict`` gives the model's and
+optimizer's ``sharded_state_dict()`` plus the common state; ``apply_loaded_state_dict`` takes what a
+loader returned.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+
+from megatron.training.config import RunConfig
+from megatron.training.model import unwrap
+
+CHECKPOINT_VERSION = 3.0
+
+# The distributed optimizer's only format that both saves without error in 0.16.1 and reshards
+# across TP/PP/DP (see docs/TRAINER.md for the other formats' defects).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+# Model-shape fields a checkpoint must agree on before any tensor is read.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                "padded_vocab_size", "max_position_embeddings",
+                "untie_embeddings_and_output_weights")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded; names the rank and the path."""
+
+    def __init__(self, message: str, path: Optional[str] = None, rank: Optional[int] = None):
+        if rank is None and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+        where = f"rank {rank}" + (f", {path}" if path else "")
+        super().__init__(f"[{where}] {message}")
+        self.path, self.rank = path, rank
+
+
+@dataclass
+class TrainState:
+    """Everything the loop mutates; what checkpoints capture."""
+
+    model: List[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def layout(config: RunConfig) -> dict:
+    p = config.parallel
+    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+            "vpp": p.virtual_pipeline_model_parallel_size, "dp": p.data_parallel_size}
+
+
+def model_shape(config: RunConfig) -> dict:
+    return {k: getattr(config.model, k) for k in SHAPE_FIELDS}
+
+
+def check_model_shape(saved_config_json: str, config: RunConfig, path: str) -> None:
+    """Refuse a checkpoint of another model shape before megatron-core reports it as a
+    tensor-level mismatch."""
+    saved = json.loads(saved_config_json)["model"]
+    ours = model_shape(config)
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in ours.items()
+             if saved.get(k) != v]
+    if diffs:
+        raise CheckpointError("checkpoint was saved for another model shape (" + "; ".join(diffs)
+                              + "); pass the same model flags or another --load", path=path)
+
+
+def rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def model_sharded_state_dict(model) -> dict:
+    merged = {}
+    for i, chunk in enumerate(model):
+        # The bare GPTModel: its keys are the same with or without DDP/Float16Module wrappers.
+        merged[_model_key(i, len(model))] = unwrap(chunk).sharded_state_dict()
+    return merged
+
+
+def _rng_sharded_object():
+    """One RNG state per rank: (pp, tp, dp) grid, never replicated, so resume at the same layout
+    restores each rank's own streams exactly."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    shape = (ps.get_pipeline_model_parallel_world_size(),
+             ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank())
+    return ShardedObject("rng_state", rng_state(), shape, offset, replica_id=0)
+
+
+def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading: bool,
+                             include_optim: bool, include_rng: bool) -> dict:
+    """The dict torch_dist saves: model and optimizer sharded state plus common state.
+
+    Must be called on every rank (the distributed optimizer gathers over DP when saving)."""
+    sd = model_sharded_state_dict(state.model)
+    if include_optim and state.optimizer is not None:
+        # The optimizer finds each param's sharded tensor by identity anywhere in this dict,
+        # so one dict serves every VPP chunk.
+        sd["optimizer"] = state.optimizer.sharded_state_dict(
+            dict(sd), is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+        sd["opt_param_scheduler"] = state.scheduler.state_dict()
+    if include_rng:
+        sd["rng_state"] = _rng_sharded_object()
+    sd["checkpoint_version"] = CHECKPOINT_VERSION
+    sd["iteration"] = state.iteration
+    sd["consumed_train_samples"] = state.consumed_train_samples
+    sd["consumed_valid_samples"] = state.consumed_valid_samples
+    sd["run_config"] = config.to_json()
+    return sd
+
+
+def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool,
+                            load_rng: bool, finetune: bool) -> None:
+    """Restore model (always), then optimizer+scheduler, RNG and progress counters unless told
+    not to. ``finetune`` keeps iteration and sample counters at zero."""
+    n = len(state.model)
+    for i, chunk in enumerate(state.model):
+        unwrap(chunk).load_state_dict(loaded[_model_key(i, n)], strict=True)
+    if load_optim and "optimizer" in loaded:
+        with torch.no_grad():  # fp32 main params are leaf tensors that require grad
+            state.optimizer.load_state_dict(loaded["optimizer"])
+        state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if load_rng and "rng_state" in loaded:
+        set_rng_state(loaded["rng_state"])
+    if not finetune:
+        state.iteration = int(loaded["iteration"])
+        state.consumed_train_samples = int(loaded["consumed_train_samples"])
+        state.consumed_valid_samples = int(loaded["consumed_valid_samples"])

@@ -1,0 +1,194 @@
+"""Typed, frozen configuration of a training run. The library sees only these, never argv.
+
+``arguments.py`` builds a ``RunConfig`` from Megatron-LM-style flags; the resolved config is saved
+as JSON next to the checkpoints (``run_config.json``) so a run can be reproduced.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class CkptFormat(str, enum.Enum):
+    """On-disk checkpoint format (``--ckpt-format``)."""
+
+    TORCH_DIST = "torch_dist"
+    TORCH = "torch"
+
+
+class LrDecayStyle(str, enum.Enum):
+    """Learning-rate decay after warm-up (``--lr-decay-style``), as OptimizerParamScheduler names it."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+    INVERSE_SQUARE_ROOT = "inverse-square-root"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int
+    """Number of transformer layers (all pipeline stages together)."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_attention_heads: int
+    """Attention heads per layer; divisible by the tensor-parallel size."""
+    ffn_hidden_size: int
+    """Width of the MLP; 4 * hidden_size when not given."""
+    seq_length: int
+    """Tokens per sample."""
+    max_position_embeddings: int
+    """Size of the learned position-embedding table; at least seq_length."""
+    vocab_size: int
+    """Tokenizer vocabulary (eod included), before padding."""
+    padded_vocab_size: int
+    """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by * TP, as Megatron does."""
+    hidden_dropout: float = 0.1
+    """Dropout after attention and MLP."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+    init_method_std: float = 0.02
+    """Std of the normal initialisation of weight matrices."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weights instead of reusing the word embeddings."""
+    bf16: bool = False
+    """Run the model in bfloat16 with fp32 main parameters in the optimizer."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each layer's matrices (TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages (PP)."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline stage for the interleaved schedule (VPP); None = not interleaved."""
+    sequence_parallel: bool = False
+    """Split layer-norm and dropout activations along the sequence over the TP ranks."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over the data-parallel ranks (ZeRO-1)."""
+    world_size: int = 1
+    """Total ranks; data-parallel size = world_size / (TP * PP)."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_decay_style: LrDecayStyle = LrDecayStyle.LINEAR
+    """Shape of the decay after warm-up."""
+    lr_warmup_iters: int = 0
+    """Iterations of linear warm-up from 0 to lr."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which lr decays; train_iters when not given."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    micro_batch_size: int
+    """Samples per forward/backward on one data-parallel rank."""
+    global_batch_size: int
+    """Samples per optimizer step over all data-parallel ranks."""
+    train_iters: int
+    """Optimizer steps of the whole run."""
+    seed: int = 1234
+    """Seed of python, numpy, torch and the tensor-parallel RNG tracker."""
+    eval_interval: int = 1000
+    """Run validation every this many iterations (0 disables)."""
+    eval_iters: int = 100
+    """Batches per validation."""
+    exit_interval: Optional[int] = None
+    """Stop (after saving if --save is set) when the iteration is a multiple of this."""
+    exit_signal_handler: bool = False
+    """On SIGTERM: save a checkpoint at the end of the current iteration and exit 0."""
+
+    def num_microbatches(self, data_parallel_size: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = None
+    """Directory to save checkpoints in (None: never save)."""
+    load: Optional[str] = None
+    """Directory to resume from (None: start from scratch)."""
+    save_interval: Optional[int] = None
+    """Save every this many iterations."""
+    ckpt_format: CkptFormat = CkptFormat.TORCH_DIST
+    """On-disk format."""
+    async_save: bool = False
+    """Write torch_dist checkpoints in the background (megatron-core AsyncCallsQueue)."""
+    save_optim: bool = True
+    """Include the optimizer and scheduler state."""
+    load_optim: bool = True
+    """Restore the optimizer and scheduler state."""
+    save_rng: bool = True
+    """Include python/numpy/torch/TP-tracker RNG states."""
+    load_rng: bool = True
+    """Restore the RNG states."""
+    finetune: bool = False
+    """Load weights only; start at iteration 0 with fresh optimizer, scheduler and RNG."""
+    async_lazy_save: bool = False
+    """Reserved for the DataStates lazy asynchronous backend (not yet implemented)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    mock_data: bool = False
+    """Use megatron-core's synthetic mock dataset."""
+    data_path: tuple = ()
+    """Megatron blend: either prefixes, or alternating weight and prefix."""
+    split: str = "969,30,1"
+    """Train/valid/test proportions of each dataset."""
+    tokenizer_type: str = "NullTokenizer"
+    """Offline tokenizer, see megatron.training.tokenizer."""
+    vocab_size: Optional[int] = None
+    """For NullTokenizer: number of ids in the text (eod gets id vocab_size)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times TP."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 100
+    """Print a training line every this many iterations."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs, resolved; saved as run_config.json next to the checkpoints."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    data: DataConfig
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_json(self) -> str:
+        def encode(obj):
+            if isinstance(obj, enum.Enum):
+                return obj.value
+            raise TypeError(f"cannot encode {type(obj).__name__}")
+
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=encode)

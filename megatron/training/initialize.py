@@ -1,0 +1,78 @@
+"""Process-group, model-parallel and RNG initialisation."""
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.training.config import ParallelConfig
+from megatron.training.cpu_compat import apply_cpu_patches, cuda_available
+
+
+def backend_name() -> str:
+    """nccl when CUDA is present, gloo otherwise."""
+    return "nccl" if cuda_available() else "gloo"
+
+
+def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10) -> None:
+    """1) patch megatron-core for CPU if needed; 2) init the default process group from the
+    torchrun environment (a single process without torchrun gets a world of one);
+    3) build megatron-core's TP/PP/DP groups."""
+    from megatron.core import parallel_state
+
+    apply_cpu_patches()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if cuda_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend_name(), rank=rank, world_size=world,
+                                timeout=timedelta(minutes=timeout_minutes))
+    if dist.get_world_size() != parallel.world_size:
+        raise ValueError(f"config was built for world size {parallel.world_size} but "
+                         f"torch.distributed has {dist.get_world_size()} ranks")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_random_seeds(seed: int) -> None:
+    """Seed python, numpy and torch, then the tensor-parallel RNG tracker.
+
+    As in Megatron-LM, each pipeline stage gets its own offset so stages do not share dropout
+    streams; the tracker derives a per-TP-rank stream for dropout inside TP regions. Initial
+    weights do not depend on these (see model.initialize_weights_layout_independent).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,55 @@
+"""Rank-aware printing and Megatron-LM's log-line format (parsed by scripts and tests)."""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch.distributed as dist
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _last_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_0(message: str) -> None:
+    if _rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    """Megatron prints training lines from the last rank: it holds the loss under PP."""
+    if _last_rank():
+        print(message, flush=True)
+
+
+def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
+                      elapsed_ms: float, lr: float, global_batch_size: int, lm_loss: float,
+                      grad_norm, skipped: int, nans: int) -> str:
+    line = f" iteration {iteration:8d}/{train_iters:8d} |"
+    line += f" consumed samples: {consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+    line += f" learning rate: {lr:.6E} |"
+    line += f" global batch size: {global_batch_size:5d} |"
+    line += f" lm loss: {lm_loss:.6E} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped:3d} |"
+    line += f" number of nan iterations: {nans:3d} |"
+    return line
+
+
+def validation_lines(iteration: int, lm_loss: float, prefix: str = "validation") -> str:
+    ppl = math.exp(min(20.0, lm_loss))
+    body = (f" {prefix} loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |"
+            f" lm loss PPL: {ppl:.6E} | ")
+    rule = "-" * (len(body) + 1)
+    return f"{rule}\n{body}\n{rule}"
+
+
+def flush_all() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()

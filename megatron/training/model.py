@@ -1,0 +1,150 @@
+"""Build the GPT model chunks: megatron-core GPTModel, Float16Module for bf16, megatron DDP."""
+from __future__ import annotations
+
+import zlib
+from typing import List
+
+import torch
+
+from megatron.training.config import ModelConfig, ParallelConfig
+from megatron.training.cpu_compat import batch_p2p_comm_for, cuda_available
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: str):
+    """megatron-core TransformerConfig for our model and layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if model.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        # The schedules allocate p2p receive buffers of this dtype.
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=model.bf16,
+        # On CPU this makes initial weights identical for any TP size (full master weight, then
+        # split); on GPU it is Megatron's default (initialise on device).
+        use_cpu_initialization=not cuda_available(),
+        batch_p2p_comm=batch_p2p_comm_for(parallel.pipeline_model_parallel_size,
+                                          parallel.virtual_pipeline_model_parallel_size, backend),
+        # Megatron-LM masks with the causal attention mask type; the local spec needs no mask tensor.
+        calculate_per_token_loss=False,
+    )
+
+
+def layer_spec():
+    """transformer-engine spec when CUDA and TE are importable; the local (torch) spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if cuda_available():
+        try:
+            import transformer_engine  # noqa: F401
+
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return gpt_layer_specs.get_gpt_layer_local_spec()
+
+
+def build_model_chunks(model: ModelConfig, parallel: ParallelConfig, config) -> List[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage held by this rank (one without VPP)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp is not None else None
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(),
+            vocab_size=model.padded_vocab_size,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+            position_embedding_type="learned_absolute",
+            vp_stage=stage,
+        ))
+    return chunks
+
+
+def _seed_for(seed: int, key: str, index: tuple) -> int:
+    return (seed * 1_000_003 + zlib.crc32(f"{key}@{index}".encode())) % (2**63 - 1)
+
+
+@torch.no_grad()
+def initialize_weights_layout_independent(chunks, model: ModelConfig, seed: int) -> int:
+    """Re-draw every weight matrix from a generator keyed by (seed, global name, layer), slicing
+    this rank's shard out of the full tensor.
+
+    Megatron's own initialisation consumes one RNG stream in construction order and offsets the
+    seed per pipeline stage, so a PP run starts from other weights than a single-process run.
+    Keyed draws make the initial model a function of the seed alone, identical for any TP/PP/VPP/DP
+    layout. Biases and norms are constants already. Returns the number of tensors re-drawn.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    std = model.init_method_std
+    scaled_std = std / (2.0 * model.num_layers) ** 0.5  # Megatron's scaled_init_method_normal
+    count = 0
+    for chunk in chunks:
+        for sh in nested_values(chunk.sharded_state_dict()):
+            if not isinstance(sh, ShardedTensor) or sh.key.endswith("_extra_state"):
+                continue
+            pre = sh.prepend_axis_num
+            if sh.data.dim() < 2 or len(sh.global_shape) - pre < 2:
+                continue
+            name = sh.key
+            sigma = scaled_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+            outer = tuple(sh.global_offset[:pre])
+            gen = torch.Generator().manual_seed(_seed_for(seed, name, outer))
+            full = torch.empty(sh.global_shape[pre:], dtype=torch.float32)
+            full.normal_(0.0, sigma, generator=gen)
+            index = tuple(slice(o, o + n) for o, n in zip(sh.global_offset[pre:], sh.data.shape))
+            sh.data.copy_(full[index].to(sh.data.dtype))
+            count += 1
+    return count
+
+
+def wrap_model(chunks, model: ModelConfig, parallel: ParallelConfig, config):
+    """Float16Module for bf16 (as Megatron does; it also casts norms) and megatron DDP, which
+    megatron's optimizer needs even at DP=1."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if cuda_available():
+        chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
+    if model.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=model.bf16,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
+                                disable_bucketing=(i > 0))
+        for i, c in enumerate(chunks)
+    ]
+
+
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def count_parameters(chunks) -> int:
+    return sum(p.numel() for c in chunks for p in c.parameters())

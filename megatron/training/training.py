@@ -1,0 +1,251 @@
+"""The training loop: set-up, train_step, evaluation, exit conditions, checkpoint hooks."""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.checkpoint_loading import load_checkpoint
+from megatron.training.checkpoint_state import TrainState
+from megatron.training.checkpointing import CheckpointManager, make_checkpoint_manager
+from megatron.training.config import RunConfig
+from megatron.training.cpu_compat import apply_torch_adam_patches
+from megatron.training.data import Datasets, MicroBatchIterator, build_datasets, get_batch
+from megatron.training.initialize import backend_name, initialize_distributed, set_random_seeds
+from megatron.training.log import print_rank_0, print_rank_last, training_log_line, validation_lines
+from megatron.training.model import (
+    build_model_chunks,
+    count_parameters,
+    initialize_weights_layout_independent,
+    transformer_config,
+    wrap_model,
+)
+
+
+@dataclass
+class Trainer:
+    config: RunConfig
+    state: TrainState
+    datasets: Datasets
+    checkpoints: CheckpointManager
+    model_config: object
+    device: torch.device
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def _build_optimizer(config: RunConfig, model):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, t = config.optimizer, config.training
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad, bf16=config.model.bf16,
+        params_dtype=torch.bfloat16 if config.model.bf16 else torch.float32,
+        use_distributed_optimizer=config.parallel.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(opt_config, model)
+    gbs = t.global_batch_size
+    decay_iters = o.lr_decay_iters or t.train_iters
+    # Megatron counts scheduler steps in samples: one optimizer step advances it by gbs.
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters * gbs, lr_decay_steps=max(1, decay_iters * gbs),
+        lr_decay_style=o.lr_decay_style.value, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=max(1, t.train_iters * gbs), wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def setup(config: RunConfig) -> Trainer:
+    """Every rank: init process groups, seeds, model, optimizer, data; load --load if given."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.core import parallel_state as ps
+
+    initialize_distributed(config.parallel)
+    apply_torch_adam_patches()
+    t = config.training
+    init_num_microbatches_calculator(dist.get_rank(), None, t.global_batch_size,
+                                     t.micro_batch_size, config.parallel.data_parallel_size)
+    set_random_seeds(t.seed)
+    model_config = transformer_config(config.model, config.parallel, backend_name())
+    chunks = build_model_chunks(config.model, config.parallel, model_config)
+    initialize_weights_layout_independent(chunks, config.model, t.seed)
+    model = wrap_model(chunks, config.model, config.parallel, model_config)
+    optimizer, scheduler = _build_optimizer(config, model)
+    # Hooks the megatron-core schedules call: loss scaling, grad sync control, grad finalisation
+    # (DP all-reduce, tied-embedding and sequence-parallel norm all-reduces).
+    model_config.grad_scale_func = optimizer.scale_loss
+    no_sync = [m.no_sync for m in model]
+    model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    model_config.finalize_model_grads_func = finalize_model_grads
+    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
+    load_checkpoint(state, config)
+    params = count_parameters(model)
+    print_rank_0(f"> GPT model: {params} parameters on rank 0 (TP {ps.get_tensor_model_parallel_world_size()}"
+                 f", PP {ps.get_pipeline_model_parallel_world_size()}, DP "
+                 f"{ps.get_data_parallel_world_size()}), backend {backend_name()}")
+    datasets = build_datasets(config.data, config.model, t)
+    return Trainer(config=config, state=state, datasets=datasets,
+                   checkpoints=make_checkpoint_manager(config), model_config=model_config,
+                   device=_device())
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of token losses, token count, and [sum, count] for reporting (Megatron's 3-tuple:
+    the schedule divides by the count, so the loss is a per-token mean over the global batch)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def _forward_step(device, data_iterator, model):
+    batch = get_batch(data_iterator, device)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _data_iterators(trainer: Trainer, dataset, consumed: int):
+    from megatron.core import parallel_state as ps
+
+    make = lambda: MicroBatchIterator(  # noqa: E731
+        dataset, consumed, trainer.config.training.micro_batch_size,
+        ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    n = len(trainer.state.model)
+    return make() if n == 1 else [make() for _ in range(n)]
+
+
+def _reduce_loss(losses: List[dict]) -> Optional[float]:
+    """Per-token mean over the global batch; None on ranks that hold no loss (not last stage)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    total = torch.zeros(2)
+    for item in losses:
+        total += item["lm loss"].float().cpu()
+    total = total.to(_device())
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def _run_schedule(trainer: Trainer, iterators, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    t = trainer.config.training
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, trainer.device), data_iterator=iterators,
+        model=trainer.state.model, num_microbatches=t.num_microbatches(
+            trainer.config.parallel.data_parallel_size),
+        seq_length=trainer.config.model.seq_length, micro_batch_size=t.micro_batch_size,
+        decoder_seq_length=trainer.config.model.seq_length, forward_only=forward_only)
+
+
+def train_step(trainer: Trainer, iterators):
+    """forward/backward, then the checkpoint hook, then the optimizer step."""
+    state = trainer.state
+    for chunk in state.model:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    losses = _run_schedule(trainer, iterators, forward_only=False)
+    trainer.checkpoints.before_optimizer_step()
+    ok, grad_norm, _ = state.optimizer.step()
+    if ok:
+        state.scheduler.step(increment=trainer.config.training.global_batch_size)
+    return _reduce_loss(losses), grad_norm, ok
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer, prefix: str = "validation") -> Optional[float]:
+    state, t = trainer.state, trainer.config.training
+    if trainer.datasets.valid is None or t.eval_iters == 0:
+        return None
+    for chunk in state.model:
+        chunk.eval()
+    iterators = _data_iterators(trainer, trainer.datasets.valid, state.consumed_valid_samples)
+    losses = []
+    for _ in range(t.eval_iters):
+        losses += _run_schedule(trainer, iterators, forward_only=True)
+        state.consumed_valid_samples += t.global_batch_size
+    loss = _reduce_loss(losses)
+    if loss is not None:
+        print_rank_last(validation_lines(state.iteration, loss, prefix))
+    return loss
+
+
+class _SigtermFlag:
+    """Set by SIGTERM; agreed on by all ranks each iteration so they stop at the same one."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.received = enabled, False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank_received(self) -> bool:
+        if not self.enabled:
+            return False
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def train(trainer: Trainer) -> int:
+    """Run to train_iters (or exit interval / SIGTERM); returns the last iteration."""
+    state, t = trainer.state, trainer.config.training
+    sigterm = _SigtermFlag(t.exit_signal_handler)
+    iterators = _data_iterators(trainer, trainer.datasets.train, state.consumed_train_samples)
+    log_interval = trainer.config.logging.log_interval
+    window_start, skipped = time.time(), 0
+    saved_last = True  # nothing new to save unless an iteration runs
+    print_rank_0(f"training from iteration {state.iteration} to {t.train_iters}")
+    try:
+        while state.iteration < t.train_iters:
+            loss, grad_norm, ok = train_step(trainer, iterators)
+            state.iteration += 1
+            state.consumed_train_samples += t.global_batch_size
+            skipped += 0 if ok else 1
+            if state.iteration % log_interval == 0:
+                elapsed = (time.time() - window_start) * 1000.0 / log_interval
+                if loss is not None:
+                    print_rank_last(training_log_line(
+                        state.iteration, t.train_iters, state.consumed_train_samples, elapsed,
+                        state.optimizer.param_groups[0]["lr"], t.global_batch_size, loss,
+                        grad_norm, skipped, 0))
+                window_start, skipped = time.time(), 0
+            if t.eval_interval and state.iteration % t.eval_interval == 0:
+                evaluate(trainer)
+            # After eval (as Megatron): the checkpoint then holds the consumed validation
+            # samples too, so a resumed run validates on the same batches.
+            saved_last = trainer.checkpoints.maybe_save(state)
+            trainer.checkpoints.after_iteration(state.iteration)
+            if sigterm.any_rank_received():
+                print_rank_0(f"exiting on SIGTERM at iteration {state.iteration}")
+                if not saved_last:
+                    trainer.checkpoints.maybe_save(state, force=True)
+                return state.iteration
+            if t.exit_interval and state.iteration % t.exit_interval == 0:
+                print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval)")
+                if not saved_last:
+                    trainer.checkpoints.maybe_save(state, force=True)
+                return state.iteration
+        if not saved_last and state.iteration > 0:
+            trainer.checkpoints.maybe_save(state, force=True)  # Megatron saves at the end too
+        return state.iteration
+    finally:
+        trainer.checkpoints.finalize()

@@ -1,0 +1,48 @@
+"""Pretrain a GPT model with megatron-core (Megatron-LM flag names).
+
+    torchrun --standalone --nproc_per_node N pretrain_gpt.py [Megatron-LM flags]
+
+Bad input (flags, checkpoints) ends with one clear message and exit status 2 (1 for other
+errors); the traceback is printed only with DEBUG_TRACEBACK=1.
+"""
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    from megatron.training.arguments import ArgumentError, build_run_config, parse_args
+    from megatron.training.checkpoint_state import CheckpointError
+
+    try:
+        config = build_run_config(parse_args(argv))
+    except (ArgumentError, ValueError) as err:
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    from megatron.training.initialize import destroy_distributed
+    from megatron.training.training import setup, train
+
+    try:
+        trainer = setup(config)
+        if config.checkpoint.save and int(os.environ.get("RANK", "0")) == 0:
+            os.makedirs(config.checkpoint.save, exist_ok=True)
+        train(trainer)
+    except CheckpointError as err:
+        _report(err)
+        return 2
+    except Exception as err:  # noqa: BLE001 - the entry point reports, the library raises
+        _report(err)
+        return 1
+    destroy_distributed()
+    return 0
+
+
+def _report(err: BaseException) -> None:
+    if os.environ.get("DEBUG_TRACEBACK"):
+        import traceback
+
+        traceback.print_exc()
+    print(f"pretrain_gpt.py: error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Unit tests without a process group: argument checks, config JSON, log format, CPU policy."""
+import json
+import re
+
+import pytest
+
+from megatron.training.arguments import ArgumentError, build_run_config, parse_args
+from megatron.training.cpu_compat import batch_p2p_comm_for
+from megatron.training.log import training_log_line, validation_lines
+
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --mock-data --vocab-size 255")
+
+
+def config(extra="", world_size=1):
+    return build_run_config(parse_args((BASE + " " + extra).split()), world_size=world_size)
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 2,
+     "world size 2 is not divisible by TP*PP"),
+    ("--pipeline-model-parallel-size 3", 3, "--num-layers 4 is not divisible by"),
+    ("--tensor-model-parallel-size 3", 3, "--num-attention-heads 4 is not divisible"),
+    ("--global-batch-size 6", 4, "--global-batch-size 6 is not divisible by --micro-batch-size 2"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 2,
+     "not divisible by --num-layers-per-virtual-pipeline-stage 3"),
+    ("--sequence-parallel", 1, "--sequence-parallel needs"),
+    ("--load /nonexistent/ckpt", 1, "--load directory '/nonexistent/ckpt' does not exist"),
+    ("--async-lazy-save", 1, "not yet implemented"),
+    ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist"),
+    ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),
+])
+def test_contradictory_flags_get_a_clear_error(extra, world, message):
+    with pytest.raises(ArgumentError) as err:
+        config(extra, world)
+    assert message in str(err.value)
+
+
+def test_unknown_flag_is_named():
+    with pytest.raises(ArgumentError, match="--no-such-flag"):
+        parse_args((BASE + " --no-such-flag 3").split())
+
+
+def test_config_resolves_layout_vocab_and_microbatches():
+    cfg = config("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                 "--num-layers-per-virtual-pipeline-stage 1", world_size=8)
+    assert cfg.parallel.data_parallel_size == 2
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+    assert cfg.model.vocab_size == 256 and cfg.model.padded_vocab_size == 256
+    assert cfg.training.num_microbatches(cfg.parallel.data_parallel_size) == 2
+    saved = json.loads(cfg.to_json())
+    assert saved["checkpoint"]["ckpt_format"] == "torch_dist"
+    assert saved["model"]["ffn_hidden_size"] == 256
+
+
+def test_vpp_with_two_stages_on_gloo_uses_unbatched_p2p():
+    assert batch_p2p_comm_for(2, 2, "gloo") is False
+    assert batch_p2p_comm_for(2, None, "gloo") is True
+    assert batch_p2p_comm_for(4, 2, "gloo") is True
+    assert batch_p2p_comm_for(2, 2, "nccl") is True
+
+
+def test_log_lines_follow_megatron_format():
+    line = training_log_line(7, 100, 56, 123.45, 3e-4, 8, 5.123456789, 1.5, 0, 0)
+    assert re.search(r" iteration\s+7/\s+100 \|", line)
+    assert "elapsed time per iteration (ms): 123.5 |" in line
+    assert "learning rate: 3.000000E-04 |" in line
+    assert "lm loss: 5.123457E+00 |" in line
+    assert "grad norm: 1.500 |" in line
+    assert "lm loss value: 2.000000E+00 |" in validation_lines(3, 2.0)

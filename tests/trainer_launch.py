@@ -1,0 +1,116 @@
+"""Helpers for the trainer's multi-process tests: launch pretrain_gpt.py, parse Megatron log lines.
+
+A megatron-core process takes ~5-9 s to start, so tests group their assertions into few launches.
+Runs are killed with their whole process tree on timeout (torchrun's workers may outlive it).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+ENTRY = str(REPO / "pretrain_gpt.py")
+
+# ~0.2M parameters: 4 layers so PP2, PP2xVPP2 and TP2xPP2 all split evenly.
+TINY_MODEL = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+    "--mock-data", "--vocab-size", "255", "--log-interval", "1", "--seed", "1234",
+]
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+_TRAIN = re.compile(r" iteration\s+(\d+)/\s*(\d+) \|.*? lm loss: (\S+) \|(?:.*? grad norm: (\S+) \|)?")
+_VALID = re.compile(r" validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def losses(self) -> Dict[int, str]:
+        """iteration -> the `lm loss` field exactly as printed (for bit-exact comparison)."""
+        return {int(m.group(1)): m.group(3) for m in _TRAIN.finditer(self.stdout)}
+
+    def grad_norms(self) -> Dict[int, str]:
+        return {int(m.group(1)): m.group(4) for m in _TRAIN.finditer(self.stdout)}
+
+    def validation(self) -> Dict[int, str]:
+        return {int(m.group(1)): m.group(2) for m in _VALID.finditer(self.stdout)}
+
+    def describe(self) -> str:
+        return f"rc={self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}"
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        parent = psutil.Process(proc.pid)
+        victims = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=10)
+
+
+def launch(nproc: int, args: List[str], timeout: float = 240.0,
+           on_line: Optional[Callable[[str, subprocess.Popen], None]] = None) -> Run:
+    """Run pretrain_gpt.py on ``nproc`` local ranks (plain python for 1, torchrun otherwise)."""
+    if nproc == 1:
+        cmd = [sys.executable, ENTRY] + args
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", ENTRY] + args
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONWARNINGS="ignore", TORCHELASTIC_ERROR_FILE="")
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + timeout
+    out_lines: List[str] = []
+    try:
+        if on_line is not None:
+            for line in proc.stdout:  # stream so the callback can react (e.g. send SIGTERM)
+                out_lines.append(line)
+                on_line(line, proc)
+                if time.time() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+            stdout_rest, stderr = proc.communicate(timeout=max(1.0, deadline - time.time()))
+        else:
+            stdout_rest, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        stdout_rest, stderr = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{''.join(out_lines)}"
+                             f"{stdout_rest}\n{stderr}")
+    return Run(proc.returncode, "".join(out_lines) + (stdout_rest or ""), stderr or "")
+
+
+def send_sigterm_to_tree(proc: subprocess.Popen) -> None:
+    try:
+        for p in [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True):
+            p.send_signal(signal.SIGTERM)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def assert_close(actual: Dict[int, str], expected: Dict[int, str], rel: float = 2e-5) -> None:
+    """Per-iteration values agree to fp32 reduction-order tolerance (printed with 7 digits)."""
+    assert sorted(actual) == sorted(expected), (actual, expected)
+    for it in expected:
+        a, e = float(actual[it]), float(expected[it])
+        assert abs(a - e) <= rel * abs(e), f"iteration {it}: {a} vs {e}"
