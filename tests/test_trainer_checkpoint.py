@@ -1,0 +1,124 @@
+"""Save/resume: bit-identical `lm loss` continuation, resume at another layout, SIGTERM, bad loads.
+
+One uninterrupted run per scenario saves every 3 iterations; the resumed run loads a copy of its
+iteration-3 checkpoint, so the reference and the checkpoint come from a single launch.
+"""
+import json
+import os
+import shutil
+
+import pytest
+
+from trainer_launch import NO_DROPOUT, TINY_MODEL, assert_close, launch, send_sigterm_to_tree
+
+SIX = ["--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1"]
+
+
+def _copy_checkpoint(src_root, iteration, dst_root):
+    """A --load root that holds only ``iteration`` (as if the run had stopped there)."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(os.path.join(src_root, name), os.path.join(dst_root, name))
+    with open(os.path.join(dst_root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+    return str(dst_root)
+
+
+def _after(values, iteration):
+    return {k: v for k, v in values.items() if k > iteration}
+
+
+@pytest.fixture(scope="module")
+def dropout_run(tmp_path_factory):
+    """Single process, dropout on (so RNG restore matters), torch_dist sync saves at 3 and 6."""
+    root = tmp_path_factory.mktemp("ckpt_dropout")
+    run = launch(1, TINY_MODEL + SIX + ["--save", str(root), "--save-interval", "3"])
+    assert run.returncode == 0, run.describe()
+    return run, root
+
+
+def test_torch_dist_layout_and_bit_exact_resume(dropout_run, tmp_path):
+    run, root = dropout_run
+    assert open(root / "latest_checkpointed_iteration.txt").read().strip() == "6"
+    assert (root / "iter_0000003" / "metadata.json").is_file()
+    saved = json.loads((root / "run_config.json").read_text())
+    assert saved["model"]["num_layers"] == 4 and saved["checkpoint"]["ckpt_format"] == "torch_dist"
+    load = _copy_checkpoint(root, 3, tmp_path / "load")
+    resumed = launch(1, TINY_MODEL + SIX + ["--load", load])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "optimizer restored, rng restored" in resumed.stdout
+    assert resumed.losses() == _after(run.losses(), 3)
+    assert resumed.validation() == _after(run.validation(), 3)
+
+
+def test_torch_format_exit_interval_then_bit_exact_resume(dropout_run, tmp_path):
+    run, _ = dropout_run
+    root = tmp_path / "torch"
+    first = launch(1, TINY_MODEL + SIX + ["--ckpt-format", "torch", "--save", str(root),
+                                          "--save-interval", "100", "--exit-interval", "3"])
+    assert first.returncode == 0, first.describe()
+    assert sorted(first.losses()) == [1, 2, 3]
+    assert (root / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert open(root / "latest_checkpointed_iteration.txt").read().strip() == "3"
+    resumed = launch(1, TINY_MODEL + SIX + ["--ckpt-format", "torch", "--load", str(root)])
+    assert resumed.returncode == 0, resumed.describe()
+    assert resumed.losses() == _after(run.losses(), 3)
+
+
+def test_other_model_shape_is_refused_clearly(dropout_run, tmp_path):
+    _, root = dropout_run
+    shape = [a if a != "64" else "32" for a in TINY_MODEL]  # --hidden-size 32
+    run = launch(1, shape + SIX + ["--load", str(root)])
+    assert run.returncode == 2, run.describe()
+    assert "another model shape" in run.stderr and "hidden_size: checkpoint 64, this run 32" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.fixture(scope="module")
+def distopt_async_run(tmp_path_factory):
+    """DP2 with the distributed optimizer and --async-save; no dropout (compared across layouts)."""
+    root = tmp_path_factory.mktemp("ckpt_distopt")
+    run = launch(2, TINY_MODEL + NO_DROPOUT + SIX + [
+        "--use-distributed-optimizer", "--async-save", "--save", str(root), "--save-interval", "3"])
+    assert run.returncode == 0, run.describe()
+    assert open(root / "latest_checkpointed_iteration.txt").read().strip() == "6"
+    return run, root
+
+
+def test_distributed_optimizer_async_save_resumes_bit_exact(distopt_async_run, tmp_path):
+    run, root = distopt_async_run
+    load = _copy_checkpoint(root, 3, tmp_path / "load")
+    resumed = launch(2, TINY_MODEL + NO_DROPOUT + SIX + ["--use-distributed-optimizer",
+                                                         "--load", load])
+    assert resumed.returncode == 0, resumed.describe()
+    assert resumed.losses() == _after(run.losses(), 3)
+
+
+def test_resume_at_another_layout_restores_weights_and_optimizer(distopt_async_run, tmp_path):
+    run, root = distopt_async_run
+    load = _copy_checkpoint(root, 3, tmp_path / "load")
+    resumed = launch(2, TINY_MODEL + NO_DROPOUT + SIX + [
+        "--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--load", load])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "optimizer restored" in resumed.stdout and "are not restored" in resumed.stdout
+    # Iteration 4's loss proves the weights; 5 and 6 prove Adam moments and step were resharded.
+    assert_close(resumed.losses(), _after(run.losses(), 3))
+
+
+def test_sigterm_saves_then_exits_zero(tmp_path):
+    root = tmp_path / "sigterm"
+    sent = []
+
+    def on_line(line, proc):
+        if not sent and " iteration        2/" in line:
+            send_sigterm_to_tree(proc)
+            sent.append(True)
+
+    run = launch(1, TINY_MODEL + NO_DROPOUT + ["--train-iters", "500", "--eval-interval", "0",
+                                               "--exit-signal-handler", "--save", str(root)],
+                 on_line=on_line)
+    assert sent and run.returncode == 0, run.describe()
+    stopped = max(run.losses())
+    assert 2 <= stopped < 500
+    assert "exiting on SIGTERM" in run.stdout
+    assert open(root / "latest_checkpointed_iteration.txt").read().strip() == str(stopped)
+    assert (root / f"iter_{stopped:07d}" / "metadata.json").is_file()
