@@ -24,3 +24,7 @@ __all__ = ["Checksum", "CheckpointEngine", "CheckpointError", "CheckpointReader"
            "EngineConfig", "FORMAT_VERSION", "SaveHandle", "SaveRecord", "TensorMeta",
            "TensorShard", "WriteMode", "is_committed", "latest_committed", "step_dir",
            "try_commit"]
+
+from . import _megatron_hook
+
+_megatron_hook.install()

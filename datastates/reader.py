@@ -235,6 +235,18 @@ class CheckpointReader:
         with ThreadPoolExecutor(self.threads) as pool:
             return list(pool.map(fn, items))
 
+    def load_objects(self, rank: int = 0) -> Any:
+        """The nested state as `rank` saved it, without its TensorShard leaves (None in their
+        place): small objects and the plain tensors among them (e.g. RNG states), read without
+        touching the shards' bytes."""
+        if rank not in self._by_rank:
+            raise CheckpointError(f"no such rank; the checkpoint has ranks {self.ranks()}",
+                                  rank=rank, file=self.directory)
+        metas = self._by_rank[rank]
+        leaves = [None if m.is_shard else self._read_local_box(m, (0,) * len(m.shape), m.shape)
+                  for m in metas]
+        return decode_skeleton(self._objects[rank], leaves, self.allow_pickle)
+
     def load_state(self, rank: int = 0) -> Any:
         """The nested state as `rank` saved it. Plain tensors come back as tensors, TensorShard
         leaves as TensorShard(data, key, global_shape, global_offset) holding that rank's data."""
