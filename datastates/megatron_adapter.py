@@ -133,7 +133,7 @@ class DataStatesLoadStrategy(LoadShardedStrategy):
                                   allow_pickle=self.allow_pickle)
         try:
             objects = None
-            known = set(reader.tensor_keys())
+            known = set(reader.tensor_keys(shards_only=True))
 
             def load_one(item):
                 nonlocal objects
@@ -160,7 +160,7 @@ class DataStatesLoadStrategy(LoadShardedStrategy):
         reader = CheckpointReader(str(checkpoint_dir), verify=False)
         try:
             out = {}
-            for key in reader.tensor_keys():
+            for key in reader.tensor_keys(shards_only=True):
                 meta = reader.tensor_meta(key)
                 out[key] = ShardedTensor.from_rank_offsets(
                     key, torch.empty(meta.global_shape, dtype=meta.dtype, device="meta"))

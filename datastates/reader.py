@@ -105,8 +105,11 @@ class CheckpointReader:
     def ranks(self) -> List[int]:
         return sorted(self._by_rank)
 
-    def tensor_keys(self) -> List[str]:
-        return sorted(self._by_key)
+    def tensor_keys(self, shards_only: bool = False) -> List[str]:
+        """Global keys of saved tensors; with `shards_only`, only those saved as TensorShard
+        (not plain tensors nested in small objects, e.g. RNG states)."""
+        return sorted(k for k, metas in self._by_key.items()
+                      if not shards_only or metas[0].is_shard)
 
     def tensor_meta(self, key: str) -> TensorMeta:
         metas = self._metas(key)
