@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node N pretrain_gpt.py [Megatron-LM flags]
 
 Bad input (flags, checkpoints) ends with one clear message and exit status 2 (1 for other
-errors); the traceback is printed only with DEBUG_TRACEBACK=1.
+errors); our traceback is printed only with DEBUG_TRACEBACK=1 (torchrun still prints its own
+summary of failed workers).
 """
 import os
 import sys
@@ -16,7 +17,9 @@ def main(argv=None) -> int:
     try:
         config = build_run_config(parse_args(argv))
     except (ArgumentError, ValueError) as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        # Every rank finds the same mistake; one copy of the message is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
         return 2
     from megatron.training.initialize import destroy_distributed
     from megatron.training.training import setup, train

@@ -122,3 +122,18 @@ def test_sigterm_saves_then_exits_zero(tmp_path):
     assert "exiting on SIGTERM" in run.stdout
     assert open(root / "latest_checkpointed_iteration.txt").read().strip() == str(stopped)
     assert (root / f"iter_{stopped:07d}" / "metadata.json").is_file()
+
+
+def test_entry_point_reports_bad_layout_and_missing_load_in_one_line(tmp_path):
+    contradictory = launch(2, TINY_MODEL + SIX + ["--tensor-model-parallel-size", "2",
+                                                  "--pipeline-model-parallel-size", "2"])
+    assert contradictory.returncode != 0
+    # Once (rank 0), and no traceback from our code (torchrun adds its own failure summary).
+    assert contradictory.stderr.count(
+        "pretrain_gpt.py: error: world size 2 is not divisible by TP*PP = 2*2 = 4") == 1
+    assert "megatron/training/" not in contradictory.stderr
+    missing = launch(1, TINY_MODEL + SIX + ["--load", str(tmp_path / "nope")])
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        f"pretrain_gpt.py: error: --load directory '{tmp_path / 'nope'}' does not exist "
+        "(expected a directory holding latest_checkpointed_iteration.txt and iter_NNNNNNN/)"]

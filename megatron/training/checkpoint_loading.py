@@ -25,6 +25,7 @@ from megatron.training.checkpoint_state import (
 )
 from megatron.training.checkpointing import (
     TORCH_FILENAME,
+    TRACKER_FILENAME,
     checkpoint_dir,
     read_tracker,
     torch_rank_dir,
@@ -72,6 +73,13 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     """
     ckpt = config.checkpoint
     if ckpt.load is None:
+        return False
+    if not os.path.isdir(ckpt.load):
+        raise CheckpointError("--load directory does not exist", path=ckpt.load)
+    if not os.path.isfile(os.path.join(ckpt.load, TRACKER_FILENAME)):
+        # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
+        print_rank_0(f"no {TRACKER_FILENAME} in {ckpt.load}: no complete checkpoint there yet, "
+                     "starting from scratch")
         return False
     iteration = read_tracker(ckpt.load)
     directory = checkpoint_dir(ckpt.load, iteration)

@@ -132,9 +132,15 @@ class TorchDistCheckpointManager(CheckpointManager):
             # save call, and it needs no CUDA (the persistent worker calls torch.cuda.set_device).
             self._queue = AsyncCallsQueue(persistent=False)
 
+    def save_strategy(self):
+        """The dist_checkpointing save strategy; a backend with its own format overrides this
+        (and registers the matching load strategy, see docs/TRAINER.md)."""
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        return TorchDistSaveShardedStrategy("torch_dist", 1)
+
     def _save(self, state: TrainState) -> None:
         from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         if self._queue is not None:
             self._queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at most
@@ -146,10 +152,9 @@ class TorchDistCheckpointManager(CheckpointManager):
         sd = build_sharded_state_dict(state, self.config, is_loading=False,
                                       include_optim=self.ckpt.save_optim,
                                       include_rng=self.ckpt.save_rng)
-        strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
         request = dist_checkpointing.save(
-            sd, directory, sharded_strategy=strategy, async_sharded_save=self._queue is not None,
-            content_metadata=dict(OPTIMIZER_METADATA))
+            sd, directory, sharded_strategy=self.save_strategy(),
+            async_sharded_save=self._queue is not None, content_metadata=dict(OPTIMIZER_METADATA))
         finish = lambda: write_tracker(self.ckpt.save, iteration, self.config)  # noqa: E731
         if self._queue is None:
             dist.barrier()
