@@ -45,8 +45,10 @@ def _check_committed_run(run, root, iterations, kept=None):
         assert json.loads((d / "metadata.json").read_text())["sharded_backend"] == "datastates"
     lines = _checkpoint_lines(run.stdout)
     assert [int(line.split("|")[0].split()[-1]) for line in lines] == iterations, lines
-    records = [json.loads(x) for x in open(root / "datastates_checkpoints.jsonl")]
+    events = [json.loads(x) for x in open(root / "datastates_checkpoints.jsonl")]
+    records = [r for r in events if r["event"] == "checkpoint"]
     assert [r["iteration"] for r in records] == iterations
+    assert [r["iteration"] for r in events if r["event"] == "iteration"] == iterations
     assert all(r["bytes"] > 0 and r["durable_s"] > 0 for r in records)
 
 

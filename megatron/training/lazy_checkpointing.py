@@ -44,6 +44,8 @@ class _Pending:
     request: object  # megatron AsyncRequest: its finalize functions write metadata.json
     handle: object  # datastates SaveHandle
     stall_s: float  # time the training loop was blocked by this save
+    t_start: float  # wall clock at the save call (for the timeline)
+    t_returned: float  # wall clock when the save call returned
 
 
 class LazyCheckpointManager(CheckpointManager):
@@ -72,7 +74,7 @@ class LazyCheckpointManager(CheckpointManager):
 
         from datastates.megatron_adapter import save_strategy
 
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         directory = checkpoint_dir(self.ckpt.save, state.iteration)
         if self.rank == 0:
             os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
@@ -88,7 +90,7 @@ class LazyCheckpointManager(CheckpointManager):
                                           async_sharded_save=True,
                                           content_metadata=dict(OPTIMIZER_METADATA))
         self.pending.append(_Pending(state.iteration, directory, request, base.handle,
-                                     time.perf_counter() - t0))
+                                     time.perf_counter() - t0, wall0, time.time()))
 
     def maybe_save(self, state: TrainState, force: bool = False) -> bool:
         # The base class logs a synchronous save's duration; ours logs when durable (step 4).
@@ -109,6 +111,8 @@ class LazyCheckpointManager(CheckpointManager):
 
     # -- 4) every iteration ------------------------------------------------------------------
     def after_iteration(self, iteration: int) -> None:
+        if self.rank == 0 and self.ckpt.save:
+            self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
         if self.pending:
             self._commit_ready(blocking=False)
 
@@ -182,18 +186,23 @@ class LazyCheckpointManager(CheckpointManager):
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         total, (stall, copy, durable) = sums.item(), maxes.tolist()
-        return {"iteration": p.iteration, "bytes": int(total), "stall_ms": stall * 1e3,
-                "copy_ms": copy * 1e3, "durable_s": durable,
-                "gbps": total / durable / 1e9 if durable > 0 else 0.0,
-                "ranks": self.world, "time": time.time()}
+        return {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
+                "stall_ms": stall * 1e3, "copy_ms": copy * 1e3, "durable_s": durable,
+                "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,
+                "t_start": p.t_start, "t_returned": p.t_returned, "time": time.time()}
 
     def _log(self, p: _Pending, s: Dict[str, float]) -> None:
         print_rank_0(f" checkpoint iteration {s['iteration']:8d} | bytes: {s['bytes']} | "
                      f"stall (ms): {s['stall_ms']:.1f} | copy (ms): {s['copy_ms']:.1f} | "
                      f"durable (s): {s['durable_s']:.3f} | throughput (GB/s): {s['gbps']:.3f} | "
                      f"committed: {p.directory}")
+        self._event(s)
+
+    def _event(self, record: Dict[str, float]) -> None:
+        """Rank 0: one JSON line per iteration end and per committed checkpoint (the timeline
+        tool draws both)."""
         with open(os.path.join(self.ckpt.save, TELEMETRY_FILENAME), "a") as f:
-            f.write(json.dumps(s) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 def _fsync_files(directory: str, names: List[str]) -> None:
