@@ -195,3 +195,14 @@ def test_write_modes_round_trip_aligned_and_unaligned_pieces(tmp_path, mode):
                                    write_mode=WriteMode(mode))
     assert_same(state, loaded)
     assert 0 < rec.peak_cache_bytes <= 1 << 17
+
+
+def test_small_tensors_are_packed_into_few_writes(tmp_path):
+    writes = []
+    g = torch.Generator().manual_seed(5)
+    state = {f"p{i}": torch.randn(i % 7, 3, generator=g) for i in range(300)}
+    state["big"] = torch.randn(100000, generator=g)
+    loaded, _, _ = save_and_load(state, tmp_path, host_cache_bytes=1 << 20,
+                                 write_hook=lambda ev, info: ev == "write" and writes.append(ev))
+    assert_same(state, loaded)
+    assert 2 <= len(writes) <= 3  # 300 small tensors in one or two blocks, "big" alone
