@@ -117,7 +117,8 @@ def print_table(rounds, nbytes, modes):
                  (f"[{m}] engine CPU s per GB saved", f"{m}.cpu_s_per_gb", "{:.2f}"),
                  (f"[{m}] peak RSS / state size", f"{m}.peak_rss_ratio", "{:.2f}"),
                  (f"[{m}] peak cache / state size", f"{m}.peak_cache_ratio", "{:.2f}")]
-    print(f"| {'metric':42s} | " + " | ".join(f"round {x['round']}" for x in rounds) + " | median  |")
+    header = " | ".join(f"round {x['round']}" for x in rounds)
+    print(f"| {'metric':42s} | {header} | median  |")
     print("|" + "-" * 44 + "|" + "---------|" * (len(rounds) + 1))
     for name, key, fmt in rows:
         vals = [x[key] for x in rounds]

@@ -101,7 +101,8 @@ def main() -> None:
                for v in args.variants.split(",")]
     base = results[0]
     print(f"state {nbytes / 1e9:.2f} GB, {args.iters} iterations, checkpoint every iteration; "
-          f"engine background_nice {args.nice}; load avg before " + " ".join(f"{x:.2f}" for x in load_before) + ", after "
+          f"engine background_nice {args.nice}; load avg before "
+          + " ".join(f"{x:.2f}" for x in load_before) + ", after "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print("| variant | end-to-end (s) | vs no checkpoint | compute phase (s) | compute slowdown |")
     print("|---|---|---|---|---|")

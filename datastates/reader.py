@@ -53,8 +53,8 @@ class CheckpointReader:
             ranks = list(range(self.world_size))
         elif allow_uncommitted:
             pattern = re.compile(r"done_r(\d{5})\.json$")
-            ranks = sorted(int(m.group(1)) for p in glob.glob(os.path.join(directory, "done_r*.json"))
-                           if (m := pattern.search(p)))
+            found = glob.glob(os.path.join(directory, "done_r*.json"))
+            ranks = sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
             self.world_size = None
             self.step = None
         else:
@@ -88,7 +88,8 @@ class CheckpointReader:
         try:
             doc = json.loads(raw)
         except ValueError as e:
-            raise CheckpointError(f"index is not valid JSON: {e}", rank=rank, file=index_path) from e
+            raise CheckpointError(f"index is not valid JSON: {e}", rank=rank,
+                                  file=index_path) from e
         metas = parse_index(doc, rank, self.directory, index_path)
         self._by_rank[rank] = metas
         self._objects[rank] = doc.get("objects")
@@ -97,9 +98,9 @@ class CheckpointReader:
             known = self._by_key.setdefault(m.key, [])
             if known and (known[0].global_shape != m.global_shape or known[0].dtype != m.dtype):
                 raise CheckpointError(
-                    f"rank {known[0].rank} saved it as {known[0].dtype}{list(known[0].global_shape)}"
-                    f", rank {rank} as {m.dtype}{list(m.global_shape)}", rank=rank,
-                    file=index_path, tensor=m.key)
+                    f"rank {known[0].rank} saved it as {known[0].dtype}"
+                    f"{list(known[0].global_shape)}, rank {rank} as {m.dtype}"
+                    f"{list(m.global_shape)}", rank=rank, file=index_path, tensor=m.key)
             known.append(m)
 
     def ranks(self) -> List[int]:
@@ -158,9 +159,9 @@ class CheckpointReader:
         fd = self._fd(m.path, m)
         got = os.preadv(fd, [memoryview(buf.numpy())], m.offset + start)
         if got != end - start:
-            raise CheckpointError(f"shard file is truncated: expected {end - start} bytes at offset "
-                                  f"{m.offset + start}, read {got}", rank=m.rank, file=m.path,
-                                  tensor=m.key)
+            raise CheckpointError(f"shard file is truncated: expected {end - start} bytes at "
+                                  f"offset {m.offset + start}, read {got}", rank=m.rank,
+                                  file=m.path, tensor=m.key)
         if check:
             arr = buf.numpy()
             for off, n, crc in chunks:
@@ -172,7 +173,8 @@ class CheckpointReader:
                                           file=m.path, tensor=m.key)
         return buf, b0 - start
 
-    def _read_local_box(self, m: ShardMeta, lo: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    def _read_local_box(self, m: ShardMeta, lo: Sequence[int],
+                        shape: Sequence[int]) -> torch.Tensor:
         """The box of shard `m` at local offset `lo` with `shape`."""
         if m.nbytes == 0 or math_prod(shape) == 0:
             return torch.empty(tuple(shape), dtype=m.dtype)
@@ -209,7 +211,8 @@ class CheckpointReader:
         jobs = []
         for m in metas:
             lo = tuple(max(o, mo) for o, mo in zip(off, m.global_offset))
-            hi = tuple(min(o + s, mo + ms) for o, s, mo, ms in zip(off, shp, m.global_offset, m.shape))
+            hi = tuple(min(o + s, mo + ms)
+                       for o, s, mo, ms in zip(off, shp, m.global_offset, m.shape))
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
             dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, off))

@@ -20,7 +20,8 @@ class Color(enum.Enum):
 
 def save_and_load(state, tmp_path, allow_pickle=False, **cfg):
     d = str(tmp_path / "v")
-    with CheckpointEngine(EngineConfig(allow_pickle=allow_pickle, **{"host_cache_bytes": 1 << 20, **cfg})) as eng:
+    cfg = {"host_cache_bytes": 1 << 20, **cfg}
+    with CheckpointEngine(EngineConfig(allow_pickle=allow_pickle, **cfg)) as eng:
         h = eng.save(state, d, step=7)
         eng.wait_for_snapshot()
         records = eng.wait_for_durable(h)
