@@ -178,12 +178,10 @@ CHILD = textwrap.dedent("""
     flushing = []
     def hook(event, info):
         if event == "write" and flushing:
-            if len(flushing) == 1:
-                print("FLUSHING", flush=True)
-            flushing.append(1)
-            time.sleep(0.5)
+            print("FLUSHING", flush=True)
+            time.sleep(600)  # held mid-flush until the parent kills us
     g = torch.Generator().manual_seed(0)
-    st = {"w": torch.randn(256, 256, generator=g)}
+    st = {"w": torch.randn(512, 256, generator=g)}
     eng = CheckpointEngine(EngineConfig(host_cache_bytes=1 << 16, chunk_bytes=8192,
                                         write_hook=hook))
     eng.wait_for_durable(eng.save(st, root + "/v1", step=1))
@@ -207,7 +205,7 @@ def test_sigkill_during_flush_keeps_previous_version(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     g = torch.Generator().manual_seed(0)
     assert torch.equal(CheckpointReader(str(tmp_path / "v1")).read("w"),
-                       torch.randn(256, 256, generator=g))
+                       torch.randn(512, 256, generator=g))
     v2 = str(tmp_path / "v2")
     assert os.path.exists(os.path.join(v2, "shard_r00000.bin"))
     assert markers(v2) == [] and not is_committed(v2) and not try_commit(v2, 1)
