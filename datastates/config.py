@@ -91,6 +91,13 @@ class EngineConfig:
     """Niceness added to the engine's background threads (Linux), so that training threads win
     the cores when both want them. 0 leaves the priority alone."""
 
+    local_dir: Optional[str] = None
+    """Level 3: if set, each version is first written to the node-local directory
+    `local_dir/<basename of the version directory>` and then migrated in the background (one extra
+    thread) to the version directory given to `save`; the save counts as durable once the
+    migrated copy and its rank marker are there. The local copy is kept for fast restore
+    (`CheckpointReader(..., local_dir=...)`)."""
+
     write_mode: WriteMode = WriteMode.DIRECT
     """See `WriteMode`."""
 

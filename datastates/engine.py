@@ -27,7 +27,7 @@ from . import layout
 from .cache import HostCache
 from .config import CommitPolicy, EngineConfig, WriteMode
 from .errors import CheckpointError
-from .flush import write_block, write_version_files
+from .flush import migrate_version_files, write_block, write_version_files
 from .job import FILE_ALIGN, SaveHandle, SaveJob, Segment, is_small, plan_layout
 from .state import TensorEntry, flatten_state
 from .telemetry import SaveRecord, append_record
@@ -63,6 +63,10 @@ class CheckpointEngine:
                                           daemon=True) for i in range(config.copy_threads)]
         self._threads += [threading.Thread(target=self._write_loop, name=f"datastates-write-{i}",
                                            daemon=True) for i in range(config.writer_threads)]
+        self._migrate_q: "queue.Queue" = queue.Queue()
+        if config.local_dir is not None:
+            self._threads.append(threading.Thread(target=self._migrate_loop,
+                                                  name="datastates-migrate", daemon=True))
         for t in self._threads:
             t.start()
         atexit.register(self._atexit)
@@ -75,7 +79,9 @@ class CheckpointEngine:
         self._check_open()
         self._raise_pending()
         skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
-        shard_path = os.path.join(directory, layout.shard_file(self.cfg.rank))
+        write_dir = (directory if self.cfg.local_dir is None
+                     else layout.local_version_dir(self.cfg.local_dir, directory))
+        shard_path = os.path.join(write_dir, layout.shard_file(self.cfg.rank))
         with self._cond:
             if any(os.path.abspath(s.handle.directory) == os.path.abspath(directory)
                    and not s.done for s in self._saves):
@@ -83,10 +89,11 @@ class CheckpointEngine:
                                       "(wait_for_durable) before saving there again",
                                       rank=self.cfg.rank, file=directory)
         try:
-            os.makedirs(directory, exist_ok=True)
             # Overwriting a version: withdraw its commit and our marker before touching the
             # shard, so no reader can pair old markers with new, partial bytes.
-            layout.invalidate(directory, self.cfg.rank)
+            for d in {directory, write_dir}:
+                os.makedirs(d, exist_ok=True)
+                layout.invalidate(d, self.cfg.rank)
             fd = os.open(shard_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
@@ -99,6 +106,7 @@ class CheckpointEngine:
             sv = SaveJob(handle, entries, skeleton, shard_path, fd, dfd, offsets,
                        sum(e.nbytes for e in entries), t0,
                        chunks=[[] for _ in entries])
+            sv.write_dir = write_dir
             sv.ready_events = self._record_ready_events(entries)
             self._saves.append(sv)
         for group in groups:
@@ -159,6 +167,7 @@ class CheckpointEngine:
                 self._copy_q.put(_STOP)
             for _ in range(self.cfg.writer_threads):
                 self._write_q.put(_STOP)
+            self._migrate_q.put(_STOP)
             for t in self._threads:
                 t.join()
             atexit.unregister(self._atexit)
@@ -411,6 +420,32 @@ class CheckpointEngine:
         cfg = self.cfg
         t_flush0 = sv.t_first_write or time.perf_counter()
         write_version_files(cfg, sv, self._cond, self._close_fd)
+        if cfg.local_dir is not None:
+            sv.t_local = time.perf_counter()
+            self._migrate_q.put((sv, t_flush0))
+            return
+        self._publish(sv, t_flush0)
+
+    def _migrate_loop(self) -> None:
+        self._nice()
+        while True:
+            item = self._migrate_q.get()
+            if item is _STOP:
+                return
+            sv, t_flush0 = item
+            try:
+                migrate_version_files(self.cfg, sv)
+                self._publish(sv, t_flush0)
+            except CheckpointError as e:
+                self._fail(sv, e)
+            except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+                self._fail(sv, CheckpointError(f"migration to the version directory failed: "
+                                               f"{e!r}", rank=self.cfg.rank,
+                                               file=sv.handle.directory))
+
+    def _publish(self, sv: SaveJob, t_flush0: float) -> None:
+        """The save is durable in its version directory: commit (rank 0), record, wake waiters."""
+        cfg = self.cfg
         directory = sv.handle.directory
         t_end = time.perf_counter()
         committed = False
@@ -425,7 +460,8 @@ class CheckpointEngine:
             num_tensors=len(sv.entries), blocked_s=sv.blocked_s,
             copy_s=(sv.t_copied or t_end) - sv.t_start, flush_s=t_end - t_flush0,
             durable_s=durable_s, gbps=sv.total_bytes / max(durable_s, 1e-9) / 1e9,
-            peak_cache_bytes=sv.peak_cache, committed=committed)
+            peak_cache_bytes=sv.peak_cache, committed=committed,
+            local_durable_s=None if sv.t_local is None else sv.t_local - sv.t_start)
         append_record(cfg.telemetry_path, record)
         logger.info("DataStates: rank %d step %d durable: %.3f GB in %.3f s (%.2f GB/s), "
                     "caller blocked %.3f s%s", cfg.rank, sv.handle.step, sv.total_bytes / 1e9,

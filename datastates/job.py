@@ -33,6 +33,8 @@ class SaveJob:
     t_start: float
     ready_events: Dict[Any, Any] = field(default_factory=dict)
     chunks: List[List[List[int]]] = field(default_factory=list)  # per entry: [off, nbytes, crc]
+    write_dir: str = ""  # where the shard is written: the version directory or its local copy
+    t_local: Optional[float] = None  # when the local copy became durable (level 3)
     entries_copied: int = 0
     inflight: int = 0  # pieces handed to writers and not yet processed
     bytes_written: int = 0
