@@ -73,7 +73,8 @@ class HostCache:
         Raises CheckpointError if `abort()` becomes true while waiting."""
         size = self.round(nbytes)
         if size > self.capacity:
-            raise CheckpointError(f"internal: block of {size} bytes exceeds cache of {self.capacity}")
+            raise CheckpointError(f"internal: block of {size} bytes exceeds cache of "
+                                 f"{self.capacity}")
         with self._cond:
             while True:
                 start = self._try_place(size)

@@ -59,8 +59,9 @@ class EngineConfig:
 
     host_cache_bytes: int = 256 * MiB
     """Size of the host cache (level 1 -> level 2 staging), allocated and touched once when the
-    engine is built, and reused by every save. Pinned when tensors live on CUDA. Copies wait for writers when it is full; tensors
-    larger than it are streamed through it in chunks."""
+    engine is built, reused by every save, freed at close(). Pinned when CUDA is available.
+    Copies wait for writers when it is full; tensors larger than it are streamed through it in
+    chunks."""
 
     chunk_bytes: int = 64 * MiB
     """Largest piece a tensor is copied and written in (clipped to half the cache). Each piece has
@@ -90,13 +91,21 @@ class EngineConfig:
     """Niceness added to the engine's background threads (Linux), so that training threads win
     the cores when both want them. 0 leaves the priority alone."""
 
+    local_dir: Optional[str] = None
+    """Level 3: if set, each version is first written to the node-local directory
+    `local_dir/<basename of the version directory>` and then migrated in the background (one extra
+    thread) to the version directory given to `save`; the save counts as durable once the
+    migrated copy and its rank marker are there. The local copy is kept for fast restore
+    (`CheckpointReader(..., local_dir=...)`)."""
+
     write_mode: WriteMode = WriteMode.DIRECT
     """See `WriteMode`."""
 
     early_writeback: bool = True
     """Ask the kernel to start writing each chunk to disk as soon as it is in the page cache
     (Linux sync_file_range), so disk writes overlap the copy and the final fsync has little left
-    to do; after the fsync the file's pages are dropped from the page cache (it is not read back)."""
+    to do; after the fsync the file's pages are dropped from the page cache (it is not read
+    back soon)."""
 
     fsync: bool = True
     """fsync shard and index files before writing the rank marker. Only tests and benchmarks of
@@ -117,7 +126,8 @@ class EngineConfig:
             raise CheckpointError(f"EngineConfig: chunk_bytes must be at least 4096, found "
                                   f"{self.chunk_bytes}")
         if self.copy_threads < 1 or self.writer_threads < 1:
-            raise CheckpointError("EngineConfig: copy_threads and writer_threads must be >= 1, found "
+            raise CheckpointError("EngineConfig: copy_threads and writer_threads must be >= 1, "
+                                  "found "
                                   f"{self.copy_threads} and {self.writer_threads}")
         if not isinstance(self.write_mode, WriteMode):
             raise CheckpointError(f"EngineConfig: write_mode must be a WriteMode, found "

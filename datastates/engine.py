@@ -27,14 +27,13 @@ from . import layout
 from .cache import HostCache
 from .config import CommitPolicy, EngineConfig, WriteMode
 from .errors import CheckpointError
-from .flush import write_piece, write_version_files
-from .job import SaveHandle, SaveJob
+from .flush import migrate_version_files, write_block, write_version_files
+from .job import FILE_ALIGN, SaveHandle, SaveJob, Segment, is_small, plan_layout
 from .state import TensorEntry, flatten_state
 from .telemetry import SaveRecord, append_record
 from .transfer import Copier, iter_pieces
 
 logger = logging.getLogger(__name__)
-FILE_ALIGN = 4096  # page-aligned tensor offsets allow O_DIRECT writes
 
 
 _STOP = object()
@@ -64,6 +63,10 @@ class CheckpointEngine:
                                           daemon=True) for i in range(config.copy_threads)]
         self._threads += [threading.Thread(target=self._write_loop, name=f"datastates-write-{i}",
                                            daemon=True) for i in range(config.writer_threads)]
+        self._migrate_q: "queue.Queue" = queue.Queue()
+        if config.local_dir is not None:
+            self._threads.append(threading.Thread(target=self._migrate_loop,
+                                                  name="datastates-migrate", daemon=True))
         for t in self._threads:
             t.start()
         atexit.register(self._atexit)
@@ -76,7 +79,9 @@ class CheckpointEngine:
         self._check_open()
         self._raise_pending()
         skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
-        shard_path = os.path.join(directory, layout.shard_file(self.cfg.rank))
+        write_dir = (directory if self.cfg.local_dir is None
+                     else layout.local_version_dir(self.cfg.local_dir, directory))
+        shard_path = os.path.join(write_dir, layout.shard_file(self.cfg.rank))
         with self._cond:
             if any(os.path.abspath(s.handle.directory) == os.path.abspath(directory)
                    and not s.done for s in self._saves):
@@ -84,30 +89,28 @@ class CheckpointEngine:
                                       "(wait_for_durable) before saving there again",
                                       rank=self.cfg.rank, file=directory)
         try:
-            os.makedirs(directory, exist_ok=True)
             # Overwriting a version: withdraw its commit and our marker before touching the
             # shard, so no reader can pair old markers with new, partial bytes.
-            layout.invalidate(directory, self.cfg.rank)
+            for d in {directory, write_dir}:
+                os.makedirs(d, exist_ok=True)
+                layout.invalidate(d, self.cfg.rank)
             fd = os.open(shard_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
                                   file=shard_path) from e
         dfd = self._open_direct(shard_path) if self.cfg.write_mode is WriteMode.DIRECT else -1
-        offsets, off = [], 0
-        for e in entries:
-            off = -(-off // FILE_ALIGN) * FILE_ALIGN
-            offsets.append(off)
-            off += e.nbytes
+        offsets, groups = plan_layout(entries, self._max_piece())
         with self._cond:
             handle = SaveHandle(self._next_id, int(step), directory)
             self._next_id += 1
             sv = SaveJob(handle, entries, skeleton, shard_path, fd, dfd, offsets,
                        sum(e.nbytes for e in entries), t0,
                        chunks=[[] for _ in entries])
+            sv.write_dir = write_dir
             sv.ready_events = self._record_ready_events(entries)
             self._saves.append(sv)
-        for i in range(len(entries)):
-            self._copy_q.put((sv, i))
+        for group in groups:
+            self._copy_q.put((sv, group))
         if not entries:
             self._maybe_finalize(sv)
         sv.blocked_s += time.perf_counter() - t0
@@ -164,6 +167,7 @@ class CheckpointEngine:
                 self._copy_q.put(_STOP)
             for _ in range(self.cfg.writer_threads):
                 self._write_q.put(_STOP)
+            self._migrate_q.put(_STOP)
             for t in self._threads:
                 t.join()
             atexit.unregister(self._atexit)
@@ -288,48 +292,82 @@ class CheckpointEngine:
         if self.cfg.background_nice:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.background_nice)
 
+    def _max_piece(self) -> int:
+        # Half the cache, so that a copy can fill one half while a writer drains the other.
+        return max(FILE_ALIGN, min(self.cfg.chunk_bytes, self._cache.capacity // 2))
+
     def _copy_loop(self) -> None:
         self._nice()
         while True:
             item = self._copy_q.get()
             if item is _STOP:
                 return
-            sv, i = item
-            entry = sv.entries[i]
+            sv, group = item
             try:
                 if sv.error is None:
-                    self._copy_entry(sv, i)
+                    if not is_small(sv.entries[group[0]].nbytes, self._max_piece()):
+                        self._copy_large(sv, group[0])
+                    else:
+                        self._copy_bundle(sv, group)
             except CheckpointError as e:
                 self._fail(sv, e)
             except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
                 self._fail(sv, CheckpointError(f"copy to host cache failed: {e!r}",
                                                rank=self.cfg.rank, file=sv.shard_path,
-                                               tensor=entry.key))
+                                               tensor=sv.entries[group[0]].key))
             with self._cond:
-                sv.entries_copied += 1
+                sv.entries_copied += len(group)
                 if sv.entries_copied == len(sv.entries):
                     sv.t_copied = time.perf_counter()
-                entry.tensor = None  # drop our reference to the live tensor
+                for i in group:
+                    sv.entries[i].tensor = None  # drop our reference to the live tensor
                 self._cond.notify_all()
             self._maybe_finalize(sv)
             self._release_failed(sv)
 
-    def _copy_entry(self, sv: SaveJob, i: int) -> None:
+    def _alloc(self, sv: SaveJob, nbytes: int) -> int:
+        return self._cache.alloc(nbytes, abort=lambda: sv.error is not None)
+
+    def _hand_over(self, sv: SaveJob, segments: List[Segment], start: int, total: int) -> None:
+        with self._cond:
+            sv.inflight += 1
+        self._write_q.put((sv, segments, start, total))
+
+    def _copy_large(self, sv: SaveJob, i: int) -> None:
+        """One big tensor, streamed through the cache in pieces of at most `_max_piece()`."""
         t = sv.entries[i].tensor
-        cache = self._cache
-        max_piece = max(4096, min(self.cfg.chunk_bytes, cache.capacity // 2))
         ready = sv.ready_events.get(t.device) if t.is_cuda else None
-        for piece, off in iter_pieces(t, max_piece):
+        for piece, off in iter_pieces(t, self._max_piece()):
             nbytes = piece.numel() * piece.element_size()
-            start = cache.alloc(nbytes, abort=lambda: sv.error is not None)
+            start = self._alloc(sv, nbytes)
             try:
                 self._copier.copy(piece, start, ready)
             except BaseException:
-                cache.free(start)
+                self._cache.free(start)
                 raise
-            with self._cond:
-                sv.inflight += 1
-            self._write_q.put((sv, i, off, nbytes, start))
+            self._hand_over(sv, [Segment(i, off, nbytes, 0)], start, nbytes)
+
+    def _copy_bundle(self, sv: SaveJob, group: List[int]) -> None:
+        """Small tensors packed into one cache block and written with one write, as laid out
+        contiguously in the file by `plan_layout`."""
+        base = sv.file_offsets[group[0]]
+        total = sv.file_offsets[group[-1]] + sv.entries[group[-1]].nbytes - base
+        if total == 0:
+            return
+        start = self._alloc(sv, total)
+        segments = []
+        try:
+            for i in group:
+                e = sv.entries[i]
+                if e.nbytes:
+                    pos = sv.file_offsets[i] - base
+                    ready = sv.ready_events.get(e.tensor.device) if e.tensor.is_cuda else None
+                    self._copier.copy(e.tensor, start + pos, ready)
+                    segments.append(Segment(i, 0, e.nbytes, pos))
+        except BaseException:
+            self._cache.free(start)
+            raise
+        self._hand_over(sv, segments, start, total)
 
     def _write_loop(self) -> None:
         self._nice()
@@ -337,15 +375,16 @@ class CheckpointEngine:
             item = self._write_q.get()
             if item is _STOP:
                 return
-            sv, i, off, nbytes, start = item
+            sv, segments, start, total = item
             try:
                 if sv.error is None:
-                    self._write_piece(sv, i, off, nbytes, start)
+                    self._write_block(sv, segments, start, total)
             except CheckpointError as e:
                 self._fail(sv, e)
             except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
                 self._fail(sv, CheckpointError(f"write failed: {e!r}", rank=self.cfg.rank,
-                                               file=sv.shard_path, tensor=sv.entries[i].key))
+                                               file=sv.shard_path,
+                                               tensor=sv.entries[segments[0].entry].key))
             finally:
                 self._cache.free(start)
                 with self._cond:
@@ -353,13 +392,14 @@ class CheckpointEngine:
             self._maybe_finalize(sv)
             self._release_failed(sv)
 
-    def _write_piece(self, sv: SaveJob, i: int, off: int, nbytes: int, start: int) -> None:
+    def _write_block(self, sv: SaveJob, segments: List[Segment], start: int, total: int) -> None:
         if sv.t_first_write is None:
             sv.t_first_write = time.perf_counter()
-        crc = write_piece(self.cfg, self._cache, sv, i, off, nbytes, start, self._cond)
+        crcs = write_block(self.cfg, self._cache, sv, segments, start, total, self._cond)
         with self._cond:
-            sv.chunks[i].append([off, nbytes, crc])
-            sv.bytes_written += nbytes
+            for seg, crc in zip(segments, crcs):
+                sv.chunks[seg.entry].append([seg.offset, seg.nbytes, crc])
+                sv.bytes_written += seg.nbytes
 
     def _maybe_finalize(self, sv: SaveJob) -> None:
         with self._cond:
@@ -380,6 +420,32 @@ class CheckpointEngine:
         cfg = self.cfg
         t_flush0 = sv.t_first_write or time.perf_counter()
         write_version_files(cfg, sv, self._cond, self._close_fd)
+        if cfg.local_dir is not None:
+            sv.t_local = time.perf_counter()
+            self._migrate_q.put((sv, t_flush0))
+            return
+        self._publish(sv, t_flush0)
+
+    def _migrate_loop(self) -> None:
+        self._nice()
+        while True:
+            item = self._migrate_q.get()
+            if item is _STOP:
+                return
+            sv, t_flush0 = item
+            try:
+                migrate_version_files(self.cfg, sv)
+                self._publish(sv, t_flush0)
+            except CheckpointError as e:
+                self._fail(sv, e)
+            except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+                self._fail(sv, CheckpointError(f"migration to the version directory failed: "
+                                               f"{e!r}", rank=self.cfg.rank,
+                                               file=sv.handle.directory))
+
+    def _publish(self, sv: SaveJob, t_flush0: float) -> None:
+        """The save is durable in its version directory: commit (rank 0), record, wake waiters."""
+        cfg = self.cfg
         directory = sv.handle.directory
         t_end = time.perf_counter()
         committed = False
@@ -394,7 +460,8 @@ class CheckpointEngine:
             num_tensors=len(sv.entries), blocked_s=sv.blocked_s,
             copy_s=(sv.t_copied or t_end) - sv.t_start, flush_s=t_end - t_flush0,
             durable_s=durable_s, gbps=sv.total_bytes / max(durable_s, 1e-9) / 1e9,
-            peak_cache_bytes=sv.peak_cache, committed=committed)
+            peak_cache_bytes=sv.peak_cache, committed=committed,
+            local_durable_s=None if sv.t_local is None else sv.t_local - sv.t_start)
         append_record(cfg.telemetry_path, record)
         logger.info("DataStates: rank %d step %d durable: %.3f GB in %.3f s (%.2f GB/s), "
                     "caller blocked %.3f s%s", cfg.rank, sv.handle.step, sv.total_bytes / 1e9,

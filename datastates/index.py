@@ -6,7 +6,8 @@ Index document (JSON), one per rank:
   checksum                 "zlib-crc32" or "none": algorithm of the per-chunk checksums
   tensors: list of {key, dtype, shape, global_shape, global_offset, is_shard, file, offset,
                     nbytes, chunks: [[byte offset in tensor, nbytes, checksum], ...]}
-           bytes of tensor i are the row-major image of its local `shape`, at file[offset:offset+nbytes]
+           tensor i's bytes: the row-major image of its local `shape`, at
+           file[offset:offset+nbytes]
   objects                  the JSON skeleton of the rank's state (see state.py); tensor leaves
                            refer to `tensors` by position
 """

@@ -39,6 +39,11 @@ def rank_marker_file(rank: int) -> str:
     return f"done_r{rank:05d}.json"
 
 
+def local_version_dir(local_root: str, directory: str) -> str:
+    """Node-local counterpart of a version directory (level 3)."""
+    return os.path.join(local_root, os.path.basename(os.path.normpath(directory)))
+
+
 def step_dir(root: str, step: int) -> str:
     """Conventional version directory for a step: ROOT/step_000000010."""
     return os.path.join(root, f"step_{step:09d}")

@@ -34,12 +34,17 @@ class CheckpointReader:
 
     Refuses a directory without a commit marker unless `allow_uncommitted` (then it reads the
     ranks whose markers are present). With `verify`, every chunk a read touches is checked
-    against its checksum, and each index against its rank marker.
+    against its checksum, and each index against its rank marker. With `local_dir` (level 3),
+    a rank whose node-local copy carries a marker for the same index (same checksum) is read
+    from the local copy; `source(rank)` says which copy a rank is read from.
     """
 
     def __init__(self, directory: str, verify: bool = True, allow_pickle: bool = False,
-                 allow_uncommitted: bool = False, threads: int = 4):
+                 allow_uncommitted: bool = False, threads: int = 4,
+                 local_dir: Optional[str] = None):
         self.directory = directory
+        self.local_dir = local_dir
+        self._sources: Dict[int, str] = {}
         self.verify = verify
         self.allow_pickle = allow_pickle
         self.threads = max(1, threads)
@@ -53,8 +58,8 @@ class CheckpointReader:
             ranks = list(range(self.world_size))
         elif allow_uncommitted:
             pattern = re.compile(r"done_r(\d{5})\.json$")
-            ranks = sorted(int(m.group(1)) for p in glob.glob(os.path.join(directory, "done_r*.json"))
-                           if (m := pattern.search(p)))
+            found = glob.glob(os.path.join(directory, "done_r*.json"))
+            ranks = sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
             self.world_size = None
             self.step = None
         else:
@@ -76,7 +81,9 @@ class CheckpointReader:
         marker_path = os.path.join(self.directory, layout.rank_marker_file(rank))
         marker = layout.read_json(marker_path, rank=rank, what="rank marker")
         layout.check_format(marker, marker_path, rank)
-        index_path = layout.safe_join(self.directory, marker.get("index"), rank=rank)
+        directory = self._local_copy(rank, marker) or self.directory
+        self._sources[rank] = directory
+        index_path = layout.safe_join(directory, marker.get("index"), rank=rank)
         try:
             with open(index_path, "rb") as f:
                 raw = f.read()
@@ -88,8 +95,9 @@ class CheckpointReader:
         try:
             doc = json.loads(raw)
         except ValueError as e:
-            raise CheckpointError(f"index is not valid JSON: {e}", rank=rank, file=index_path) from e
-        metas = parse_index(doc, rank, self.directory, index_path)
+            raise CheckpointError(f"index is not valid JSON: {e}", rank=rank,
+                                  file=index_path) from e
+        metas = parse_index(doc, rank, directory, index_path)
         self._by_rank[rank] = metas
         self._objects[rank] = doc.get("objects")
         self._checksum[rank] = doc["checksum"]
@@ -97,10 +105,29 @@ class CheckpointReader:
             known = self._by_key.setdefault(m.key, [])
             if known and (known[0].global_shape != m.global_shape or known[0].dtype != m.dtype):
                 raise CheckpointError(
-                    f"rank {known[0].rank} saved it as {known[0].dtype}{list(known[0].global_shape)}"
-                    f", rank {rank} as {m.dtype}{list(m.global_shape)}", rank=rank,
-                    file=index_path, tensor=m.key)
+                    f"rank {known[0].rank} saved it as {known[0].dtype}"
+                    f"{list(known[0].global_shape)}, rank {rank} as {m.dtype}"
+                    f"{list(m.global_shape)}", rank=rank, file=index_path, tensor=m.key)
             known.append(m)
+
+    def _local_copy(self, rank: int, marker: dict) -> Optional[str]:
+        """The node-local version directory if it holds this rank's files for the same index."""
+        if self.local_dir is None:
+            return None
+        local = layout.local_version_dir(self.local_dir, self.directory)
+        try:
+            doc = layout.read_json(os.path.join(local, layout.rank_marker_file(rank)), rank=rank)
+            layout.check_format(doc, local, rank)
+        except CheckpointError:
+            return None
+        same = (doc.get("index_crc32") == marker.get("index_crc32")
+                and doc.get("index") == marker.get("index")
+                and doc.get("step") == marker.get("step"))
+        return local if same else None
+
+    def source(self, rank: int) -> str:
+        """Directory this rank's index and shards are read from."""
+        return self._sources[rank]
 
     def ranks(self) -> List[int]:
         return sorted(self._by_rank)
@@ -161,9 +188,9 @@ class CheckpointReader:
         fd = self._fd(m.path, m)
         got = os.preadv(fd, [memoryview(buf.numpy())], m.offset + start)
         if got != end - start:
-            raise CheckpointError(f"shard file is truncated: expected {end - start} bytes at offset "
-                                  f"{m.offset + start}, read {got}", rank=m.rank, file=m.path,
-                                  tensor=m.key)
+            raise CheckpointError(f"shard file is truncated: expected {end - start} bytes at "
+                                  f"offset {m.offset + start}, read {got}", rank=m.rank,
+                                  file=m.path, tensor=m.key)
         if check:
             arr = buf.numpy()
             for off, n, crc in chunks:
@@ -175,7 +202,8 @@ class CheckpointReader:
                                           file=m.path, tensor=m.key)
         return buf, b0 - start
 
-    def _read_local_box(self, m: ShardMeta, lo: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    def _read_local_box(self, m: ShardMeta, lo: Sequence[int],
+                        shape: Sequence[int]) -> torch.Tensor:
         """The box of shard `m` at local offset `lo` with `shape`."""
         if m.nbytes == 0 or math_prod(shape) == 0:
             return torch.empty(tuple(shape), dtype=m.dtype)
@@ -212,7 +240,8 @@ class CheckpointReader:
         jobs = []
         for m in metas:
             lo = tuple(max(o, mo) for o, mo in zip(off, m.global_offset))
-            hi = tuple(min(o + s, mo + ms) for o, s, mo, ms in zip(off, shp, m.global_offset, m.shape))
+            hi = tuple(min(o + s, mo + ms)
+                       for o, s, mo, ms in zip(off, shp, m.global_offset, m.shape))
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
             dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, off))

@@ -42,8 +42,8 @@ class TensorShard:
         self.global_offset = tuple(int(o) for o in self.global_offset)
         shape = tuple(self.data.shape)
         if len(shape) != len(self.global_shape) or len(shape) != len(self.global_offset):
-            raise CheckpointError(f"TensorShard: expected data, global_shape and global_offset of the "
-                                  f"same rank, found {shape}, {self.global_shape}, "
+            raise CheckpointError(f"TensorShard: expected data, global_shape and global_offset "
+                                  f"of the same rank, found {shape}, {self.global_shape}, "
                                   f"{self.global_offset}", tensor=self.key)
         for size, off, glob in zip(shape, self.global_offset, self.global_shape):
             if off < 0 or off + size > glob:
@@ -104,8 +104,9 @@ class _Encoder:
             items = []
             for k, v in obj.items():
                 if not isinstance(k, (str, int, tuple)) or isinstance(k, bool):
-                    raise CheckpointError(f"cannot save dict key {k!r} of type {type(k).__name__} at "
-                                          f"path {_path_str(path)!r}: keys must be str, int or tuple")
+                    raise CheckpointError(f"cannot save dict key {k!r} of type "
+                                          f"{type(k).__name__} at path {_path_str(path)!r}: keys "
+                                          f"must be str, int or tuple")
                 items.append([self.encode(k, path + ["<key>"]), self.encode(v, path + [k])])
             return {TAG: "dict", "items": items}
         if isinstance(obj, list):
@@ -128,17 +129,18 @@ class _Encoder:
     def _tensor(self, t, key, gshape, goff, is_shard, path):
         if t.layout != torch.strided or t.is_quantized:
             raise CheckpointError(f"cannot save tensor with layout {t.layout} at path "
-                                  f"{_path_str(path)!r}: only dense tensors are supported", tensor=key)
+                                  f"{_path_str(path)!r}: only dense tensors are supported",
+                                  tensor=key)
         self.entries.append(TensorEntry(key, t.detach(), tuple(gshape), tuple(goff), is_shard))
         return {TAG: "tensor", "id": len(self.entries) - 1}
 
     def _other(self, obj, path):
         if not self.allow_pickle:
             raise CheckpointError(
-                f"cannot save object of type {type(obj).__module__}.{type(obj).__qualname__} at path "
-                f"{_path_str(path)!r}: the safe format stores None, bool, int, float, str, bytes, "
-                f"list, tuple, dict, enum, torch.dtype, torch.Size, numpy arrays and tensors; convert "
-                f"it, or set EngineConfig(allow_pickle=True)")
+                f"cannot save object of type {type(obj).__module__}.{type(obj).__qualname__} at "
+                f"path {_path_str(path)!r}: the safe format stores None, bool, int, float, str, "
+                f"bytes, list, tuple, dict, enum, torch.dtype, torch.Size, numpy arrays and "
+                f"tensors; convert it, or set EngineConfig(allow_pickle=True)")
         return {TAG: "pickle", "b64": base64.b64encode(pickle.dumps(obj)).decode()}
 
 
@@ -164,7 +166,8 @@ def _resolve_enum(cls_path: str, name: str) -> Any:
     obj = sys.modules.get(module)
     if obj is None:
         raise CheckpointError(f"checkpoint holds an enum of class {cls_path}; import module "
-                              f"{module!r} before loading so it can be resolved without running code")
+                              f"{module!r} before loading so it can be resolved without running "
+                              f"code")
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj[name]

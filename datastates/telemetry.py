@@ -32,6 +32,8 @@ class SaveRecord:
     """Largest host-cache occupancy while this save was in flight."""
     committed: bool
     """Whether the version's commit marker existed when this record was made."""
+    local_durable_s: Optional[float] = None
+    """With EngineConfig.local_dir: from the save call until the node-local copy was durable."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

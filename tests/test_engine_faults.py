@@ -178,12 +178,10 @@ CHILD = textwrap.dedent("""
     flushing = []
     def hook(event, info):
         if event == "write" and flushing:
-            if len(flushing) == 1:
-                print("FLUSHING", flush=True)
-            flushing.append(1)
-            time.sleep(0.5)
+            print("FLUSHING", flush=True)
+            time.sleep(600)  # held mid-flush until the parent kills us
     g = torch.Generator().manual_seed(0)
-    st = {"w": torch.randn(256, 256, generator=g)}
+    st = {"w": torch.randn(512, 256, generator=g)}
     eng = CheckpointEngine(EngineConfig(host_cache_bytes=1 << 16, chunk_bytes=8192,
                                         write_hook=hook))
     eng.wait_for_durable(eng.save(st, root + "/v1", step=1))
@@ -207,7 +205,7 @@ def test_sigkill_during_flush_keeps_previous_version(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     g = torch.Generator().manual_seed(0)
     assert torch.equal(CheckpointReader(str(tmp_path / "v1")).read("w"),
-                       torch.randn(256, 256, generator=g))
+                       torch.randn(512, 256, generator=g))
     v2 = str(tmp_path / "v2")
     assert os.path.exists(os.path.join(v2, "shard_r00000.bin"))
     assert markers(v2) == [] and not is_committed(v2) and not try_commit(v2, 1)
@@ -226,3 +224,67 @@ def test_latest_committed_skips_partial_versions(tmp_path):
         f.write(b"partial")
     assert latest_committed(root) == (40, step_dir(root, 40))
     assert step_dir(root, 40).endswith("step_000000040")
+
+
+def test_level3_local_copy_then_migration_and_local_restore(tmp_path):
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    d = os.path.join(shared, "step_000000003")
+    st = state(n=50000)
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 18, local_dir=local)) as eng:
+        (rec,) = eng.wait_for_durable(eng.save(st, d, step=3))
+    assert rec.committed and 0 < rec.local_durable_s <= rec.durable_s
+    assert is_committed(d)
+    local_copy = os.path.join(local, "step_000000003")
+    for name in ("shard_r00000.bin", "index_r00000.json", "done_r00000.json"):
+        with open(os.path.join(local_copy, name), "rb") as a:
+            with open(os.path.join(d, name), "rb") as b:
+                assert a.read() == b.read()
+    # Damage the shared copy: a reader told about the local copy still loads, others fail.
+    with open(os.path.join(d, "shard_r00000.bin"), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    reader = CheckpointReader(d, local_dir=local)
+    assert reader.source(0) == local_copy
+    assert torch.equal(reader.load_state()["a"], st["a"])
+    assert CheckpointReader(d).source(0) == d
+    with pytest.raises(CheckpointError, match="checksum"):
+        CheckpointReader(d).load_state()
+    # A stale local copy (another save's index) is ignored.
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 18)) as eng:
+        eng.wait_for_durable(eng.save(state(n=64, seed=9), d, step=3))
+    assert CheckpointReader(d, local_dir=local).source(0) == d
+
+
+def test_level3_migration_to_a_full_filesystem_fails_without_shared_marker(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount tmpfs (needs root)")
+    try:
+        local, d = str(tmp_path / "local"), str(mnt / "step_000000001")
+        with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 18, local_dir=local)) as eng:
+            eng.save(state(n=1 << 17), d, step=1)
+            with pytest.raises(CheckpointError, match="migration.*No space|Errno 28"):
+                eng.wait_for_durable()
+        assert markers(d) == [] and not is_committed(d)
+        assert markers(os.path.join(local, "step_000000001")) == ["done_r00000.json"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_level3_migrates_across_filesystems(tmp_path):
+    mnt = tmp_path / "node_local"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount tmpfs (needs root)")
+    try:
+        d = str(tmp_path / "shared" / "step_000000002")
+        st = state(n=50000)
+        with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 18, local_dir=str(mnt))) as eng:
+            eng.wait_for_durable(eng.save(st, d, step=2))
+        reader = CheckpointReader(d)
+        assert reader.source(0) == d and torch.equal(reader.load_state()["b"], st["b"])
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -106,3 +106,33 @@ def test_missing_shard_coverage_is_an_error(tmp_path):
     assert torch.equal(reader.read("w", (0, 0), (6, 10)), G[:6])
     with pytest.raises(CheckpointError, match="do not cover"):
         reader.read("w")
+
+
+WORKER = """
+import sys, torch
+from datastates import CheckpointEngine, EngineConfig, TensorShard
+rank, d = int(sys.argv[1]), sys.argv[2]
+g = torch.arange(12 * 10, dtype=torch.float32).view(12, 10) * 0.5
+state = {"w": TensorShard(g[6 * rank:6 * rank + 6].clone(), "w", g.shape, (6 * rank, 0)),
+         "rank": rank}
+with CheckpointEngine(EngineConfig(rank=rank, world_size=2, host_cache_bytes=1 << 20)) as eng:
+    h = eng.save(state, d, step=9)
+    eng.wait_for_durable(h)
+    if rank == 0:
+        assert eng.wait_for_commit(h, timeout=120), "rank 0 never saw rank 1's marker"
+print("ok", rank)
+"""
+
+
+def test_two_processes_save_one_version_and_rank0_commits(tmp_path):
+    import subprocess
+    import sys
+    d = str(tmp_path / "v")
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), d], stdout=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and outs == ["ok 0\n", "ok 1\n"]
+    assert is_committed(d)
+    reader = CheckpointReader(d)
+    assert torch.equal(reader.read("w", (3, 0), (6, 10)), G[3:9])
+    assert reader.load_state(rank=1)["rank"] == 1

@@ -20,7 +20,8 @@ class Color(enum.Enum):
 
 def save_and_load(state, tmp_path, allow_pickle=False, **cfg):
     d = str(tmp_path / "v")
-    with CheckpointEngine(EngineConfig(allow_pickle=allow_pickle, **{"host_cache_bytes": 1 << 20, **cfg})) as eng:
+    cfg = {"host_cache_bytes": 1 << 20, **cfg}
+    with CheckpointEngine(EngineConfig(allow_pickle=allow_pickle, **cfg)) as eng:
         h = eng.save(state, d, step=7)
         eng.wait_for_snapshot()
         records = eng.wait_for_durable(h)
@@ -195,3 +196,14 @@ def test_write_modes_round_trip_aligned_and_unaligned_pieces(tmp_path, mode):
                                    write_mode=WriteMode(mode))
     assert_same(state, loaded)
     assert 0 < rec.peak_cache_bytes <= 1 << 17
+
+
+def test_small_tensors_are_packed_into_few_writes(tmp_path):
+    writes = []
+    g = torch.Generator().manual_seed(5)
+    state = {f"p{i}": torch.randn(i % 7, 3, generator=g) for i in range(300)}
+    state["big"] = torch.randn(100000, generator=g)
+    loaded, _, _ = save_and_load(state, tmp_path, host_cache_bytes=1 << 20,
+                                 write_hook=lambda ev, info: ev == "write" and writes.append(ev))
+    assert_same(state, loaded)
+    assert 2 <= len(writes) <= 3  # 300 small tensors in one or two blocks, "big" alone
