@@ -93,7 +93,12 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", choices=[f.value for f in CkptFormat], default="torch_dist")
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--async-lazy-save", action="store_true",
-                   help="DataStates lazy asynchronous checkpointing (reserved)")
+                   help="DataStates lazy asynchronous checkpointing: copy the snapshot while the "
+                        "next forward/backward runs, write it in the background")
+    g.add_argument("--lazy-save-cache-mb", type=int, default=1024,
+                   help="DataStates host cache per rank in MiB (with --async-lazy-save)")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
+                   help="keep only the newest N complete checkpoints under --save")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -172,8 +177,14 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
 
 def _check_checkpointing(a: argparse.Namespace) -> None:
     if a.async_lazy_save:
-        raise ArgumentError("--async-lazy-save (DataStates lazy checkpointing) is not yet "
-                            "implemented in this build; use --async-save or a sync save")
+        _require(not a.async_save, "--async-lazy-save and --async-save are two different "
+                 "asynchronous savers; pass one of them")
+        _require(a.ckpt_format == "torch_dist", "--async-lazy-save writes megatron's "
+                 f"dist_checkpointing layout; it needs --ckpt-format torch_dist, got {a.ckpt_format}")
+        _require(a.lazy_save_cache_mb > 0,
+                 f"--lazy-save-cache-mb must be > 0, got {a.lazy_save_cache_mb}")
+    _require(a.keep_last_n_checkpoints is None or a.keep_last_n_checkpoints > 0,
+             f"--keep-last-n-checkpoints must be >= 1, got {a.keep_last_n_checkpoints}")
     _require(not a.async_save or a.ckpt_format == "torch_dist",
              f"--async-save needs --ckpt-format torch_dist, got --ckpt-format {a.ckpt_format}")
     _require(a.save_interval is None or a.save_interval > 0,
@@ -249,7 +260,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         ckpt_format=CkptFormat(a.ckpt_format), async_save=a.async_save,
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
-        async_lazy_save=a.async_lazy_save)
+        async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,
+        keep_last_n_checkpoints=a.keep_last_n_checkpoints)
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
         tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size,

@@ -11,6 +11,10 @@ from typing import Callable, Optional
 
 import torch
 
+# Importing datastates registers its dist_checkpointing load strategy, so megatron-core reads
+# --async-lazy-save checkpoints (metadata.json names the "datastates" backend) like any other.
+import datastates
+
 from megatron.training.checkpoint_state import (
     CheckpointError,
     TrainState,
@@ -139,6 +143,5 @@ def _load_torch_dist(sd: dict, directory: str, loader) -> dict:
         if loader is not None:
             return loader(sd, directory)
         return dist_checkpointing.load(sd, directory)
-    except CheckpointingException as err:
-        raise CheckpointError(f"megatron-core could not load the checkpoint: {err}",
-                              path=directory) from err
+    except (CheckpointingException, datastates.CheckpointError) as err:
+        raise CheckpointError(f"could not load the checkpoint: {err}", path=directory) from err

@@ -32,6 +32,7 @@ from megatron.training.checkpoint_state import (
 from megatron.training.config import CkptFormat, RunConfig
 from megatron.training.log import print_rank_0
 from megatron.training.model import unwrap
+from megatron.training.retention import apply_retention
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 RUN_CONFIG_FILENAME = "run_config.json"
@@ -61,6 +62,8 @@ def write_tracker(root: str, iteration: int, config: RunConfig) -> None:
     if dist.get_rank() == 0:
         _atomic_write(os.path.join(root, RUN_CONFIG_FILENAME), config.to_json())
         _atomic_write(os.path.join(root, TRACKER_FILENAME), str(iteration))
+        # Saves still in flight are newer than `iteration`, so retention never reaches them.
+        apply_retention(root, config.checkpoint.keep_last_n_checkpoints, iteration)
 
 
 def read_tracker(root: str) -> int:
@@ -227,4 +230,8 @@ MANAGERS: Dict[CkptFormat, Callable[[RunConfig], CheckpointManager]] = {
 
 
 def make_checkpoint_manager(config: RunConfig) -> CheckpointManager:
+    if config.checkpoint.async_lazy_save:
+        from megatron.training.lazy_checkpointing import LazyCheckpointManager
+
+        return LazyCheckpointManager(config)
     return MANAGERS[config.checkpoint.ckpt_format](config)

@@ -148,7 +148,12 @@ class CheckpointConfig:
     finetune: bool = False
     """Load weights only; start at iteration 0 with fresh optimizer, scheduler and RNG."""
     async_lazy_save: bool = False
-    """Reserved for the DataStates lazy asynchronous backend (not yet implemented)."""
+    """Save with DataStates: the snapshot is copied while the next forward/backward runs, written
+    by background threads, and committed once every rank's shards are durable."""
+    lazy_save_cache_mb: int = 1024
+    """Size of the DataStates host cache per rank, MiB (bounded; larger tensors stream through)."""
+    keep_last_n_checkpoints: Optional[int] = None
+    """Keep only the newest N complete checkpoints under --save (None: keep all)."""
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,16 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10) 
 
     apply_cpu_patches()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if cuda_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend_name(), rank=rank, world_size=world,
-                                timeout=timedelta(minutes=timeout_minutes))
+        # Without torchrun (one process) pick a free port, without touching os.environ: child
+        # processes would inherit it and collide with a store that is still closing.
+        init_method = "env://" if "MASTER_PORT" in os.environ else \
+            f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend=backend_name(), init_method=init_method, rank=rank,
+                                world_size=world, timeout=timedelta(minutes=timeout_minutes))
     if dist.get_world_size() != parallel.world_size:
         raise ValueError(f"config was built for world size {parallel.world_size} but "
                          f"torch.distributed has {dist.get_world_size()} ranks")

@@ -1,0 +1,473 @@
+"""When things happen: the asynchronous save pipeline and its life cycle.
+
+Call order, per rank:
+  1) `save(state, directory, step)`: small objects are encoded now; tensors are queued for the
+     copy threads (live -> host cache), which hand each copied piece to the writer threads
+     (host cache -> shard file). Returns a `SaveHandle` at once.
+  2) `wait_for_snapshot()`: right before the caller mutates its tensors (optimizer step).
+  3) `poll()` now and then, or `wait_for_durable()`: get `SaveRecord`s of finished saves and any
+     background error. A save is durable when its shard and index are fsync'd and its rank marker
+     is written. With `CommitPolicy.RANK0`, rank 0 also writes the commit marker once every
+     rank's marker is there (see `try_commit`).
+  4) `close()` (or leaving the `with` block, or interpreter exit): drain and stop.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import layout
+from .cache import HostCache
+from .config import CommitPolicy, EngineConfig, WriteMode
+from .errors import CheckpointError
+from .flush import migrate_version_files, write_block, write_version_files
+from .job import FILE_ALIGN, SaveHandle, SaveJob, Segment, is_small, plan_layout
+from .state import TensorEntry, flatten_state
+from .telemetry import SaveRecord, append_record
+from .transfer import Copier, iter_pieces
+
+logger = logging.getLogger(__name__)
+
+
+_STOP = object()
+
+
+class CheckpointEngine:
+    """Lazy asynchronous checkpointing of one rank's state. Thread-safe for one caller thread."""
+
+    def __init__(self, config: EngineConfig):
+        self.cfg = config
+        self._cond = threading.Condition()
+        self._saves: List[SaveJob] = []
+        self._errors: List[CheckpointError] = []
+        self._uncommitted: List[SaveJob] = []
+        self._next_id = 0
+        self._closed = False
+        self._final_peak = 0
+        # Allocated (and its pages touched) once, here, so no save pays for page faults. Pinned
+        # whenever CUDA is present, since then the saved tensors normally live on the device.
+        self._cache = HostCache(config.host_cache_bytes, pinned=torch.cuda.is_available())
+        self._cache.buffer.fill_(0)
+        self._cache.add_peak_listener(self._on_cache_use)
+        self._copier = Copier(self._cache)
+        self._copy_q: "queue.Queue" = queue.Queue()
+        self._write_q: "queue.Queue" = queue.Queue()
+        self._threads = [threading.Thread(target=self._copy_loop, name=f"datastates-copy-{i}",
+                                          daemon=True) for i in range(config.copy_threads)]
+        self._threads += [threading.Thread(target=self._write_loop, name=f"datastates-write-{i}",
+                                           daemon=True) for i in range(config.writer_threads)]
+        self._migrate_q: "queue.Queue" = queue.Queue()
+        if config.local_dir is not None:
+            self._threads.append(threading.Thread(target=self._migrate_loop,
+                                                  name="datastates-migrate", daemon=True))
+        for t in self._threads:
+            t.start()
+        atexit.register(self._atexit)
+
+    # ----------------------------------------------------------------- public API
+    def save(self, state: Any, directory: str, step: int) -> SaveHandle:
+        """Register a snapshot of `state` into version directory `directory` and return at once.
+        The tensors must not be mutated until `wait_for_snapshot()` returns."""
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_pending()
+        skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
+        write_dir = (directory if self.cfg.local_dir is None
+                     else layout.local_version_dir(self.cfg.local_dir, directory))
+        shard_path = os.path.join(write_dir, layout.shard_file(self.cfg.rank))
+        with self._cond:
+            if any(os.path.abspath(s.handle.directory) == os.path.abspath(directory)
+                   and not s.done for s in self._saves):
+                raise CheckpointError("a save into this directory is still in flight; wait for it "
+                                      "(wait_for_durable) before saving there again",
+                                      rank=self.cfg.rank, file=directory)
+        try:
+            # Overwriting a version: withdraw its commit and our marker before touching the
+            # shard, so no reader can pair old markers with new, partial bytes.
+            for d in {directory, write_dir}:
+                os.makedirs(d, exist_ok=True)
+                layout.invalidate(d, self.cfg.rank)
+            fd = os.open(shard_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
+                                  file=shard_path) from e
+        dfd = self._open_direct(shard_path) if self.cfg.write_mode is WriteMode.DIRECT else -1
+        offsets, groups = plan_layout(entries, self._max_piece())
+        with self._cond:
+            handle = SaveHandle(self._next_id, int(step), directory)
+            self._next_id += 1
+            sv = SaveJob(handle, entries, skeleton, shard_path, fd, dfd, offsets,
+                       sum(e.nbytes for e in entries), t0,
+                       chunks=[[] for _ in entries])
+            sv.write_dir = write_dir
+            sv.ready_events = self._record_ready_events(entries)
+            self._saves.append(sv)
+        for group in groups:
+            self._copy_q.put((sv, group))
+        if not entries:
+            self._maybe_finalize(sv)
+        sv.blocked_s += time.perf_counter() - t0
+        return handle
+
+    def wait_for_snapshot(self) -> None:
+        """Block until every tensor of every pending save is in the host cache (or on disk)."""
+        self._wait(lambda: all(s.copied for s in self._saves))
+
+    def poll(self) -> List[SaveRecord]:
+        """Non-blocking: records of saves that became durable since the last poll/wait; raises a
+        pending background error. Rank 0 (CommitPolicy.RANK0) also retries pending commits."""
+        self._raise_pending()
+        self._retry_commits()
+        return self._collect()
+
+    def wait_for_durable(self, handle: Optional[SaveHandle] = None) -> List[SaveRecord]:
+        """Block until `handle`'s save (or every pending save) is durable on this rank. Returns the
+        records not yet returned by poll/wait."""
+        if handle is None:
+            self._wait(lambda: all(s.done for s in self._saves))
+        else:
+            self._wait(lambda: all(s.done for s in self._saves if s.handle is handle))
+        self._retry_commits()
+        return self._collect()
+
+    def wait_for_commit(self, handle: SaveHandle, timeout: Optional[float] = None) -> bool:
+        """Rank 0 helper: wait until `handle`'s version is committed (every rank's marker present);
+        returns False on timeout. Other ranks use it to wait for rank 0's commit."""
+        self.wait_for_durable(handle)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.cfg.rank == 0 and self.cfg.commit_policy is CommitPolicy.RANK0:
+                if layout.try_commit(handle.directory, self.cfg.world_size):
+                    self._retry_commits()
+                    return True
+            elif layout.is_committed(handle.directory):
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Drain in-flight saves, stop the threads; raise a pending error, if any."""
+        if self._closed:
+            self._raise_pending()
+            return
+        try:
+            self._wait(lambda: all(s.done for s in self._saves), raise_errors=False)
+            self._retry_commits()
+        finally:
+            self._closed = True
+            for _ in range(self.cfg.copy_threads):
+                self._copy_q.put(_STOP)
+            for _ in range(self.cfg.writer_threads):
+                self._write_q.put(_STOP)
+            self._migrate_q.put(_STOP)
+            for t in self._threads:
+                t.join()
+            atexit.unregister(self._atexit)
+            self._final_peak = self._cache.peak
+            # Give the cache's memory back now, not whenever the engine object is collected.
+            self._cache = None
+            self._copier = None
+        self._raise_pending()
+
+    def __enter__(self) -> "CheckpointEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the caller's exception with ours
+            try:
+                self.close()
+            except CheckpointError as e:
+                logger.error("DataStates: error while closing after an exception: %s", e)
+
+    @property
+    def peak_cache_bytes(self) -> int:
+        return self._cache.peak if self._cache is not None else self._final_peak
+
+    # ----------------------------------------------------------------- internals: caller side
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("the engine is closed", rank=self.cfg.rank)
+
+    def _raise_pending(self) -> None:
+        with self._cond:
+            if self._errors:
+                raise self._errors.pop(0)
+
+    def _wait(self, pred, raise_errors: bool = True) -> None:
+        t0 = time.perf_counter()
+        with self._cond:
+            pending = [s for s in self._saves if not s.done]
+            while not pred() and not (raise_errors and self._errors):
+                self._cond.wait(0.5)
+        dt = time.perf_counter() - t0
+        for s in pending:
+            s.blocked_s += dt
+        if raise_errors:
+            self._raise_pending()
+
+    def _record_ready_events(self, entries: List[TensorEntry]) -> Dict[Any, Any]:
+        events = {}
+        for e in entries:
+            dev = e.tensor.device
+            if e.tensor.is_cuda and dev not in events:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                events[dev] = ev
+        return events
+
+    def _on_cache_use(self, used: int) -> None:
+        for s in list(self._saves):
+            if not s.done and used > s.peak_cache:
+                s.peak_cache = used
+
+    def _collect(self) -> List[SaveRecord]:
+        with self._cond:
+            out = [s.record for s in self._saves if s.done and s.record and not s.reported]
+            for s in self._saves:
+                if s.done and (s.record or s.error):
+                    s.reported = True
+            self._saves = [s for s in self._saves if not s.reported]
+        return out
+
+    def _retry_commits(self) -> None:
+        if self.cfg.rank != 0 or self.cfg.commit_policy is not CommitPolicy.RANK0:
+            return
+        for s in list(self._uncommitted):
+            if layout.try_commit(s.handle.directory, self.cfg.world_size):
+                self._uncommitted.remove(s)
+                logger.info("DataStates: committed step %d in %s", s.handle.step,
+                            s.handle.directory)
+
+    def _atexit(self) -> None:
+        try:
+            self.close()
+        except CheckpointError as e:
+            logger.error("DataStates: error while draining saves at exit: %s", e)
+
+    # ----------------------------------------------------------------- internals: threads
+    def _fail(self, sv: SaveJob, err: CheckpointError) -> None:
+        with self._cond:
+            if sv.error is None:
+                sv.error = err
+                self._errors.append(err)
+                logger.error("DataStates: save of step %d failed: %s", sv.handle.step, err)
+            sv.done = True
+            self._cond.notify_all()
+        self._release_failed(sv)
+
+    def _release_failed(self, sv: SaveJob) -> None:
+        """Close a failed save's files once no thread can still write to them (closing earlier
+        would let a late pwrite hit a reused descriptor of another file)."""
+        with self._cond:
+            if sv.error is not None and sv.copied and sv.inflight == 0:
+                self._close_fd(sv)
+
+    @staticmethod
+    def _close_fd(sv: SaveJob) -> None:
+        if sv.fd >= 0:
+            os.close(sv.fd)
+            sv.fd = -1
+        if sv.dfd >= 0:
+            os.close(sv.dfd)
+            sv.dfd = -1
+
+    def _open_direct(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError as e:  # e.g. tmpfs: EINVAL. Buffered writes still work there.
+            logger.info("DataStates: O_DIRECT unavailable for %s (%s); writing buffered", path, e)
+            return -1
+
+    def _nice(self) -> None:
+        if self.cfg.background_nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.background_nice)
+
+    def _max_piece(self) -> int:
+        # Half the cache, so that a copy can fill one half while a writer drains the other.
+        return max(FILE_ALIGN, min(self.cfg.chunk_bytes, self._cache.capacity // 2))
+
+    def _copy_loop(self) -> None:
+        self._nice()
+        while True:
+            item = self._copy_q.get()
+            if item is _STOP:
+                return
+            sv, group = item
+            try:
+                if sv.error is None:
+                    if not is_small(sv.entries[group[0]].nbytes, self._max_piece()):
+                        self._copy_large(sv, group[0])
+                    else:
+                        self._copy_bundle(sv, group)
+            except CheckpointError as e:
+                self._fail(sv, e)
+            except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+                self._fail(sv, CheckpointError(f"copy to host cache failed: {e!r}",
+                                               rank=self.cfg.rank, file=sv.shard_path,
+                                               tensor=sv.entries[group[0]].key))
+            with self._cond:
+                sv.entries_copied += len(group)
+                if sv.entries_copied == len(sv.entries):
+                    sv.t_copied = time.perf_counter()
+                for i in group:
+                    sv.entries[i].tensor = None  # drop our reference to the live tensor
+                self._cond.notify_all()
+            self._maybe_finalize(sv)
+            self._release_failed(sv)
+
+    def _alloc(self, sv: SaveJob, nbytes: int) -> int:
+        return self._cache.alloc(nbytes, abort=lambda: sv.error is not None)
+
+    def _hand_over(self, sv: SaveJob, segments: List[Segment], start: int, total: int) -> None:
+        with self._cond:
+            sv.inflight += 1
+        self._write_q.put((sv, segments, start, total))
+
+    def _copy_large(self, sv: SaveJob, i: int) -> None:
+        """One big tensor, streamed through the cache in pieces of at most `_max_piece()`."""
+        t = sv.entries[i].tensor
+        ready = sv.ready_events.get(t.device) if t.is_cuda else None
+        for piece, off in iter_pieces(t, self._max_piece()):
+            nbytes = piece.numel() * piece.element_size()
+            start = self._alloc(sv, nbytes)
+            try:
+                self._copier.copy(piece, start, ready)
+            except BaseException:
+                self._cache.free(start)
+                raise
+            self._hand_over(sv, [Segment(i, off, nbytes, 0)], start, nbytes)
+
+    def _copy_bundle(self, sv: SaveJob, group: List[int]) -> None:
+        """Small tensors packed into one cache block and written with one write, as laid out
+        contiguously in the file by `plan_layout`."""
+        base = sv.file_offsets[group[0]]
+        total = sv.file_offsets[group[-1]] + sv.entries[group[-1]].nbytes - base
+        if total == 0:
+            return
+        start = self._alloc(sv, total)
+        segments = []
+        try:
+            for i in group:
+                e = sv.entries[i]
+                if e.nbytes:
+                    pos = sv.file_offsets[i] - base
+                    ready = sv.ready_events.get(e.tensor.device) if e.tensor.is_cuda else None
+                    self._copier.copy(e.tensor, start + pos, ready)
+                    segments.append(Segment(i, 0, e.nbytes, pos))
+        except BaseException:
+            self._cache.free(start)
+            raise
+        self._hand_over(sv, segments, start, total)
+
+    def _write_loop(self) -> None:
+        self._nice()
+        while True:
+            item = self._write_q.get()
+            if item is _STOP:
+                return
+            sv, segments, start, total = item
+            try:
+                if sv.error is None:
+                    self._write_block(sv, segments, start, total)
+            except CheckpointError as e:
+                self._fail(sv, e)
+            except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+                self._fail(sv, CheckpointError(f"write failed: {e!r}", rank=self.cfg.rank,
+                                               file=sv.shard_path,
+                                               tensor=sv.entries[segments[0].entry].key))
+            finally:
+                self._cache.free(start)
+                with self._cond:
+                    sv.inflight -= 1
+            self._maybe_finalize(sv)
+            self._release_failed(sv)
+
+    def _write_block(self, sv: SaveJob, segments: List[Segment], start: int, total: int) -> None:
+        if sv.t_first_write is None:
+            sv.t_first_write = time.perf_counter()
+        crcs = write_block(self.cfg, self._cache, sv, segments, start, total, self._cond)
+        with self._cond:
+            for seg, crc in zip(segments, crcs):
+                sv.chunks[seg.entry].append([seg.offset, seg.nbytes, crc])
+                sv.bytes_written += seg.nbytes
+
+    def _maybe_finalize(self, sv: SaveJob) -> None:
+        with self._cond:
+            if (sv.finalizing or sv.error is not None or not sv.copied
+                    or sv.bytes_written != sv.total_bytes):
+                return
+            sv.finalizing = True
+        try:
+            self._finalize(sv)
+        except CheckpointError as e:
+            self._fail(sv, e)
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+            self._fail(sv, CheckpointError(f"finalizing the save failed: {e!r}",
+                                           rank=self.cfg.rank, file=sv.shard_path))
+
+    def _finalize(self, sv: SaveJob) -> None:
+        """Make the save durable on this rank, then commit (rank 0) and publish its record."""
+        cfg = self.cfg
+        t_flush0 = sv.t_first_write or time.perf_counter()
+        write_version_files(cfg, sv, self._cond, self._close_fd)
+        if cfg.local_dir is not None:
+            sv.t_local = time.perf_counter()
+            self._migrate_q.put((sv, t_flush0))
+            return
+        self._publish(sv, t_flush0)
+
+    def _migrate_loop(self) -> None:
+        self._nice()
+        while True:
+            item = self._migrate_q.get()
+            if item is _STOP:
+                return
+            sv, t_flush0 = item
+            try:
+                migrate_version_files(self.cfg, sv)
+                self._publish(sv, t_flush0)
+            except CheckpointError as e:
+                self._fail(sv, e)
+            except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+                self._fail(sv, CheckpointError(f"migration to the version directory failed: "
+                                               f"{e!r}", rank=self.cfg.rank,
+                                               file=sv.handle.directory))
+
+    def _publish(self, sv: SaveJob, t_flush0: float) -> None:
+        """The save is durable in its version directory: commit (rank 0), record, wake waiters."""
+        cfg = self.cfg
+        directory = sv.handle.directory
+        t_end = time.perf_counter()
+        committed = False
+        if cfg.rank == 0 and cfg.commit_policy is CommitPolicy.RANK0:
+            committed = layout.try_commit(directory, cfg.world_size)
+            if not committed:
+                with self._cond:
+                    self._uncommitted.append(sv)
+        durable_s = t_end - sv.t_start
+        record = SaveRecord(
+            step=sv.handle.step, directory=directory, rank=cfg.rank, bytes=sv.total_bytes,
+            num_tensors=len(sv.entries), blocked_s=sv.blocked_s,
+            copy_s=(sv.t_copied or t_end) - sv.t_start, flush_s=t_end - t_flush0,
+            durable_s=durable_s, gbps=sv.total_bytes / max(durable_s, 1e-9) / 1e9,
+            peak_cache_bytes=sv.peak_cache, committed=committed,
+            local_durable_s=None if sv.t_local is None else sv.t_local - sv.t_start)
+        append_record(cfg.telemetry_path, record)
+        logger.info("DataStates: rank %d step %d durable: %.3f GB in %.3f s (%.2f GB/s), "
+                    "caller blocked %.3f s%s", cfg.rank, sv.handle.step, sv.total_bytes / 1e9,
+                    durable_s, record.gbps, sv.blocked_s, ", committed" if committed else "")
+        with self._cond:
+            sv.record = record
+            sv.done = True
+            sv.skeleton = None
+            self._cond.notify_all()

@@ -1,0 +1,220 @@
+"""The one module of `datastates` that knows Megatron: dist_checkpointing save/load strategies.
+
+megatron-core describes *what* is saved (`sharded_state_dict()`: ShardedTensor shards with global
+shapes and offsets, ShardedObjects); the engine decides *how bytes move*. This module translates
+the first into the second, and registers a load strategy under our own backend name, so that stock
+`megatron.core.dist_checkpointing.load` reads our checkpoints (resharding included) as soon as
+`datastates` has been imported (see `datastates/__init__.py`).
+
+Save, call order (every rank):
+  1) `dist_checkpointing.save(sd, dir, sharded_strategy=save_strategy(engine, dp_group),
+     async_sharded_save=True)`: rank 0 writes common.pt; `async_save` hands this rank's main-replica
+     shards to the engine (small objects serialized now, tensors copied lazily) and returns an
+     AsyncRequest holding megatron's finalize function (metadata.json). Nothing has been copied.
+  2) every rank, before anything mutates parameters or optimizer state:
+     `engine.wait_for_snapshot()`.
+  3) every rank, once all ranks agree their shards are durable: run the request's finalize
+     functions (rank 0 writes metadata.json, then a barrier), then rank 0 `try_commit(dir, world)`
+     writes the commit marker last. Readers refuse a directory without it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
+
+from .engine import CheckpointEngine, SaveHandle
+from .errors import CheckpointError
+from .reader import CheckpointReader
+from .state import TensorShard
+
+BACKEND = "datastates"
+BACKEND_VERSION = 1
+_TENSORS, _OBJECTS = "tensors", "objects"
+
+
+def _local_view(sh: ShardedTensor) -> torch.Tensor:
+    """The shard's data with the axes megatron prepends (e.g. the layer axis) made explicit, so
+    its shape matches its global offsets."""
+    if sh.flattened_range is not None:
+        raise CheckpointError(f"ShardedTensor {sh.key!r} uses flattened_range, which megatron-core "
+                              "0.16.1 itself rejects; use the fully_reshardable optimizer format")
+    data = sh.data.detach()
+    return data.reshape((1,) * sh.prepend_axis_num + tuple(data.shape))
+
+
+def engine_state(sharded_state_dict) -> Dict[str, Dict[str, Any]]:
+    """This rank's main-replica tensor shards and objects, keyed uniquely across ranks."""
+    tensors: Dict[str, TensorShard] = {}
+    objects: Dict[str, Any] = {}
+    for item in nested_values(sharded_state_dict):
+        if isinstance(item, ShardedTensor):
+            if is_main_replica(item.replica_id):
+                name = f"{item.key}@{','.join(map(str, item.global_offset))}"
+                tensors[name] = TensorShard(_local_view(item), item.key, tuple(item.global_shape),
+                                            tuple(item.global_offset))
+        elif isinstance(item, ShardedObject):
+            if is_main_replica(item.replica_id):
+                objects[item.unique_key] = item.data
+        else:
+            raise CheckpointError(f"unexpected {type(item).__name__} in a sharded state dict after "
+                                  "megatron's preprocessing; expected ShardedTensor/ShardedObject")
+    return {_TENSORS: tensors, _OBJECTS: objects}
+
+
+class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
+    """Hands shards to a `CheckpointEngine`; the returned request does no work of its own."""
+
+    def __init__(self, engine: CheckpointEngine, step: int):
+        super().__init__(BACKEND, BACKEND_VERSION)
+        self.engine = engine
+        self.step = step
+        self.handle: Optional[SaveHandle] = None
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
+        self.handle = self.engine.save(engine_state(sharded_state_dict), str(checkpoint_dir),
+                                       step=self.step)
+        return AsyncRequest(None, (), [])
+
+    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+        self.async_save(sharded_state_dict, checkpoint_dir)
+        self.engine.wait_for_durable(self.handle)
+
+
+def save_strategy(engine: CheckpointEngine, step: int, dp_group=None, cached_wrapper=None):
+    """Our strategy wrapped so replicated shards are written once, spread across the DP group
+    (megatron's FullyParallelSaveStrategyWrapper assigns each replicated shard one writer).
+    Pass the previous wrapper back as `cached_wrapper` to reuse its cached distribution."""
+    base = DataStatesSaveStrategy(engine, step)
+    if dp_group is None or torch.distributed.get_world_size(dp_group) == 1:
+        return base, base
+    if cached_wrapper is None:
+        cached_wrapper = FullyParallelSaveStrategyWrapper(base, dp_group, do_cache_distribution=True)
+    cached_wrapper.base_strategy = base
+    return cached_wrapper, base
+
+
+class DataStatesLoadStrategy(LoadShardedStrategy):
+    """Reads any layout's shards back at this rank's layout (slices by global offsets)."""
+
+    def __init__(self, verify: bool = True, allow_pickle: bool = False):
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def _objects(self, reader: CheckpointReader) -> Dict[str, Any]:
+        objects: Dict[str, Any] = {}
+        for rank in reader.ranks():
+            objects.update(reader.load_objects(rank)[_OBJECTS])
+        return objects
+
+    def load(self, sharded_state_dict, checkpoint_dir):
+        reader = CheckpointReader(str(checkpoint_dir), verify=self.verify,
+                                  allow_pickle=self.allow_pickle)
+        try:
+            objects = None
+            known = set(reader.tensor_keys(shards_only=True))
+
+            def load_one(item):
+                nonlocal objects
+                if isinstance(item, ShardedObject):
+                    if objects is None:
+                        objects = self._objects(reader)
+                    if item.unique_key not in objects:
+                        raise CheckpointError(f"object {item.unique_key!r} is not in the checkpoint "
+                                              "(saved with another model or layout?)",
+                                              file=str(checkpoint_dir))
+                    return objects[item.unique_key]
+                if not isinstance(item, ShardedTensor):
+                    return item
+                if item.key not in known:
+                    raise CheckpointError("tensor is not in the checkpoint (saved with another "
+                                          "model?)", file=str(checkpoint_dir), tensor=item.key)
+                return _read_shard(reader, item)
+
+            return dict_list_map_inplace(load_one, sharded_state_dict)
+        finally:
+            reader.close()
+
+    def load_tensors_metadata(self, checkpoint_dir):
+        reader = CheckpointReader(str(checkpoint_dir), verify=False)
+        try:
+            out = {}
+            for key in reader.tensor_keys(shards_only=True):
+                meta = reader.tensor_meta(key)
+                out[key] = ShardedTensor.from_rank_offsets(
+                    key, torch.empty(meta.global_shape, dtype=meta.dtype, device="meta"))
+            return out
+        finally:
+            reader.close()
+
+    def load_sharded_metadata(self, checkpoint_dir):
+        out = dict(self.load_tensors_metadata(checkpoint_dir))
+        reader = CheckpointReader(str(checkpoint_dir), verify=False, allow_pickle=self.allow_pickle)
+        try:
+            for unique_key in self._objects(reader):
+                out[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
+        finally:
+            reader.close()
+        return out
+
+    def check_backend_compatibility(self, loaded_backend):
+        if loaded_backend != BACKEND:
+            raise CheckpointError(f"checkpoint backend is {loaded_backend!r}, expected {BACKEND!r}")
+
+    def check_version_compatibility(self, loaded_version):
+        if int(loaded_version) > BACKEND_VERSION:
+            raise CheckpointError(f"checkpoint backend version {loaded_version} is newer than this "
+                                  f"reader ({BACKEND_VERSION}); upgrade datastates")
+
+
+def _read_shard(reader: CheckpointReader, sh: ShardedTensor) -> torch.Tensor:
+    """This rank's box of `sh` from the checkpoint. With `allow_shape_mismatch` (e.g. a vocabulary
+    padded differently at another TP), the part outside the saved global shape is zero."""
+    want = tuple(sh.global_shape)
+    saved = tuple(reader.tensor_meta(sh.key).global_shape)
+    local = tuple(sh.local_shape)
+    box = (1,) * sh.prepend_axis_num + local
+    if saved == want:
+        out = reader.read(sh.key, sh.global_offset, box)
+    elif sh.allow_shape_mismatch and len(saved) == len(want):
+        out = torch.zeros(box, dtype=reader.tensor_meta(sh.key).dtype)
+        lo = tuple(sh.global_offset)
+        hi = tuple(min(o + b, g) for o, b, g in zip(lo, box, saved))
+        if all(h > o for o, h in zip(lo, hi)):
+            part = reader.read(sh.key, lo, tuple(h - o for o, h in zip(lo, hi)))
+            out[tuple(slice(0, h - o) for o, h in zip(lo, hi))] = part
+    else:
+        raise CheckpointError(f"global shape mismatch: checkpoint {list(saved)}, model {list(want)}",
+                              file=reader.directory, tensor=sh.key)
+    if out.dtype != sh.dtype:
+        out = out.to(sh.dtype)
+    return out.reshape(local)
+
+
+def register() -> None:
+    """Make stock `dist_checkpointing.load` route checkpoints whose metadata.json names our backend
+    to `DataStatesLoadStrategy` (the ('torch_dist', 1) key is re-registered by megatron-core on
+    every lookup, so we use a name of our own)."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, BACKEND_VERSION,
+                              DataStatesLoadStrategy())

@@ -1,0 +1,300 @@
+"""Loading: a committed version directory -> tensors (any global box) and the nested state."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import layout
+from .errors import CheckpointError
+from .index import ShardMeta, parse_index
+from .state import TensorShard, decode_skeleton
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A global tensor as saved: its shape, dtype and the shards (rank, global offset, shape)."""
+
+    key: str
+    dtype: torch.dtype
+    global_shape: Tuple[int, ...]
+    shards: Tuple[Tuple[int, Tuple[int, ...], Tuple[int, ...]], ...]
+
+
+class CheckpointReader:
+    """Read-only view of one version directory.
+
+    Refuses a directory without a commit marker unless `allow_uncommitted` (then it reads the
+    ranks whose markers are present). With `verify`, every chunk a read touches is checked
+    against its checksum, and each index against its rank marker. With `local_dir` (level 3),
+    a rank whose node-local copy carries a marker for the same index (same checksum) is read
+    from the local copy; `source(rank)` says which copy a rank is read from.
+    """
+
+    def __init__(self, directory: str, verify: bool = True, allow_pickle: bool = False,
+                 allow_uncommitted: bool = False, threads: int = 4,
+                 local_dir: Optional[str] = None):
+        self.directory = directory
+        self.local_dir = local_dir
+        self._sources: Dict[int, str] = {}
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+        self.threads = max(1, threads)
+        if not os.path.isdir(directory):
+            raise CheckpointError("checkpoint directory does not exist", file=directory)
+        commit_path = os.path.join(directory, layout.COMMIT_FILE)
+        if layout.is_committed(directory):
+            commit = layout.read_json(commit_path, what="commit marker")
+            self.world_size = int(commit["world_size"])
+            self.step = commit.get("step")
+            ranks = list(range(self.world_size))
+        elif allow_uncommitted:
+            pattern = re.compile(r"done_r(\d{5})\.json$")
+            found = glob.glob(os.path.join(directory, "done_r*.json"))
+            ranks = sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
+            self.world_size = None
+            self.step = None
+        else:
+            raise CheckpointError(
+                f"checkpoint is not committed (no valid {layout.COMMIT_FILE}): its save did not "
+                f"finish on every rank. Load an earlier version, or pass allow_uncommitted=True to "
+                f"inspect it", file=directory)
+        self._fds: Dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+        self._by_rank: Dict[int, List[ShardMeta]] = {}
+        self._objects: Dict[int, Any] = {}
+        self._checksum: Dict[int, str] = {}
+        self._by_key: Dict[str, List[ShardMeta]] = {}
+        for r in ranks:
+            self._load_rank(r)
+
+    # ----------------------------------------------------------------- metadata
+    def _load_rank(self, rank: int) -> None:
+        marker_path = os.path.join(self.directory, layout.rank_marker_file(rank))
+        marker = layout.read_json(marker_path, rank=rank, what="rank marker")
+        layout.check_format(marker, marker_path, rank)
+        directory = self._local_copy(rank, marker) or self.directory
+        self._sources[rank] = directory
+        index_path = layout.safe_join(directory, marker.get("index"), rank=rank)
+        try:
+            with open(index_path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise CheckpointError(f"cannot read index: {e}", rank=rank, file=index_path) from e
+        if self.verify and zlib.crc32(raw) != marker.get("index_crc32"):
+            raise CheckpointError("index does not match the checksum in its rank marker (edited or "
+                                  "corrupted)", rank=rank, file=index_path)
+        try:
+            doc = json.loads(raw)
+        except ValueError as e:
+            raise CheckpointError(f"index is not valid JSON: {e}", rank=rank,
+                                  file=index_path) from e
+        metas = parse_index(doc, rank, directory, index_path)
+        self._by_rank[rank] = metas
+        self._objects[rank] = doc.get("objects")
+        self._checksum[rank] = doc["checksum"]
+        for m in metas:
+            known = self._by_key.setdefault(m.key, [])
+            if known and (known[0].global_shape != m.global_shape or known[0].dtype != m.dtype):
+                raise CheckpointError(
+                    f"rank {known[0].rank} saved it as {known[0].dtype}"
+                    f"{list(known[0].global_shape)}, rank {rank} as {m.dtype}"
+                    f"{list(m.global_shape)}", rank=rank, file=index_path, tensor=m.key)
+            known.append(m)
+
+    def _local_copy(self, rank: int, marker: dict) -> Optional[str]:
+        """The node-local version directory if it holds this rank's files for the same index."""
+        if self.local_dir is None:
+            return None
+        local = layout.local_version_dir(self.local_dir, self.directory)
+        try:
+            doc = layout.read_json(os.path.join(local, layout.rank_marker_file(rank)), rank=rank)
+            layout.check_format(doc, local, rank)
+        except CheckpointError:
+            return None
+        same = (doc.get("index_crc32") == marker.get("index_crc32")
+                and doc.get("index") == marker.get("index")
+                and doc.get("step") == marker.get("step"))
+        return local if same else None
+
+    def source(self, rank: int) -> str:
+        """Directory this rank's index and shards are read from."""
+        return self._sources[rank]
+
+    def ranks(self) -> List[int]:
+        return sorted(self._by_rank)
+
+    def tensor_keys(self, shards_only: bool = False) -> List[str]:
+        """Global keys of saved tensors; with `shards_only`, only those saved as TensorShard
+        (not plain tensors nested in small objects, e.g. RNG states)."""
+        return sorted(k for k, metas in self._by_key.items()
+                      if not shards_only or metas[0].is_shard)
+
+    def tensor_meta(self, key: str) -> TensorMeta:
+        metas = self._metas(key)
+        return TensorMeta(key, metas[0].dtype, metas[0].global_shape,
+                          tuple((m.rank, m.global_offset, m.shape) for m in metas))
+
+    def _metas(self, key: str) -> List[ShardMeta]:
+        metas = self._by_key.get(key)
+        if not metas:
+            raise CheckpointError(f"no tensor with this key; the checkpoint has "
+                                  f"{len(self._by_key)} keys, e.g. {self.tensor_keys()[:5]}",
+                                  file=self.directory, tensor=key)
+        return metas
+
+    # ----------------------------------------------------------------- reading
+    def close(self) -> None:
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _fd(self, path: str, m: ShardMeta) -> int:
+        with self._fd_lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise CheckpointError(f"cannot open shard file: {e}", rank=m.rank, file=path,
+                                          tensor=m.key) from e
+                self._fds[path] = fd
+            return fd
+
+    def _read_bytes(self, m: ShardMeta, b0: int, b1: int) -> Tuple[torch.Tensor, int]:
+        """Bytes [b0, b1) of the tensor's image, widened to whole chunks and verified when
+        `verify`. Returns (buffer, position of b0 in the buffer)."""
+        start, end = b0, b1
+        check = self.verify and self._checksum[m.rank] != "none"
+        if check:
+            chunks = [c for c in m.chunks if c[0] < b1 and c[0] + c[1] > b0]
+            start, end = chunks[0][0], chunks[-1][0] + chunks[-1][1]
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        fd = self._fd(m.path, m)
+        got = os.preadv(fd, [memoryview(buf.numpy())], m.offset + start)
+        if got != end - start:
+            raise CheckpointError(f"shard file is truncated: expected {end - start} bytes at "
+                                  f"offset {m.offset + start}, read {got}", rank=m.rank,
+                                  file=m.path, tensor=m.key)
+        if check:
+            arr = buf.numpy()
+            for off, n, crc in chunks:
+                found = zlib.crc32(memoryview(arr[off - start:off - start + n]))
+                if found != crc:
+                    raise CheckpointError(f"checksum mismatch in bytes [{off}, {off + n}) of the "
+                                          f"tensor (file offset {m.offset + off}): expected "
+                                          f"{crc:#010x}, found {found:#010x}", rank=m.rank,
+                                          file=m.path, tensor=m.key)
+        return buf, b0 - start
+
+    def _read_local_box(self, m: ShardMeta, lo: Sequence[int],
+                        shape: Sequence[int]) -> torch.Tensor:
+        """The box of shard `m` at local offset `lo` with `shape`."""
+        if m.nbytes == 0 or math_prod(shape) == 0:
+            return torch.empty(tuple(shape), dtype=m.dtype)
+        if not m.shape:
+            buf, at = self._read_bytes(m, 0, m.nbytes)
+            return buf[at:at + m.nbytes].view(m.dtype).view(())
+        row_bytes = m.nbytes // m.shape[0]
+        r0, r1 = lo[0], lo[0] + shape[0]
+        buf, at = self._read_bytes(m, r0 * row_bytes, r1 * row_bytes)
+        rows = buf[at:at + (r1 - r0) * row_bytes].view(m.dtype).view((r1 - r0,) + m.shape[1:])
+        index = (slice(None),) + tuple(slice(o, o + s) for o, s in zip(lo[1:], shape[1:]))
+        return rows[index]
+
+    def read(self, key: str, global_offset: Optional[Sequence[int]] = None,
+             shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The box of global tensor `key` at `global_offset` (default: origin) with `shape`
+        (default: to the end), assembled from every overlapping shard of every rank."""
+        metas = self._metas(key)
+        gshape = metas[0].global_shape
+        off = tuple(global_offset) if global_offset is not None else (0,) * len(gshape)
+        shp = tuple(shape) if shape is not None else tuple(g - o for g, o in zip(gshape, off))
+        if (len(off) != len(gshape) or len(shp) != len(gshape)
+                or any(o < 0 or s < 0 or o + s > g for o, s, g in zip(off, shp, gshape))):
+            raise CheckpointError(f"requested box at {list(off)} of shape {list(shp)} does not fit "
+                                  f"in the global shape {list(gshape)}", file=self.directory,
+                                  tensor=key)
+        for m in metas:  # fast path: one shard is exactly the box
+            if m.global_offset == off and m.shape == shp:
+                return self._read_local_box(m, (0,) * len(shp), shp)
+        out = torch.empty(shp, dtype=metas[0].dtype)
+        if out.numel() == 0:
+            return out
+        covered = torch.zeros(shp, dtype=torch.bool)
+        jobs = []
+        for m in metas:
+            lo = tuple(max(o, mo) for o, mo in zip(off, m.global_offset))
+            hi = tuple(min(o + s, mo + ms)
+                       for o, s, mo, ms in zip(off, shp, m.global_offset, m.shape))
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, off))
+            if bool(covered[dst].all()):
+                continue  # a replica of what another shard already provides
+            covered[dst] = True
+            jobs.append((m, dst, tuple(l - mo for l, mo in zip(lo, m.global_offset)),
+                         tuple(h - l for l, h in zip(lo, hi))))
+        if not bool(covered.all()):
+            raise CheckpointError(f"the saved shards do not cover the requested box at {list(off)} "
+                                  f"of shape {list(shp)}", file=self.directory, tensor=key)
+
+        def run(job):
+            m, dst, lo, size = job
+            out[dst] = self._read_local_box(m, lo, size)
+
+        self._parallel(run, jobs)
+        return out
+
+    def _parallel(self, fn, items) -> List[Any]:
+        if len(items) <= 1 or self.threads == 1:
+            return [fn(x) for x in items]
+        with ThreadPoolExecutor(self.threads) as pool:
+            return list(pool.map(fn, items))
+
+    def load_objects(self, rank: int = 0) -> Any:
+        """The nested state as `rank` saved it, without its TensorShard leaves (None in their
+        place): small objects and the plain tensors among them (e.g. RNG states), read without
+        touching the shards' bytes."""
+        if rank not in self._by_rank:
+            raise CheckpointError(f"no such rank; the checkpoint has ranks {self.ranks()}",
+                                  rank=rank, file=self.directory)
+        metas = self._by_rank[rank]
+        leaves = [None if m.is_shard else self._read_local_box(m, (0,) * len(m.shape), m.shape)
+                  for m in metas]
+        return decode_skeleton(self._objects[rank], leaves, self.allow_pickle)
+
+    def load_state(self, rank: int = 0) -> Any:
+        """The nested state as `rank` saved it. Plain tensors come back as tensors, TensorShard
+        leaves as TensorShard(data, key, global_shape, global_offset) holding that rank's data."""
+        if rank not in self._by_rank:
+            raise CheckpointError(f"no such rank; the checkpoint has ranks {self.ranks()}",
+                                  rank=rank, file=self.directory)
+        metas = self._by_rank[rank]
+        tensors = self._parallel(lambda m: self._read_local_box(m, (0,) * len(m.shape), m.shape),
+                                 metas)
+        leaves = [TensorShard(t, m.key, m.global_shape, m.global_offset) if m.is_shard else t
+                  for t, m in zip(tensors, metas)]
+        return decode_skeleton(self._objects[rank], leaves, self.allow_pickle)
+
+
+def math_prod(xs: Sequence[int]) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p

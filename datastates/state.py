@@ -1,0 +1,212 @@
+"""What is saved: splitting a nested state into tensor entries and a safe JSON skeleton.
+
+Small objects are encoded as JSON with type tags ({"__t__": tag, ...}) so that loading them runs
+no code: no pickle, no imports. Tensor leaves are replaced by {"__t__": "tensor", "id": i} where i
+indexes this rank's tensor entries.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import enum
+import math
+import pickle
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError
+
+TAG = "__t__"
+
+
+@dataclass
+class TensorShard:
+    """A local shard of a global tensor.
+
+    `data` holds the elements of the global tensor `key` (shape `global_shape`) in the box that
+    starts at `global_offset` and has `data.shape`. Different ranks save different shards of the
+    same key; `CheckpointReader.read` reassembles any box from them.
+    """
+
+    data: torch.Tensor
+    key: str
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        self.global_offset = tuple(int(o) for o in self.global_offset)
+        shape = tuple(self.data.shape)
+        if len(shape) != len(self.global_shape) or len(shape) != len(self.global_offset):
+            raise CheckpointError(f"TensorShard: expected data, global_shape and global_offset "
+                                  f"of the same rank, found {shape}, {self.global_shape}, "
+                                  f"{self.global_offset}", tensor=self.key)
+        for size, off, glob in zip(shape, self.global_offset, self.global_shape):
+            if off < 0 or off + size > glob:
+                raise CheckpointError(f"TensorShard: box at {self.global_offset} of shape {shape} "
+                                      f"does not fit in global shape {self.global_shape}",
+                                      tensor=self.key)
+
+
+@dataclass
+class TensorEntry:
+    """One tensor to save: where it comes from and where it goes in the global tensor."""
+
+    key: str
+    tensor: torch.Tensor
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    is_shard: bool
+    dtype: torch.dtype = torch.float32
+    shape: Tuple[int, ...] = ()
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        # Kept apart from `tensor`, which the engine drops as soon as it is copied.
+        self.dtype = self.tensor.dtype
+        self.shape = tuple(self.tensor.shape)
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return "/".join(str(p) for p in path) if path else "<root>"
+
+
+class _Encoder:
+    def __init__(self, allow_pickle: bool):
+        self.allow_pickle = allow_pickle
+        self.entries: List[TensorEntry] = []
+
+    def encode(self, obj: Any, path: List[Any]) -> Any:
+        if isinstance(obj, TensorShard):
+            return self._tensor(obj.data, obj.key, obj.global_shape, obj.global_offset, True, path)
+        if isinstance(obj, torch.Tensor):
+            key = _path_str(path)
+            return self._tensor(obj, key, tuple(obj.shape), (0,) * obj.dim(), False, path)
+        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+            return {TAG: "npscalar", "dtype": obj.dtype.str,
+                    "b64": base64.b64encode(obj.tobytes()).decode()}
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, enum.Enum):
+            cls = type(obj)
+            return {TAG: "enum", "cls": f"{cls.__module__}:{cls.__qualname__}",
+                    "name": obj.name}
+        if isinstance(obj, int):
+            return obj if type(obj) is int else int(obj)
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {TAG: "float", "v": repr(obj)}
+        if isinstance(obj, dict):
+            items = []
+            for k, v in obj.items():
+                if not isinstance(k, (str, int, tuple)) or isinstance(k, bool):
+                    raise CheckpointError(f"cannot save dict key {k!r} of type "
+                                          f"{type(k).__name__} at path {_path_str(path)!r}: keys "
+                                          f"must be str, int or tuple")
+                items.append([self.encode(k, path + ["<key>"]), self.encode(v, path + [k])])
+            return {TAG: "dict", "items": items}
+        if isinstance(obj, list):
+            return [self.encode(v, path + [i]) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and type(obj) is tuple:
+            return {TAG: "tuple", "items": [self.encode(v, path + [i]) for i, v in enumerate(obj)]}
+        if isinstance(obj, bytes):
+            return {TAG: "bytes", "b64": base64.b64encode(obj).decode()}
+        if isinstance(obj, torch.dtype):
+            return {TAG: "dtype", "v": str(obj).replace("torch.", "")}
+        if isinstance(obj, torch.Size):
+            return {TAG: "size", "v": list(obj)}
+        if isinstance(obj, np.ndarray) and obj.dtype != object:
+            return {TAG: "ndarray", "dtype": obj.dtype.str, "shape": list(obj.shape),
+                    "b64": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode()}
+        if isinstance(obj, argparse.Namespace):
+            return {TAG: "namespace", "v": self.encode(vars(obj), path)}
+        return self._other(obj, path)
+
+    def _tensor(self, t, key, gshape, goff, is_shard, path):
+        if t.layout != torch.strided or t.is_quantized:
+            raise CheckpointError(f"cannot save tensor with layout {t.layout} at path "
+                                  f"{_path_str(path)!r}: only dense tensors are supported",
+                                  tensor=key)
+        self.entries.append(TensorEntry(key, t.detach(), tuple(gshape), tuple(goff), is_shard))
+        return {TAG: "tensor", "id": len(self.entries) - 1}
+
+    def _other(self, obj, path):
+        if not self.allow_pickle:
+            raise CheckpointError(
+                f"cannot save object of type {type(obj).__module__}.{type(obj).__qualname__} at "
+                f"path {_path_str(path)!r}: the safe format stores None, bool, int, float, str, "
+                f"bytes, list, tuple, dict, enum, torch.dtype, torch.Size, numpy arrays and "
+                f"tensors; convert it, or set EngineConfig(allow_pickle=True)")
+        return {TAG: "pickle", "b64": base64.b64encode(pickle.dumps(obj)).decode()}
+
+
+def flatten_state(state: Any, allow_pickle: bool) -> Tuple[Any, List[TensorEntry]]:
+    """Return (JSON-able skeleton, tensor entries) for a nested state. Raises CheckpointError on
+    a type the safe format cannot hold (unless allow_pickle)."""
+    enc = _Encoder(allow_pickle)
+    skeleton = enc.encode(state, [])
+    seen: Dict[Tuple[str, Tuple[int, ...]], int] = {}
+    for e in enc.entries:
+        ident = (e.key, e.global_offset)
+        if ident in seen:
+            raise CheckpointError("two tensors of this rank's state map to the same key and offset "
+                                  f"{e.global_offset}; give TensorShards distinct keys or offsets",
+                                  tensor=e.key)
+        seen[ident] = 1
+    return skeleton, enc.entries
+
+
+def _resolve_enum(cls_path: str, name: str) -> Any:
+    module, _, qual = cls_path.partition(":")
+    # Importing a module may run code; we only look up modules the program already imported.
+    obj = sys.modules.get(module)
+    if obj is None:
+        raise CheckpointError(f"checkpoint holds an enum of class {cls_path}; import module "
+                              f"{module!r} before loading so it can be resolved without running "
+                              f"code")
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj[name]
+
+
+def decode_skeleton(obj: Any, tensors: Sequence[Any], allow_pickle: bool) -> Any:
+    """Inverse of flatten_state: `tensors[i]` replaces the i-th tensor entry."""
+    if isinstance(obj, list):
+        return [decode_skeleton(v, tensors, allow_pickle) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    tag = obj.get(TAG)
+    rec = lambda v: decode_skeleton(v, tensors, allow_pickle)  # noqa: E731
+    if tag == "tensor":
+        return tensors[obj["id"]]
+    if tag == "dict":
+        return {rec(k): rec(v) for k, v in obj["items"]}
+    if tag == "tuple":
+        return tuple(rec(v) for v in obj["items"])
+    if tag == "float":
+        return float(obj["v"])
+    if tag == "bytes":
+        return base64.b64decode(obj["b64"])
+    if tag == "dtype":
+        return getattr(torch, obj["v"])
+    if tag == "size":
+        return torch.Size(obj["v"])
+    if tag == "ndarray":
+        raw = base64.b64decode(obj["b64"])
+        return np.frombuffer(raw, dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+    if tag == "npscalar":
+        return np.frombuffer(base64.b64decode(obj["b64"]), dtype=np.dtype(obj["dtype"]))[0]
+    if tag == "enum":
+        return _resolve_enum(obj["cls"], obj["name"])
+    if tag == "namespace":
+        return argparse.Namespace(**rec(obj["v"]))
+    if tag == "pickle":
+        if not allow_pickle:
+            raise CheckpointError("checkpoint holds a pickled object; loading it may run arbitrary "
+                                  "code. Pass allow_pickle=True only if you trust the checkpoint")
+        return pickle.loads(base64.b64decode(obj["b64"]))
+    raise CheckpointError(f"unknown type tag {tag!r} in the checkpoint's object skeleton")

@@ -1,0 +1,95 @@
+"""How bytes move from live tensors into the host cache (level 1).
+
+A tensor is cut into pieces of at most `max_bytes`, in row-major order, without ever
+materializing a contiguous copy of a non-contiguous tensor: concatenating the pieces' bytes gives
+exactly the bytes of `tensor.contiguous()`.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .cache import HostCache
+
+
+def iter_pieces(t: torch.Tensor, max_bytes: int, byte_offset: int = 0
+                ) -> Iterator[Tuple[torch.Tensor, int]]:
+    """Yield (view, byte offset in the row-major byte image of `t`) covering `t` in order."""
+    esize = t.element_size()
+    nbytes = t.numel() * esize
+    if nbytes == 0:
+        return
+    if nbytes <= max_bytes:
+        yield t, byte_offset
+        return
+    if t.is_contiguous() or t.dim() == 1:
+        flat = t.reshape(-1) if t.is_contiguous() else t  # a 1-d strided view stays a view
+        step = max(1, max_bytes // esize)
+        for e0 in range(0, flat.numel(), step):
+            yield flat[e0:e0 + step], byte_offset + e0 * esize
+        return
+    row_bytes = nbytes // t.shape[0]
+    rows = max_bytes // row_bytes
+    if rows >= 1:
+        for r0 in range(0, t.shape[0], rows):
+            yield t[r0:r0 + rows], byte_offset + r0 * row_bytes
+        return
+    for r in range(t.shape[0]):  # one row is bigger than a piece: recurse into it
+        yield from iter_pieces(t[r], max_bytes, byte_offset + r * row_bytes)
+
+
+class Copier:
+    """Copies one piece into a cache block. On CUDA the copy runs on a dedicated stream that first
+    waits for the work the caller had queued when it called save; an event per piece tells when
+    the bytes are on the host."""
+
+    def __init__(self, cache: HostCache):
+        self.cache = cache
+        self._base = cache.buffer.data_ptr()
+        self._streams = {}
+
+    def _stream(self, device: torch.device):
+        s = self._streams.get(device)
+        if s is None:
+            s = torch.cuda.Stream(device=device)
+            self._streams[device] = s
+        return s
+
+    def copy(self, piece: torch.Tensor, start: int,
+             ready_event: Optional["torch.cuda.Event"] = None) -> None:
+        nbytes = piece.numel() * piece.element_size()
+        if not piece.is_cuda and piece.is_contiguous():
+            # A plain memcpy: no OpenMP team (see below), ~1 us of overhead per tensor, and
+            # ctypes drops the GIL for the call.
+            ctypes.memmove(self._base + start, piece.data_ptr(), nbytes)
+            return
+        dst = self.cache.view(start, nbytes).view(piece.dtype).view(piece.shape)
+        if piece.is_cuda:
+            stream = self._stream(piece.device)
+            with torch.cuda.stream(stream):
+                if ready_event is not None:
+                    stream.wait_event(ready_event)
+                dst.copy_(piece, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            # The writer reads the host bytes next, so they must have landed.
+            done.synchronize()
+        else:
+            # numpy's copy is single-threaded and drops the GIL. torch's copy_ would start an
+            # OpenMP team from this thread whose spin-waiting competes with training on few cores.
+            np.copyto(_as_numpy(dst), _as_numpy(piece), casting="no")
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of `t`'s bytes, reinterpreted as an integer type of the same element size
+    (numpy has no bfloat16; a bit-exact copy needs no arithmetic type)."""
+    size = t.element_size()
+    if size in _SAME_SIZE_INT:
+        t = t.view(_SAME_SIZE_INT[size])
+    return t.numpy()

@@ -1,0 +1,209 @@
+"""Bit-exact round trips of tensors and small objects through the engine."""
+import argparse
+import enum
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from datastates import (CheckpointEngine, CheckpointError, CheckpointReader, EngineConfig,
+                        TensorShard, is_committed)
+
+
+class Color(enum.Enum):
+    RED = 1
+    BLUE = "b"
+
+
+def save_and_load(state, tmp_path, allow_pickle=False, **cfg):
+    d = str(tmp_path / "v")
+    cfg = {"host_cache_bytes": 1 << 20, **cfg}
+    with CheckpointEngine(EngineConfig(allow_pickle=allow_pickle, **cfg)) as eng:
+        h = eng.save(state, d, step=7)
+        eng.wait_for_snapshot()
+        records = eng.wait_for_durable(h)
+    assert is_committed(d)
+    assert [r.step for r in records] == [7]
+    return CheckpointReader(d, allow_pickle=allow_pickle).load_state(), records[0], d
+
+
+def assert_same(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8) if a.numel() else a,
+                           b.contiguous().reshape(-1).view(torch.uint8) if b.numel() else b)
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys())
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b
+
+
+def tensor_state():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(8, 6, generator=g)
+    return {
+        "f32": torch.randn(33, 17, generator=g),
+        "bf16": torch.randn(5, 9, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(4, 3, generator=g).half(),
+        "i64": torch.randint(-2**62, 2**62, (12,), generator=g, dtype=torch.int64),
+        "bool": torch.rand(3, 5, generator=g) > 0.5,
+        "zero_d": torch.tensor(3.25),
+        "empty": torch.empty(0, 4),
+        "transposed": base.t(),
+        "strided": base[::2, 1::3],
+        "expanded": torch.arange(3.0).view(3, 1).expand(3, 4),
+        "nested": {"list": [torch.ones(2), {"deep": torch.arange(6).view(2, 3)}]},
+    }
+
+
+def test_tensor_dtypes_and_layouts_round_trip_bit_exact(tmp_path):
+    state = tensor_state()
+    # NaN payloads and -0.0 must survive: compare bytes, not values.
+    state["f32"][0, 0] = float("nan")
+    state["f32"][0, 1] = -0.0
+    loaded, rec, _ = save_and_load(state, tmp_path)
+    assert_same(state, loaded)
+    assert rec.bytes == sum(t.numel() * t.element_size() for t in
+                            [state[k] for k in state if k != "nested"]) + 2 * 4 + 6 * 8
+
+
+def test_small_objects_rng_states_and_param_groups_round_trip(tmp_path):
+    random.seed(3)
+    np.random.seed(3)
+    state = {
+        "scalars": [None, True, False, 0, -5, 2**70, 1.5, float("inf"), float("-inf"),
+                    float("nan"), "text", b"\x00\xff"],
+        "tuple": (1, (2, "x"), []),
+        "int_keys": {0: {"step": 3}, 1: "a", (2, "t"): 4.0},
+        "dtype": torch.bfloat16, "size": torch.Size([2, 3]),
+        "np": np.arange(6, dtype=np.float32).reshape(2, 3), "np_scalar": np.float64(2.5),
+        "enum": Color.BLUE,
+        "args": argparse.Namespace(lr=0.1, layers=[1, 2]),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0,
+                          "amsgrad": False, "params": [0, 1, 2], "maximize": False,
+                          "foreach": None}],
+    }
+    loaded, _, d = save_and_load(state, tmp_path)
+    assert_same(state, loaded)
+    random.setstate(loaded["python_rng"])
+    np.random.set_state(loaded["numpy_rng"])
+    torch.set_rng_state(loaded["torch_rng"])
+    r = (random.random(), np.random.rand(), torch.rand(1))
+    random.setstate(state["python_rng"])
+    np.random.set_state(state["numpy_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    assert r == (random.random(), np.random.rand(), torch.rand(1))
+    # The skeleton is plain JSON: nothing in it is pickled.
+    with open(os.path.join(d, "index_r00000.json")) as f:
+        assert "pickle" not in json.dumps(json.load(f)["objects"])
+
+
+class Opaque:
+    def __init__(self, v):
+        self.v = v
+
+
+def test_unsupported_type_is_refused_with_its_path(tmp_path):
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20)) as eng:
+        with pytest.raises(CheckpointError, match=r"Opaque.*'a/b/1'.*allow_pickle"):
+            eng.save({"a": {"b": [1, Opaque(2)]}}, str(tmp_path / "v"), step=1)
+
+
+def test_pickle_needs_opt_in_on_both_sides(tmp_path):
+    d = str(tmp_path / "v")
+    with CheckpointEngine(EngineConfig(allow_pickle=True, host_cache_bytes=1 << 20)) as eng:
+        eng.save({"o": Opaque(5)}, d, step=1)
+    with pytest.raises(CheckpointError, match="allow_pickle"):
+        CheckpointReader(d).load_state()
+    assert CheckpointReader(d, allow_pickle=True).load_state()["o"].v == 5
+
+
+def test_tensor_shard_leaves_come_back_as_tensor_shards(tmp_path):
+    shard = TensorShard(torch.arange(12.0).view(3, 4), "w", (6, 4), (3, 0))
+    loaded, _, _ = save_and_load({"w": shard, "plain": torch.ones(2)}, tmp_path)
+    assert isinstance(loaded["w"], TensorShard)
+    assert loaded["w"].key == "w" and loaded["w"].global_shape == (6, 4)
+    assert loaded["w"].global_offset == (3, 0)
+    assert torch.equal(loaded["w"].data, shard.data)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tensors_larger_than_cache_stream_in_chunks(tmp_path, threads):
+    """Back-pressure: cache (64 KiB) smaller than the state and than its largest tensors,
+    including a non-contiguous one whose single row exceeds a chunk."""
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(512, 1024, generator=g)           # 2 MiB, contiguous
+    wide = torch.randn(3, 40000, generator=g).t()       # non-contiguous, 480 KB
+    rows = torch.randn(4, 30000, generator=g)[:, ::2]   # non-contiguous, rows of 60 KB > chunk
+    state = {"big": big, "wide": wide, "rows": rows, "small": torch.arange(5)}
+    cache = 64 * 1024
+    loaded, rec, d = save_and_load(state, tmp_path, host_cache_bytes=cache, chunk_bytes=16384,
+                                   copy_threads=threads, writer_threads=threads)
+    assert_same(state, loaded)
+    assert 0 < rec.peak_cache_bytes <= cache
+    with open(os.path.join(d, "index_r00000.json")) as f:
+        entries = {t["key"]: t for t in json.load(f)["tensors"]}
+    assert len(entries["big"]["chunks"]) >= 2 * 1024 * 1024 // cache
+    reader = CheckpointReader(d)
+    assert torch.equal(reader.read("big", (100, 7), (3, 500)), big[100:103, 7:507])
+    assert torch.equal(reader.read("rows", (1, 100), (2, 3)), rows[1:3, 100:103])
+
+
+def test_bad_config_is_explained():
+    with pytest.raises(CheckpointError, match="0 <= rank < world_size.*rank=2, world_size=2"):
+        EngineConfig(rank=2, world_size=2)
+    with pytest.raises(CheckpointError, match="host_cache_bytes must be at least"):
+        EngineConfig(host_cache_bytes=1000)
+
+
+def test_checksum_none_is_recorded_and_reads_skip_verification(tmp_path):
+    from datastates import Checksum
+    state = {"x": torch.arange(100, dtype=torch.int32)}
+    loaded, _, d = save_and_load(state, tmp_path, checksum=Checksum.NONE)
+    assert torch.equal(loaded["x"], state["x"])
+    with open(os.path.join(d, "index_r00000.json")) as f:
+        assert json.load(f)["checksum"] == "none"
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_write_modes_round_trip_aligned_and_unaligned_pieces(tmp_path, mode):
+    """O_DIRECT for page-aligned pieces, buffered fallback for row pieces of non-contiguous
+    tensors, padding of last pieces must not clobber the next tensor."""
+    from datastates import WriteMode
+    state = tensor_state()
+    g = torch.Generator().manual_seed(4)
+    state["big"] = torch.randn(300, 1000, generator=g)
+    state["odd"] = torch.randn(1001, generator=g)
+    state["rows"] = torch.randn(4, 30000, generator=g)[:, ::2]
+    loaded, rec, d = save_and_load(state, tmp_path, host_cache_bytes=1 << 17, chunk_bytes=16384,
+                                   write_mode=WriteMode(mode))
+    assert_same(state, loaded)
+    assert 0 < rec.peak_cache_bytes <= 1 << 17
+
+
+def test_small_tensors_are_packed_into_few_writes(tmp_path):
+    writes = []
+    g = torch.Generator().manual_seed(5)
+    state = {f"p{i}": torch.randn(i % 7, 3, generator=g) for i in range(300)}
+    state["big"] = torch.randn(100000, generator=g)
+    loaded, _, _ = save_and_load(state, tmp_path, host_cache_bytes=1 << 20,
+                                 write_hook=lambda ev, info: ev == "write" and writes.append(ev))
+    assert_same(state, loaded)
+    assert 2 <= len(writes) <= 3  # 300 small tensors in one or two blocks, "big" alone

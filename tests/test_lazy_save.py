@@ -1,0 +1,168 @@
+"""--async-lazy-save end to end: real gloo runs of pretrain_gpt.py saving every iteration.
+
+Each fixture is one launch that saves every iteration; resumed runs load a copy of one of its
+checkpoints, so the reference losses and the checkpoint come from the same launch.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, assert_close, launch
+
+SIX = ["--train-iters", "6", "--eval-interval", "0"]
+LAZY = ["--async-lazy-save", "--save-interval", "1"]
+DISTOPT = ["--use-distributed-optimizer"]
+
+
+def _copy(src_root, iterations, latest, dst_root):
+    """A --load root holding `iterations` with the tracker at `latest`."""
+    for it in iterations:
+        name = f"iter_{it:07d}"
+        shutil.copytree(os.path.join(src_root, name), os.path.join(dst_root, name))
+    with open(os.path.join(dst_root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(latest))
+    return str(dst_root)
+
+
+def _after(values, iteration):
+    return {k: v for k, v in values.items() if k > iteration}
+
+
+def _checkpoint_lines(stdout):
+    return [line for line in stdout.splitlines() if line.startswith(" checkpoint iteration")]
+
+
+def _check_committed_run(run, root, iterations, kept=None):
+    assert run.returncode == 0, run.describe()
+    assert open(root / "latest_checkpointed_iteration.txt").read().strip() == str(iterations[-1])
+    for it in kept or iterations:
+        d = root / f"iter_{it:07d}"
+        assert (d / "COMMIT.json").is_file(), sorted(os.listdir(d))
+        assert json.loads((d / "metadata.json").read_text())["sharded_backend"] == "datastates"
+    lines = _checkpoint_lines(run.stdout)
+    assert [int(line.split("|")[0].split()[-1]) for line in lines] == iterations, lines
+    events = [json.loads(x) for x in open(root / "datastates_checkpoints.jsonl")]
+    records = [r for r in events if r["event"] == "checkpoint"]
+    assert [r["iteration"] for r in records] == iterations
+    assert [r["iteration"] for r in events if r["event"] == "iteration"] == iterations
+    assert all(r["bytes"] > 0 and r["durable_s"] > 0 for r in records)
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory):
+    """4 ranks, TP2 x PP2 with the distributed optimizer; a checkpoint every iteration."""
+    root = tmp_path_factory.mktemp("lazy_tp2pp2")
+    run = launch(4, TINY_MODEL + NO_DROPOUT + SIX + LAZY + DISTOPT + [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--save", str(root)], timeout=400)
+    _check_committed_run(run, root, [1, 2, 3, 4, 5, 6])
+    return run, root
+
+
+def test_tp2pp2_resume_bit_exact(tp2pp2, tmp_path):
+    run, root = tp2pp2
+    load = _copy(root, [3], 3, tmp_path / "load")
+    resumed = launch(4, TINY_MODEL + NO_DROPOUT + SIX + DISTOPT + [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--load", load], timeout=400)
+    assert resumed.returncode == 0, resumed.describe()
+    assert "optimizer restored" in resumed.stdout
+    assert resumed.losses() == _after(run.losses(), 3)
+
+
+def test_tp2pp2_resume_at_dp2(tp2pp2, tmp_path):
+    """Weights and Adam state saved at TP2xPP2 reshard onto TP1xPP1xDP2."""
+    run, root = tp2pp2
+    load = _copy(root, [3], 3, tmp_path / "load")
+    resumed = launch(2, TINY_MODEL + NO_DROPOUT + SIX + DISTOPT + ["--load", load])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "optimizer restored" in resumed.stdout
+    assert_close(resumed.losses(), _after(run.losses(), 3))
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    """2 ranks, DP2 with the distributed optimizer, dropout on (RNG restore matters), keep 4."""
+    root = tmp_path_factory.mktemp("lazy_dp2")
+    run = launch(2, TINY_MODEL + SIX + LAZY + DISTOPT + [
+        "--save", str(root), "--keep-last-n-checkpoints", "4"])
+    _check_committed_run(run, root, [1, 2, 3, 4, 5, 6], kept=[3, 4, 5, 6])
+    return run, root
+
+
+def test_dp2_retention_keeps_newest_four(dp2):
+    _, root = dp2
+    kept = sorted(p.name for p in root.iterdir() if p.name.startswith("iter_"))
+    assert kept == [f"iter_{i:07d}" for i in (3, 4, 5, 6)]
+    assert not [p for p in root.iterdir() if p.name.startswith(".deleting-")]
+
+
+def test_dp2_replicated_shards_written_once(dp2):
+    """DP replicas of each model shard are written by exactly one rank, spread over both: the
+    saved boxes of every model tensor add up to its global size (no box saved twice)."""
+    import math
+
+    from datastates import CheckpointReader
+
+    reader = CheckpointReader(str(dp2[1] / "iter_0000006"))
+    writers = set()
+    for key in reader.tensor_keys(shards_only=True):
+        if key.startswith("optimizer."):
+            continue
+        meta = reader.tensor_meta(key)
+        assert sum(math.prod(shape) for _, _, shape in meta.shards) == \
+            math.prod(meta.global_shape), (key, meta.shards)
+        writers.update(rank for rank, _, _ in meta.shards)
+    assert writers == {0, 1}
+
+
+def test_dp2_resume_bit_exact_and_incomplete_never_loaded(dp2, tmp_path):
+    """The newest directory is torn (no commit marker, shard truncated) and the tracker names
+    the previous one, as after a crash mid-flush: --load resumes from the complete one."""
+    run, root = dp2
+    load = _copy(root, [3, 4], 3, tmp_path / "load")
+    torn = tmp_path / "load" / "iter_0000004"
+    os.remove(torn / "COMMIT.json")
+    with open(torn / "shard_r00001.bin", "r+b") as f:
+        f.truncate(100)
+    resumed = launch(2, TINY_MODEL + SIX + DISTOPT + LAZY + ["--load", load, "--save", load])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "iteration 3;" in resumed.stdout
+    assert resumed.losses() == _after(run.losses(), 3)
+    # The torn version was rewritten and committed by the resumed run.
+    assert (torn / "COMMIT.json").is_file()
+
+
+def test_tracker_naming_an_uncommitted_checkpoint_is_refused(dp2, tmp_path):
+    _, root = dp2
+    load = _copy(root, [5], 5, tmp_path / "load")
+    os.remove(tmp_path / "load" / "iter_0000005" / "COMMIT.json")
+    resumed = launch(2, TINY_MODEL + SIX + DISTOPT + ["--load", load])
+    assert resumed.returncode != 0
+    # torchrun prints its own traceback for a failed worker; ours is one line per rank.
+    errors = [line for line in (resumed.stdout + resumed.stderr).splitlines()
+              if line.startswith("pretrain_gpt.py: error:")]
+    assert errors and all("not committed" in line and "iter_0000005" in line for line in errors), \
+        resumed.describe()
+
+
+def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):
+    """One process: the same training saved with torch_dist and with --async-lazy-save; stock
+    megatron-core load (after `import datastates`) gives bit-identical tensors."""
+    lazy_root, dist_root = tmp_path / "lazy", tmp_path / "dist"
+    args = TINY_MODEL + NO_DROPOUT + ["--train-iters", "6", "--exit-interval", "3",
+                                      "--eval-interval", "0"]
+    lazy = launch(1, args + LAZY + ["--save", str(lazy_root)])
+    ref = launch(1, args + ["--save", str(dist_root), "--save-interval", "3"])
+    assert lazy.returncode == 0 and ref.returncode == 0, lazy.describe() + ref.describe()
+    assert lazy.losses() == ref.losses()
+    check = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "stock_load.py"), str(dist_root / "iter_0000003"),
+         str(lazy_root / "iter_0000003")], cwd=str(REPO), capture_output=True, text=True,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
+    assert check.returncode == 0 and "MATCH" in check.stdout, check.stdout + check.stderr
+    assert int(check.stdout.split("MATCH")[1].split()[0]) > 20  # model and optimizer tensors

@@ -1,0 +1,43 @@
+"""tools/plot_checkpoint_timeline.py: telemetry lines -> phase bars -> PNG."""
+import json
+
+import pytest
+
+from tools.plot_checkpoint_timeline import main, phases, read_events
+
+EVENTS = [
+    {"event": "iteration", "iteration": 1, "time": 100.0},
+    {"event": "checkpoint", "iteration": 1, "bytes": 10, "stall_ms": 20.0, "copy_ms": 50.0,
+     "durable_s": 0.3, "gbps": 0.0, "ranks": 1, "t_start": 100.0, "t_returned": 100.01,
+     "time": 100.5},
+    {"event": "iteration", "iteration": 2, "time": 101.0},
+]
+
+
+def _write(tmp_path, events):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return str(path)
+
+
+def test_phase_bars(tmp_path):
+    rows = phases(*read_events(_write(tmp_path, EVENTS)))
+    assert rows["iterations"] == [(0.0, 1.0)]
+    assert rows["blocked"] == [(0.0, 0.02)]
+    assert rows["copy"] == [(0.0, 0.05)]
+    assert rows["flush"][0][0] == pytest.approx(0.05) and rows["flush"][0][1] == pytest.approx(0.25)
+    assert rows["commit"] == [(0.5, 0.0)]
+
+
+def test_png_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "t.png"
+    assert main([_write(tmp_path, EVENTS), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_input_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(EVENTS[0]) + "\n{oops\n")
+    with pytest.raises(SystemExit, match="bad.jsonl:2"):
+        read_events(str(path))

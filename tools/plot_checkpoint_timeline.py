@@ -1,0 +1,95 @@
+"""Draw a PNG timeline of training iterations and checkpoint phases from --async-lazy-save telemetry.
+
+    python tools/plot_checkpoint_timeline.py SAVE_DIR/datastates_checkpoints.jsonl -o timeline.png
+
+Rows: iterations (alternating shades between consecutive iteration ends), and per checkpoint the
+time training was blocked, the snapshot copy, the flush until every rank was durable, and the
+commit. Needs matplotlib (`pip install matplotlib`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict, List, Tuple
+
+
+def read_events(path: str) -> Tuple[List[Dict], List[Dict]]:
+    iterations, checkpoints = [], []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}:{lineno}: not a JSON line ({e.msg})")
+            kind = rec.get("event")
+            if kind == "iteration":
+                iterations.append(rec)
+            elif kind == "checkpoint":
+                checkpoints.append(rec)
+    if not iterations and not checkpoints:
+        raise SystemExit(f"error: {path} holds no 'iteration' or 'checkpoint' events; expected the "
+                         "datastates_checkpoints.jsonl written under --save by --async-lazy-save")
+    return iterations, checkpoints
+
+
+def phases(iterations: List[Dict], checkpoints: List[Dict]) -> Dict[str, List[Tuple[float, float]]]:
+    """Bars (start, width) per row, in seconds from the first event."""
+    times = [r["time"] for r in iterations] + [c["t_start"] for c in checkpoints]
+    t0 = min(times)
+    rows: Dict[str, List[Tuple[float, float]]] = {"iterations": [], "blocked": [], "copy": [],
+                                                  "flush": [], "commit": []}
+    for prev, cur in zip(iterations, iterations[1:]):
+        rows["iterations"].append((prev["time"] - t0, cur["time"] - prev["time"]))
+    for c in checkpoints:
+        start = c["t_start"] - t0
+        copy_s, durable_s = c["copy_ms"] / 1e3, c["durable_s"]
+        rows["blocked"].append((start, c["stall_ms"] / 1e3))
+        rows["copy"].append((start, copy_s))
+        rows["flush"].append((start + copy_s, max(0.0, durable_s - copy_s)))
+        rows["commit"].append((c["time"] - t0, 0.0))
+    return rows
+
+
+def draw(rows: Dict[str, List[Tuple[float, float]]], out: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["iterations", "blocked", "copy", "flush", "commit"]
+    colors = {"blocked": "tab:red", "copy": "tab:orange", "flush": "tab:blue"}
+    fig, ax = plt.subplots(figsize=(12, 3.2))
+    for y, name in enumerate(reversed(names)):
+        bars = rows[name]
+        if name == "commit":
+            ax.plot([s for s, _ in bars], [y] * len(bars), "k|", markersize=18)
+        elif name == "iterations":
+            ax.broken_barh(bars, (y - 0.35, 0.7),
+                           facecolors=["0.55" if i % 2 else "0.8" for i in range(len(bars))])
+        else:
+            ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=colors[name], alpha=0.8)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(list(reversed(names)))
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("telemetry", help="datastates_checkpoints.jsonl under the --save directory")
+    p.add_argument("-o", "--output", default="checkpoint_timeline.png")
+    p.add_argument("--title", default="--async-lazy-save: iterations and checkpoint phases")
+    a = p.parse_args(argv)
+    iterations, checkpoints = read_events(a.telemetry)
+    draw(phases(iterations, checkpoints), a.output, a.title)
+    print(f"wrote {a.output}: {len(iterations)} iterations, {len(checkpoints)} checkpoints")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
