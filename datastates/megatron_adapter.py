@@ -19,7 +19,7 @@ Save, call order (every rank):
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -56,9 +56,13 @@ def _local_view(sh: ShardedTensor) -> torch.Tensor:
     return data.reshape((1,) * sh.prepend_axis_num + tuple(data.shape))
 
 
-def engine_state(sharded_state_dict) -> Dict[str, Dict[str, Any]]:
-    """This rank's main-replica tensor shards and objects, keyed uniquely across ranks."""
-    tensors: Dict[str, TensorShard] = {}
+def engine_state(sharded_state_dict, extra_shards: Sequence[TensorShard] = ()
+                 ) -> Dict[str, Dict[str, Any]]:
+    """This rank's main-replica tensor shards and objects, keyed uniquely across ranks, plus
+    `extra_shards` this rank alone holds (described outside megatron's ShardedTensor, e.g. the
+    irregular pieces of the distributed optimizer's state)."""
+    tensors: Dict[str, TensorShard] = {
+        f"{t.key}@{','.join(map(str, t.global_offset))}": t for t in extra_shards}
     objects: Dict[str, Any] = {}
     for item in nested_values(sharded_state_dict):
         if isinstance(item, ShardedTensor):
@@ -78,10 +82,12 @@ def engine_state(sharded_state_dict) -> Dict[str, Dict[str, Any]]:
 class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
     """Hands shards to a `CheckpointEngine`; the returned request does no work of its own."""
 
-    def __init__(self, engine: CheckpointEngine, step: int):
+    def __init__(self, engine: CheckpointEngine, step: int,
+                 extra_shards: Sequence[TensorShard] = ()):
         super().__init__(BACKEND, BACKEND_VERSION)
         self.engine = engine
         self.step = step
+        self.extra_shards = extra_shards
         self.handle: Optional[SaveHandle] = None
 
     @property
@@ -89,8 +95,8 @@ class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
         return True
 
     def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
-        self.handle = self.engine.save(engine_state(sharded_state_dict), str(checkpoint_dir),
-                                       step=self.step)
+        self.handle = self.engine.save(engine_state(sharded_state_dict, self.extra_shards),
+                                       str(checkpoint_dir), step=self.step)
         return AsyncRequest(None, (), [])
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
@@ -98,11 +104,12 @@ class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
         self.engine.wait_for_durable(self.handle)
 
 
-def save_strategy(engine: CheckpointEngine, step: int, dp_group=None, cached_wrapper=None):
+def save_strategy(engine: CheckpointEngine, step: int, dp_group=None, cached_wrapper=None,
+                  extra_shards: Sequence[TensorShard] = ()):
     """Our strategy wrapped so replicated shards are written once, spread across the DP group
     (megatron's FullyParallelSaveStrategyWrapper assigns each replicated shard one writer).
     Pass the previous wrapper back as `cached_wrapper` to reuse its cached distribution."""
-    base = DataStatesSaveStrategy(engine, step)
+    base = DataStatesSaveStrategy(engine, step, extra_shards)
     if dp_group is None or torch.distributed.get_world_size(dp_group) == 1:
         return base, base
     if cached_wrapper is None:

@@ -80,10 +80,9 @@ class LazyCheckpointManager(CheckpointManager):
             os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        sd = build_sharded_state_dict(state, self.config, is_loading=False,
-                                      include_optim=self.ckpt.save_optim,
-                                      include_rng=self.ckpt.save_rng)
-        strategy, base = save_strategy(self.engine, state.iteration, self._dp_group, self._wrapper)
+        sd, extra = self._state_dict(state)
+        strategy, base = save_strategy(self.engine, state.iteration, self._dp_group, self._wrapper,
+                                       extra_shards=extra)
         if strategy is not base:
             self._wrapper = strategy
         request = dist_checkpointing.save(sd, directory, sharded_strategy=strategy,
@@ -100,6 +99,27 @@ class LazyCheckpointManager(CheckpointManager):
             return True  # e.g. the end-of-training save right after an interval save
         self._save(state)
         return True
+
+    def _state_dict(self, state: TrainState):
+        """What torch_dist would save; with the distributed optimizer, its parameter state as
+        this DP rank's own live slices (no gather at save time, see distopt_lazy_state)."""
+        from datastates import TensorShard
+
+        from megatron.training import distopt_lazy_state as dls
+
+        lazy_optim = (self.ckpt.save_optim and self.config.parallel.use_distributed_optimizer
+                      and dls.supported(state.optimizer))
+        sd = build_sharded_state_dict(state, self.config, is_loading=False,
+                                      include_optim=self.ckpt.save_optim and not lazy_optim,
+                                      include_rng=self.ckpt.save_rng)
+        if not lazy_optim:
+            return sd, ()
+        # Rebuilt every save (cheap): views must follow the optimizer's current tensors.
+        boxes = [TensorShard(view, key, gshape, goff)
+                 for key, view, gshape, goff in dls.param_state_boxes(state.optimizer, sd)]
+        sd["optimizer"] = dls.optimizer_common_state(state.optimizer)
+        sd["opt_param_scheduler"] = state.scheduler.state_dict()
+        return sd, boxes
 
     # -- 3) before optimizer step i+1 --------------------------------------------------------
     def before_optimizer_step(self) -> None:
