@@ -145,9 +145,6 @@ def test_runlog_parses_megatron_lines_and_our_checkpoint_lines():
     assert (fig.rc, fig.wall_seconds) == (1, 12.25)
 
 
-UNEVEN_SPLIT_GAP = ("pretrain_gpt.py does not accept Megatron-LM's --decoder-first/last-pipeline-num-layers yet, "
-                    "and 30B's 60 layers do not split evenly over 8 stages")
-
 
 def _parse_with_world(argv, world_size):
     """pretrain_gpt.py's own parser and checks, at the world size the Slurm job would have."""
@@ -159,19 +156,12 @@ def _parse_with_world(argv, world_size):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=UNEVEN_SPLIT_GAP))
-                                   if m == "30B" else m for m in sorted(MODELS)])
+@pytest.mark.parametrize("model", sorted(MODELS))
 def test_flags_exist_in_pretrain_gpt_parser(model, variant):
-    from megatron.training.arguments import ArgumentError
-
     argv = _launch_args(model, variant)
-    try:
-        config = _parse_with_world(argv, world_size=4 * MODELS[model])
-    except ArgumentError as error:
-        if variant == "datastates_lazy" and "not yet implemented" in str(error):
-            pytest.skip(f"the flag exists; the trainer refuses it until the engine lands: {error}")
-        raise
+    config = _parse_with_world(argv, world_size=4 * MODELS[model])
     assert config.parallel.pipeline_model_parallel_size == MODELS[model]
+    assert sum(config.parallel.stage_layers(config.model.num_layers)) == config.model.num_layers
     assert config.parallel.data_parallel_size == 1 and config.model.seq_length == 2048
 
 

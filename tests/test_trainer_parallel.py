@@ -22,7 +22,9 @@ def reference():
 
 LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
-    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    # Uneven split (Megatron-LM's first-stage layer count): 3 + 1 layers. Even PP2 runs below.
+    "pp2_uneven": (2, ["--pipeline-model-parallel-size", "2",
+                       "--decoder-first-pipeline-num-layers", "3"]),
     "dp2_distopt": (2, ["--use-distributed-optimizer"]),
     # The VPP PP=2 layout that trains with wrong gradients under batched p2p on gloo.
     "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2",

@@ -68,3 +68,20 @@ def test_log_lines_follow_megatron_format():
     assert "lm loss: 5.123457E+00 |" in line
     assert "grad norm: 1.500 |" in line
     assert "lm loss value: 2.000000E+00 |" in validation_lines(3, 2.0)
+
+
+def test_uneven_pipeline_split():
+    from megatron.training.arguments import ArgumentError, build_run_config, parse_args
+
+    def cfg(flags, world):
+        return build_run_config(parse_args(flags.split()), world_size=world)
+
+    base = ("--num-layers 60 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 1 --global-batch-size 8 --train-iters 1 --mock-data "
+            "--vocab-size 255 --pipeline-model-parallel-size 8 ")
+    c = cfg(base + "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 6", 8)
+    assert c.parallel.stage_layers(60) == [6, 8, 8, 8, 8, 8, 8, 6]
+    with pytest.raises(ArgumentError, match="not divisible by --pipeline-model-parallel-size 8"):
+        cfg(base, 8)
+    with pytest.raises(ArgumentError, match="must split evenly over the other 7"):
+        cfg(base + "--decoder-first-pipeline-num-layers 5", 8)

@@ -83,7 +83,8 @@ def _launch(args) -> dict:
         config = build_run_config(namespace, world_size=world)
     except (ArgumentError, ValueError) as error:
         raise SystemExit(f"error: the launch arguments do not parse: {error}")
-    report = dry_run(config.model, config.parallel)
+    report = dry_run(config.model, config.parallel,
+                     config.parallel.stage_layers(config.model.num_layers))
     print_report(report)
     return {"stage_layers": list(report.stage_layers), "ranks": _rank_rows(report),
             "checkpoint_bytes_torch": report.total_bytes(False), "checkpoint_bytes_torch_dist": report.total_bytes(True)}

@@ -53,6 +53,10 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers on the first pipeline stage (uneven split)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers on the last pipeline stage (uneven split)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
 
@@ -131,13 +135,32 @@ def _require(condition: bool, message: str) -> None:
         raise ArgumentError(message)
 
 
+def _check_stage_layers(a: argparse.Namespace, pp: int) -> None:
+    first, last = a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        _require(a.num_layers % pp == 0, f"--num-layers {a.num_layers} is not divisible by "
+                 f"--pipeline-model-parallel-size {pp} (use --decoder-first-pipeline-num-layers / "
+                 "--decoder-last-pipeline-num-layers for an uneven split)")
+        return
+    _require(pp > 1, "--decoder-first/last-pipeline-num-layers need "
+                     "--pipeline-model-parallel-size > 1")
+    _require(a.num_layers_per_virtual_pipeline_stage is None,
+             "an uneven pipeline split cannot be combined with "
+             "--num-layers-per-virtual-pipeline-stage")
+    fixed = [x for x in (first, last) if x is not None]
+    _require(all(x >= 1 for x in fixed), f"first/last stage layer counts must be >= 1, got {fixed}")
+    middle, rest = pp - len(fixed), a.num_layers - sum(fixed)
+    _require(rest >= middle and (middle == 0 and rest == 0 or middle > 0 and rest % middle == 0),
+             f"--num-layers {a.num_layers} minus the first/last stage layers ({sum(fixed)}) must "
+             f"split evenly over the other {middle} pipeline stage(s), got {rest}")
+
+
 def _check_parallel(a: argparse.Namespace, world_size: int) -> Optional[int]:
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     _require(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1, got TP={tp} PP={pp}")
     _require(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by TP*PP = {tp}*{pp} = {tp * pp}")
-    _require(a.num_layers % pp == 0,
-             f"--num-layers {a.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    _check_stage_layers(a, pp)
     _require(a.num_attention_heads % tp == 0,
              f"--num-attention-heads {a.num_attention_heads} is not divisible by "
              f"--tensor-model-parallel-size {tp}")
@@ -245,7 +268,9 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     parallel = ParallelConfig(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=a.sequence_parallel,
-        use_distributed_optimizer=a.use_distributed_optimizer, world_size=world_size)
+        use_distributed_optimizer=a.use_distributed_optimizer, world_size=world_size,
+        decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers)
     optimizer = OptimizerConfig(
         lr=a.lr, min_lr=a.min_lr, lr_decay_style=LrDecayStyle(a.lr_decay_style),
         lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters,

@@ -72,10 +72,25 @@ class ParallelConfig:
     """Shard optimizer state over the data-parallel ranks (ZeRO-1)."""
     world_size: int = 1
     """Total ranks; data-parallel size = world_size / (TP * PP)."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Layers on the first pipeline stage (uneven split); None = even split."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Layers on the last pipeline stage (uneven split); None = even split."""
 
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    def stage_layers(self, num_layers: int) -> list:
+        """Layers per pipeline stage (Megatron-LM's rule): the first/last stage counts when given,
+        the remaining layers split evenly over the other stages."""
+        pp = self.pipeline_model_parallel_size
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        if pp == 1:
+            return [num_layers]
+        fixed = [x for x in (first, last) if x is not None]
+        per = (num_layers - sum(fixed)) // (pp - len(fixed)) if pp > len(fixed) else 0
+        return [per if first is None else first] + [per] * (pp - 2) + [per if last is None else last]
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: st
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
         sequence_parallel=parallel.sequence_parallel,
         # The schedules allocate p2p receive buffers of this dtype.
         pipeline_dtype=dtype,
