@@ -31,6 +31,7 @@ from megatron.training.checkpointing import (
     torch_rank_dir,
 )
 from megatron.training.config import CkptFormat, RunConfig
+from megatron.training.checkpoint_verify import damage_hint, newest_intact
 from megatron.training.log import print_rank_0
 
 
@@ -47,7 +48,14 @@ def _saved_config(directory: str, fmt: CkptFormat) -> str:
     if fmt is CkptFormat.TORCH_DIST:
         from megatron.core import dist_checkpointing
 
-        return dist_checkpointing.load_common_state_dict(directory)["run_config"]
+        try:
+            # torch.load with weights_only=True (torch >= 2.6 default, which megatron-core
+            # keeps): common.pt cannot run code, a forged one fails here.
+            return dist_checkpointing.load_common_state_dict(directory)["run_config"]
+        except Exception as err:  # noqa: BLE001 - any unreadable common.pt is reported as such
+            raise CheckpointError(f"cannot read common.pt (the checkpoint's common state): "
+                                  f"{type(err).__name__}: {str(err)[:300]}"
+                                  + damage_hint(*_split(directory)), path=directory) from err
     path = os.path.join(torch_rank_dir(directory), TORCH_FILENAME)
     if not os.path.isfile(path):
         raise CheckpointError("torch-format checkpoint has no file for this rank's TP/PP "
@@ -82,10 +90,12 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                      "starting from scratch")
         return False
     iteration = read_tracker(ckpt.load)
+    if ckpt.ckpt_fallback_to_previous:
+        iteration = newest_intact(ckpt.load, iteration, config)
     directory = checkpoint_dir(ckpt.load, iteration)
     if not os.path.isdir(directory):
-        raise CheckpointError(f"tracker names iteration {iteration} but {directory} is missing",
-                              path=ckpt.load)
+        raise CheckpointError(f"tracker names iteration {iteration} but {directory} is missing"
+                              + damage_hint(ckpt.load, iteration), path=ckpt.load)
     fmt = detect_format(directory)
     saved_json = _saved_config(directory, fmt)
     check_model_shape(saved_json, config, directory)
@@ -138,10 +148,30 @@ def _layout_of(saved: dict) -> dict:
 def _load_torch_dist(sd: dict, directory: str, loader) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException as DcpException
 
     try:
         if loader is not None:
             return loader(sd, directory)
         return dist_checkpointing.load(sd, directory)
-    except (CheckpointingException, datastates.CheckpointError) as err:
-        raise CheckpointError(f"could not load the checkpoint: {err}", path=directory) from err
+    except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
+        raise CheckpointError(f"could not load the checkpoint: {err}"
+                              + damage_hint(*_split(directory)), path=directory) from err
+    except DcpException as err:  # a BaseException: PyTorch DCP's per-rank failure report
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        raise CheckpointError(f"could not load the checkpoint (torch_dist reader): "
+                              f"{lines[-1] if lines else err}" + _backend_note(directory)
+                              + damage_hint(*_split(directory)), path=directory) from None
+
+
+def _backend_note(directory: str) -> str:
+    """A DataStates directory whose metadata.json names another backend was edited."""
+    if os.path.isfile(os.path.join(directory, datastates.layout.COMMIT_FILE)):
+        return (". The directory holds a DataStates checkpoint (COMMIT.json) but metadata.json "
+                "names another backend: metadata.json was edited or replaced")
+    return ""
+
+def _split(directory: str):
+    """(root, iteration) of ROOT/iter_NNNNNNN."""
+    root, name = os.path.split(os.path.normpath(directory))
+    return root, int(name.split("_")[-1])
