@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import psutil
 
@@ -162,6 +162,33 @@ def run_launch(nproc: int, args: List[str], env_extra: Dict[str, str], plan: Opt
     finally:
         kill_tree(proc.pid)  # torchrun's workers may outlive it; leave nothing running
         reader.join(timeout=10)
+    return Launch(proc.returncode, lines)
+
+
+def stream_launch(nproc: int, args: List[str], env_extra: Dict[str, str],
+                  on_line: Optional[Callable[[str, subprocess.Popen], None]] = None,
+                  timeout: float = 240.0) -> Launch:
+    """One launch with stderr merged into stdout (fault lines go to stderr), each line passed to
+    `on_line` as it arrives (e.g. to send a signal). The tree is killed on timeout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
+               TORCHELASTIC_ERROR_FILE="", **env_extra)
+    proc = subprocess.Popen(_command(nproc, args), cwd=str(REPO), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: List[str] = []
+    timer = threading.Timer(timeout, kill_tree, (proc.pid,))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line, proc)
+        proc.wait()
+    finally:
+        timed_out = not timer.is_alive()
+        timer.cancel()
+        kill_tree(proc.pid)
+    assert not timed_out, f"launch timed out after {timeout}s:\n{''.join(lines[-60:])}"
     return Launch(proc.returncode, lines)
 
 
