@@ -248,17 +248,19 @@ def reference_losses(nproc: int, train_iters: int, workdir: str, timeout: float)
     return losses
 
 
-def make_plan(rng: random.Random, phase: str, start: int, nproc: int) -> Plan:
-    victim = rng.choice(VICTIMS) if nproc > 1 else "job"
+def make_plan(rng: random.Random, phase: str, start: int, nproc: int,
+              victim: Optional[str] = None) -> Plan:
+    victim = victim or (rng.choice(VICTIMS) if nproc > 1 else "job")
     return Plan(phase=phase, step=start + rng.randint(1, 3), victim=victim,
                 rank=rng.randrange(nproc), frac=rng.uniform(0.1, 0.9))
 
 
 def run_trials(n_trials: int, workdir: str, seed: int = 0, nproc: int = 2, train_iters: int = 12,
                delay: float = 1.5, phases=PHASES, timeout: float = 300.0,
-               log=lambda msg: None) -> List[Trial]:
-    """`n_trials` crashes in chains of launches; phases cycle through `phases` in a seeded order.
-    Each restart is checked against an uninterrupted reference run of the same flags."""
+               victims: Optional[List[str]] = None, log=lambda msg: None) -> List[Trial]:
+    """`n_trials` crashes in chains of launches; phases cycle through `phases` in a seeded order
+    (victims through `victims` when given, else seeded). Each restart is checked against an
+    uninterrupted reference run of the same flags."""
     rng = random.Random(seed)
     reference = reference_losses(nproc, train_iters, workdir, timeout)
     trials: List[Trial] = []
@@ -276,7 +278,8 @@ def run_trials(n_trials: int, workdir: str, seed: int = 0, nproc: int = 2, train
             root = os.path.join(workdir, f"chain{chain:03d}")
             os.makedirs(root)
             start = 0
-        plan = make_plan(rng, order[len(trials)], start, nproc)
+        plan = make_plan(rng, order[len(trials)], start, nproc,
+                         victims[len(trials) % len(victims)] if victims else None)
         trial = Trial(plan)
         args = trial_args(train_iters) + ["--save", root, "--load", root]
         run = run_launch(nproc, args, fault_env(plan, delay), plan, delay, timeout)

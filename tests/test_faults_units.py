@@ -62,3 +62,34 @@ def test_durable_wait_and_close_time_out_naming_the_stuck_save(tmp_path):
         assert not (tmp_path / "v" / "done_r00000.json").exists()
     finally:
         release.set()
+
+
+def test_torch_format_files_are_loaded_without_running_code(tmp_path):
+    """The legacy torch format is read with weights_only=True plus numpy RNG globals: a real
+    payload loads, a forged one is refused before anything runs."""
+    import os
+    import random
+
+    import numpy as np
+
+    from megatron.training.checkpoint_loading import safe_torch_load
+    from megatron.training.checkpoint_state import CheckpointError as TrainerError
+
+    path = tmp_path / "model_optim_rng.pt"
+    payload = {"random": random.getstate(), "np": np.random.get_state(), "w": torch.ones(3),
+               "run_config": "{}", "iteration": 3}
+    torch.save(payload, path)
+    loaded = safe_torch_load(str(path))
+    assert loaded["np"][0] == "MT19937" and np.array_equal(loaded["np"][1], payload["np"][1])
+    assert torch.equal(loaded["w"], payload["w"]) and loaded["random"] == payload["random"]
+
+    marker = tmp_path / "PWNED"
+
+    class Forged:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    torch.save({"run_config": Forged()}, path)
+    with pytest.raises(TrainerError, match="cannot load model_optim_rng.pt safely"):
+        safe_torch_load(str(path))
+    assert not marker.exists()

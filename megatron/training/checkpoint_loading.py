@@ -61,7 +61,29 @@ def _saved_config(directory: str, fmt: CkptFormat) -> str:
         raise CheckpointError("torch-format checkpoint has no file for this rank's TP/PP "
                               "position; it was saved with another layout (the torch format "
                               "cannot be resharded: save with --ckpt-format torch_dist)", path=path)
-    return torch.load(path, map_location="cpu", weights_only=False)["run_config"]
+    return safe_torch_load(path)["run_config"]
+
+
+def _numpy_rng_globals() -> list:
+    """What np.random.get_state() needs to unpickle: array reconstruction, ndarray, dtypes."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def safe_torch_load(path: str):
+    """torch.load that never runs code from the file: weights_only=True with the few numpy
+    globals that RNG states need. A file that holds anything else is refused, not executed."""
+    try:
+        with torch.serialization.safe_globals(_numpy_rng_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - unreadable or forged: both refused with the reason
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"cannot load {os.path.basename(path)} safely ({type(err).__name__}: "
+                              f"{first[:300]}); torch-format files are read with "
+                              "weights_only=True and may hold only tensors, containers, numbers, "
+                              "strings and numpy RNG states", path=path) from err
 
 
 def _init_distributed_optimizer_state(optimizer) -> None:
@@ -124,8 +146,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                                       include_rng=load_rng)
         loaded = _load_torch_dist(sd, directory, loader)
     else:
-        loaded = torch.load(os.path.join(torch_rank_dir(directory), TORCH_FILENAME),
-                            map_location="cpu", weights_only=False)
+        loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), TORCH_FILENAME))
     apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                             finetune=ckpt.finetune)
     if fmt is CkptFormat.TORCH and load_optim and config.parallel.use_distributed_optimizer:
