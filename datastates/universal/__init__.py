@@ -1,0 +1,17 @@
+"""Universal checkpoints: parallelism-agnostic safetensors + manifest (no megatron imports).
+
+    from datastates.universal import open_source, write_universal, UniversalCheckpoint
+    result = write_universal(open_source("ckpt/iter_0000100"), "ckpt/universal/iter_0000100")
+    with UniversalCheckpoint(result.directory) as u:
+        box = u.read("decoder.layers.mlp.linear_fc1.weight", (0, 0, 0), (1, 128, 64))
+"""
+from .format import (COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, Role,
+                     UniversalCheckpoint, is_committed, is_universal, split_name, tensor_name)
+from .plan import OptimizerFlavor, decode_object
+from .sources import DataStatesSource, Source, TorchDistSource, open_source
+from .writer import MergeResult, remove_stale_temporaries, write_universal
+
+__all__ = ["COMMIT_FILE", "DataStatesSource", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE",
+           "MANIFEST_FILE", "MergeResult", "OptimizerFlavor", "Role", "Source", "TorchDistSource",
+           "UniversalCheckpoint", "decode_object", "is_committed", "is_universal", "open_source",
+           "remove_stale_temporaries", "split_name", "tensor_name", "write_universal"]
