@@ -136,6 +136,39 @@ def decode_object(doc: dict) -> Any:
     return torch.load(io.BytesIO(base64.b64decode(doc["torch_b64"])), weights_only=False)
 
 
+def encode_value(value: Any) -> Any:
+    """Lossless, readable JSON for megatron's common state: tuples and small tensors are tagged,
+    anything else falls back to `encode_object`."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: encode_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [encode_value(v) for v in value]
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_value(v) for v in value]}
+    if isinstance(value, torch.Tensor) and value.numel() <= 16 and value.dtype in DTYPE_NAMES:
+        return {"__tensor__": {"dtype": DTYPE_NAMES[value.dtype], "shape": list(value.shape),
+                               "data": value.flatten().tolist()}}
+    return {"__object__": encode_object(value)}
+
+
+def decode_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tuple__" in value:
+        return tuple(decode_value(v) for v in value["__tuple__"])
+    if "__tensor__" in value:
+        t = value["__tensor__"]
+        dtype = {v: k for k, v in DTYPE_NAMES.items()}[t["dtype"]]
+        return torch.tensor(t["data"], dtype=dtype).reshape(t["shape"])
+    if "__object__" in value:
+        return decode_object(value["__object__"])
+    return {k: decode_value(v) for k, v in value.items()}
+
+
 def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: str,
                    weight_map: Dict[str, str]) -> dict:
     run_config = json.loads(common["run_config"]) if "run_config" in common else {}
@@ -163,6 +196,8 @@ def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: s
                               "world_size": par.get("world_size"),
                               "use_distributed_optimizer": par.get("use_distributed_optimizer")}},
         "run_config": run_config,
+        # megatron's common.pt as saved, so universal -> torch_dist restores it exactly.
+        "megatron_common": encode_value(common),
         "objects": {k: encode_object(v) for k, v in sorted(source.objects().items())},
         "tensors": {e.name: {"role": e.role.value, "param": e.key, "source_key": e.source_key,
                              "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
