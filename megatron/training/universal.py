@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -147,3 +147,49 @@ def load_universal(state: TrainState, config: RunConfig, directory: str) -> None
     print_rank_0(f"loaded universal checkpoint {directory} (iteration {m['iteration']}, saved at "
                  f"{m['source']['layout']}; optimizer {'restored' if load_optim else 'not restored'}"
                  ", rng not restored)")
+
+
+def _single_process_group() -> None:
+    """megatron's dist_checkpointing.save needs a process group; a converter is one process."""
+    import torch.distributed as dist
+
+    from megatron.training.cpu_compat import apply_cpu_patches
+
+    apply_cpu_patches()
+    if not dist.is_initialized():
+        store = tempfile.mkdtemp(prefix="convert_pg_")
+        dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+
+
+def universal_to_torch_dist(universal_dir: str, out_dir: str,
+                            progress: Optional[Callable[[int, int, str], None]] = None) -> int:
+    """Write the universal checkpoint as a megatron ``torch_dist`` checkpoint in `out_dir` (an
+    ``iter_XXXXXXX`` directory), with the source's own key spelling and common state, so that
+    a round trip reproduces the source. Returns the iteration."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    _single_process_group()
+    with UniversalCheckpoint(universal_dir) as u:
+        m = u.manifest
+        sd: dict = decode_value(m["megatron_common"])
+        content_metadata = sd.pop("content_metadata", None)
+        names = u.names()
+        for i, name in enumerate(names):
+            entry = m["tensors"][name]
+            role, key = split_name(name)
+            if role is Role.FP32_PARAM and entry["source_key"] == key:
+                continue  # fp32 weights were their own main weights: nothing separate to write
+            sd[entry["source_key"]] = ShardedTensor.from_rank_offsets(
+                entry["source_key"], u.read(name), replica_id=0)
+            if progress is not None:
+                progress(i + 1, len(names), name)
+        for unique_key, enc in m["objects"].items():
+            empty = ShardedObject.empty_from_unique_key(unique_key)
+            sd[unique_key] = ShardedObject(empty.key, decode_object(enc), empty.global_shape,
+                                           empty.global_offset, replica_id=0)
+        os.makedirs(out_dir, exist_ok=True)
+        dist_checkpointing.save(sd, out_dir, sharded_strategy=TorchDistSaveShardedStrategy(
+            "torch_dist", 1), content_metadata=content_metadata)
+        return u.iteration
