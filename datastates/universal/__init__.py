@@ -8,10 +8,11 @@
 from .format import (COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, Role,
                      UniversalCheckpoint, is_committed, is_universal, split_name, tensor_name)
 from .plan import OptimizerFlavor, decode_object, decode_value
-from .sources import DataStatesSource, Source, TorchDistSource, open_source
+from .sources import (DataStatesSource, Source, TorchDistSource, open_source,
+                      resolve_checkpoint_dir)
 from .writer import MergeResult, remove_stale_temporaries, write_universal
 
 __all__ = ["COMMIT_FILE", "DataStatesSource", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE",
            "MANIFEST_FILE", "MergeResult", "OptimizerFlavor", "Role", "Source", "TorchDistSource",
            "UniversalCheckpoint", "decode_object", "decode_value", "is_committed", "is_universal", "open_source",
-           "remove_stale_temporaries", "split_name", "tensor_name", "write_universal"]
+           "remove_stale_temporaries", "resolve_checkpoint_dir", "split_name", "tensor_name", "write_universal"]

@@ -156,3 +156,19 @@ def open_source(directory: str) -> Source:
         return TorchDistSource(directory)
     raise CheckpointError(f"sharded backend {backend!r} is not supported; expected 'datastates' or "
                           "'torch_dist'", file=directory)
+
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """`path` itself, or for a Megatron save root the ``iter_XXXXXXX`` its tracker names."""
+    tracker = os.path.join(path, TRACKER_FILE)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            raise CheckpointError(f"tracker holds {text!r}, expected an iteration number",
+                                  file=tracker)
+        return os.path.join(path, f"iter_{int(text):07d}")
+    return path
