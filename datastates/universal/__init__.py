@@ -10,9 +10,12 @@ from .format import (COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIF
 from .plan import OptimizerFlavor, decode_object, decode_value
 from .sources import (DataStatesSource, Source, TorchDistSource, open_source,
                       resolve_checkpoint_dir)
+from .background import BackgroundMerger, MergeQueue, MergerConfig
+from .merge import TELEMETRY_FILE, run_merge
 from .writer import MergeResult, remove_stale_temporaries, write_universal
 
-__all__ = ["COMMIT_FILE", "DataStatesSource", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE",
+__all__ = ["BackgroundMerger", "MergeQueue", "MergerConfig", "TELEMETRY_FILE", "run_merge",
+           "COMMIT_FILE", "DataStatesSource", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE",
            "MANIFEST_FILE", "MergeResult", "OptimizerFlavor", "Role", "Source", "TorchDistSource",
            "UniversalCheckpoint", "decode_object", "decode_value", "is_committed", "is_universal", "open_source",
            "remove_stale_temporaries", "resolve_checkpoint_dir", "split_name", "tensor_name", "write_universal"]

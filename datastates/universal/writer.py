@@ -86,8 +86,12 @@ def remove_stale_temporaries(dst: str) -> None:
 
 
 def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                    progress: Optional[Progress] = None, overwrite: bool = False) -> MergeResult:
-    """Merge `source` into the universal checkpoint `dst` and commit it (see module docstring)."""
+                    progress: Optional[Progress] = None, overwrite: bool = False,
+                    max_bytes_per_s: Optional[float] = None) -> MergeResult:
+    """Merge `source` into the universal checkpoint `dst` and commit it (see module docstring).
+
+    `max_bytes_per_s` throttles a background merge so its reads and writes leave the disk to
+    the training job's own checkpoints."""
     t0 = time.perf_counter()
     common = source.common()
     iteration = int(common.get("iteration", 0))
@@ -119,6 +123,10 @@ def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_M
             tensors[e.name] = t.contiguous().clone() if e.name != e.source_key and \
                 any(x.source_key == e.source_key for x in group if x is not e) else t.contiguous()
             done += e.nbytes
+            if max_bytes_per_s:
+                ahead = done / max_bytes_per_s - (time.perf_counter() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
             if progress is not None:
                 progress(done, total, e.name)
         path = os.path.join(tmp, shard_file_name(i + 1, len(groups)))

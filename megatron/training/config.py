@@ -154,6 +154,12 @@ class CheckpointConfig:
     """Size of the DataStates host cache per rank, MiB (bounded; larger tensors stream through)."""
     keep_last_n_checkpoints: Optional[int] = None
     """Keep only the newest N complete checkpoints under --save (None: keep all)."""
+    universal_checkpoint_interval: Optional[int] = None
+    """Merge every N-th committed --async-lazy-save checkpoint into a universal checkpoint, in a
+    separate low-priority process while training continues (None: never)."""
+    universal_save: Optional[str] = None
+    """Root of the merged universal checkpoints (None: <save>/universal); --load it to resume at
+    any TP/PP/DP."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from megatron.training.checkpoint_state import (
 from megatron.training.checkpointing import CheckpointManager, checkpoint_dir, write_tracker
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
+from megatron.training.universal import make_background_merger
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 
@@ -65,6 +66,8 @@ class LazyCheckpointManager(CheckpointManager):
         self._wrapper = None
         self._dp_group = None
         self._local_error: Optional[BaseException] = None
+        # Rank 0 runs the background universal merges (None when not asked for).
+        self.universal = make_background_merger(config) if self.rank == 0 else None
 
     # -- 1) after optimizer step i ------------------------------------------------------------
     def _save(self, state: TrainState) -> None:
@@ -111,6 +114,8 @@ class LazyCheckpointManager(CheckpointManager):
     def after_iteration(self, iteration: int) -> None:
         if self.pending:
             self._commit_ready(blocking=False)
+        if self.universal is not None:
+            self.universal.poll()
 
     # -- 5) at exit --------------------------------------------------------------------------
     def finalize(self) -> None:
@@ -118,6 +123,8 @@ class LazyCheckpointManager(CheckpointManager):
             self._commit_ready(blocking=True)
         finally:
             self.engine.close()
+            if self.universal is not None:
+                self.universal.wait()  # no merge process outlives the run
 
     # -- internals -----------------------------------------------------------------------------
     def _guard(self, fn):
@@ -175,6 +182,8 @@ class LazyCheckpointManager(CheckpointManager):
                                       "markers are not all valid", rank=0, file=p.directory)
             write_tracker(self.ckpt.save, p.iteration, self.config)
             self._log(p, stats)
+            if self.universal is not None:
+                self.universal.on_commit(p.iteration, p.directory)
 
     def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
         sums = torch.tensor([float(record.bytes)], dtype=torch.float64)

@@ -193,3 +193,16 @@ def universal_to_torch_dist(universal_dir: str, out_dir: str,
         dist_checkpointing.save(sd, out_dir, sharded_strategy=TorchDistSaveShardedStrategy(
             "torch_dist", 1), content_metadata=content_metadata)
         return u.iteration
+
+
+def make_background_merger(config: RunConfig):
+    """The background merger `--universal-checkpoint-interval` asks for, or None."""
+    ckpt = config.checkpoint
+    if not ckpt.universal_checkpoint_interval:
+        return None
+    from datastates.universal import BackgroundMerger, MergerConfig
+
+    root = ckpt.universal_save or os.path.join(ckpt.save, "universal")
+    return BackgroundMerger(MergerConfig(root=root, every_n=ckpt.universal_checkpoint_interval),
+                            log=print_rank_0)
+
