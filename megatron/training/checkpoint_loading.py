@@ -106,18 +106,22 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         return False
     if not os.path.isdir(ckpt.load):
         raise CheckpointError("--load directory does not exist", path=ckpt.load)
+    if _load_if_universal(state, config, ckpt.load):  # --load names a universal checkpoint
+        return True
     if not os.path.isfile(os.path.join(ckpt.load, TRACKER_FILENAME)):
         # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
         print_rank_0(f"no {TRACKER_FILENAME} in {ckpt.load}: no complete checkpoint there yet, "
                      "starting from scratch")
         return False
     iteration = read_tracker(ckpt.load)
-    if ckpt.ckpt_fallback_to_previous:
+    if ckpt.ckpt_fallback_to_previous and not _is_universal(checkpoint_dir(ckpt.load, iteration)):
         iteration = newest_intact(ckpt.load, iteration, config)
     directory = checkpoint_dir(ckpt.load, iteration)
     if not os.path.isdir(directory):
         raise CheckpointError(f"tracker names iteration {iteration} but {directory} is missing"
                               + damage_hint(ckpt.load, iteration), path=ckpt.load)
+    if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
+        return True
     fmt = detect_format(directory)
     saved_json = _saved_config(directory, fmt)
     check_model_shape(saved_json, config, directory)
@@ -156,6 +160,23 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     print_rank_0(f"loaded checkpoint {directory} (format {fmt.value}, iteration {iteration}; "
                  f"optimizer {'restored' if load_optim else 'not restored'}, rng "
                  f"{'restored' if load_rng else 'not restored'})")
+    return True
+
+
+def _is_universal(directory: str) -> bool:
+    from datastates.universal import is_universal
+
+    return os.path.isdir(directory) and is_universal(directory)
+
+
+def _load_if_universal(state: TrainState, config: RunConfig, directory: str) -> bool:
+    from datastates.universal import is_universal
+
+    if not is_universal(directory):
+        return False
+    from megatron.training.universal import load_universal
+
+    load_universal(state, config, directory)
     return True
 
 

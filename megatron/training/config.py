@@ -174,6 +174,12 @@ class CheckpointConfig:
     ckpt_drain_timeout: float = 1800.0
     """Seconds any single wait on the background checkpoint writers may take (snapshot wait before
     the optimizer step, durability wait, drain at exit) before it is reported as a hung writer."""
+    universal_checkpoint_interval: Optional[int] = None
+    """Merge every N-th committed --async-lazy-save checkpoint into a universal checkpoint, in a
+    separate low-priority process while training continues (None: never)."""
+    universal_save: Optional[str] = None
+    """Root of the merged universal checkpoints (None: <save>/universal); --load it to resume at
+    any TP/PP/DP."""
 
 
 @dataclass(frozen=True)

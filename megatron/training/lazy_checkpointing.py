@@ -39,6 +39,7 @@ from megatron.training.checkpointing import (
 from megatron.training.config import CkptFailurePolicy, RunConfig
 from datastates import CheckpointError as DataStatesError
 from megatron.training.log import print_rank_0
+from megatron.training.universal import make_background_merger
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 
@@ -73,6 +74,8 @@ class LazyCheckpointManager(CheckpointManager):
         self._local_error: Optional[BaseException] = None
         self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
         self.disabled = False  # CkptFailurePolicy.CONTINUE after a failure: no more saves
+        # Rank 0 runs the background universal merges (None when not asked for).
+        self.universal = make_background_merger(config) if self.rank == 0 else None
 
     # -- 1) after optimizer step i ------------------------------------------------------------
     def _save(self, state: TrainState) -> None:
@@ -126,6 +129,8 @@ class LazyCheckpointManager(CheckpointManager):
     def after_iteration(self, iteration: int) -> None:
         if self.pending:
             self._apply_policy(lambda: self._commit_ready(blocking=False))
+        if self.universal is not None:
+            self.universal.poll()
 
     # -- 5) at exit --------------------------------------------------------------------------
     def finalize(self) -> None:
@@ -133,7 +138,11 @@ class LazyCheckpointManager(CheckpointManager):
             if self._failed is None:
                 self._apply_policy(lambda: self._commit_ready(blocking=True))
         finally:
-            self._close_engine()
+            try:
+                self._close_engine()
+            finally:
+                if self.universal is not None:
+                    self.universal.wait()  # no merge process outlives the run
 
     # -- internals -----------------------------------------------------------------------------
     def _apply_policy(self, fn) -> None:
@@ -238,6 +247,8 @@ class LazyCheckpointManager(CheckpointManager):
         fault_point("tracker", p.iteration, self.rank)
         write_tracker(self.ckpt.save, p.iteration, self.config)
         self._log(p, stats)
+        if self.universal is not None:  # a failure to start the merge is agreed on like others
+            self.universal.on_commit(p.iteration, p.directory)
 
     def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
         sums = torch.tensor([float(record.bytes)], dtype=torch.float64)
