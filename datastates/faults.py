@@ -20,7 +20,9 @@ Phases (in the order a save goes through them):
   commit   trainer (rank 0), after every rank is durable and metadata.json is written, before
            COMMIT.json
   tracker  trainer (rank 0), after COMMIT.json, before latest_checkpointed_iteration.txt moves
-A second process (e.g. the universal-checkpoint merge) may define phases of its own.
+  merge    universal-checkpoint merge process (started by rank 0 after a commit), after its
+           first safetensors file, before its index, manifest and commit marker; its stderr goes
+           to <universal root>/merge_logs/iter_NNNNNNN.log
 
 A pause of many seconds models a hung writer (see the drain timeout of the trainer).
 """
@@ -35,7 +37,7 @@ from typing import Dict, Optional
 from .errors import CheckpointError
 
 ENV_PREFIX = "DATASTATES_FAULT_DELAY_"
-PHASES = ("copy", "flush", "commit", "tracker")
+PHASES = ("copy", "flush", "commit", "tracker", "merge")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import psutil
 from trainer_launch import ENTRY, REPO, TINY_MODEL
 
 PHASES = ("copy", "flush", "commit", "tracker", "random")
+MERGE = "merge"  # needs the universal merge (--universal-checkpoint-interval); opt-in
 VICTIMS = ("job", "rank")
 TRACKER = "latest_checkpointed_iteration.txt"
 _LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|")
@@ -35,12 +36,13 @@ _LOADED = re.compile(r"loaded checkpoint \S+ \(format \S+, iteration (\d+);")
 _FAULT = re.compile(r"^DATASTATES_FAULT phase=(\w+) step=(\d+) rank=(\d+)")
 
 
-def trial_args(train_iters: int) -> List[str]:
+def trial_args(train_iters: int, universal: bool = False) -> List[str]:
     """DP2 with the distributed optimizer and dropout on (so RNG restore matters), a checkpoint
-    every iteration with --async-lazy-save."""
+    every iteration with --async-lazy-save (and a universal merge after each commit)."""
     return TINY_MODEL + ["--train-iters", str(train_iters), "--eval-interval", "0",
                          "--use-distributed-optimizer", "--async-lazy-save",
-                         "--save-interval", "1"]
+                         "--save-interval", "1"] + (
+                             ["--universal-checkpoint-interval", "1"] if universal else [])
 
 
 @dataclass
@@ -141,6 +143,12 @@ def run_launch(nproc: int, args: List[str], env_extra: Dict[str, str], plan: Opt
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
+    stop_watch = threading.Event()
+    if plan is not None and plan.phase == MERGE:
+        # The merge process logs to files, not to the job's output: forward its fault line.
+        logs = os.path.join(args[args.index("--save") + 1], "universal", "merge_logs")
+        threading.Thread(target=_watch_merge_logs, args=(logs, q, lines, stop_watch),
+                         daemon=True).start()
     deadline = time.monotonic() + timeout
     try:
         while plan is not None:
@@ -160,9 +168,26 @@ def run_launch(nproc: int, args: List[str], env_extra: Dict[str, str], plan: Opt
     except subprocess.TimeoutExpired:
         raise AssertionError(f"launch timed out after {timeout}s:\n{''.join(lines[-60:])}")
     finally:
+        stop_watch.set()
         kill_tree(proc.pid)  # torchrun's workers may outlive it; leave nothing running
         reader.join(timeout=10)
     return Launch(proc.returncode, lines)
+
+
+def _watch_merge_logs(logs: str, q: "queue.Queue", lines: List[str], stop: threading.Event):
+    seen = set()
+    while not stop.is_set():
+        for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+            try:
+                text = open(os.path.join(logs, name)).read()
+            except OSError:
+                continue
+            for line in text.splitlines(keepends=True):
+                if line.startswith("DATASTATES_FAULT") and (name, line) not in seen:
+                    seen.add((name, line))
+                    lines.append(line)
+                    q.put(line)
+        stop.wait(0.05)
 
 
 def stream_launch(nproc: int, args: List[str], env_extra: Dict[str, str],
@@ -197,12 +222,16 @@ def _trigger(line: str, plan: Plan) -> bool:
         m = _LOSS.search(line)
         return bool(m) and int(m.group(1)) == plan.step
     m = _FAULT.match(line)
+    if plan.phase == MERGE:  # merges may be skipped (queue of one): any merge will do
+        return bool(m) and m.group(1) == MERGE
     return bool(m) and m.group(1) == plan.phase and int(m.group(2)) == plan.step
 
 
 def fault_env(plan: Optional[Plan], delay: float) -> Dict[str, str]:
     if plan is None or plan.phase == "random":
         return {}
+    if plan.phase == MERGE:
+        return {"DATASTATES_FAULT_DELAY_MERGE": f"{delay}"}
     return {f"DATASTATES_FAULT_DELAY_{plan.phase.upper()}": f"{delay}@{plan.step}"}
 
 
@@ -232,6 +261,31 @@ def verify_committed(root: str) -> List[str]:
         it = int(open(tracker).read().strip())
         if not is_committed(os.path.join(root, f"iter_{it:07d}")):
             bad.append(f"tracker names iteration {it}, which is not committed")
+    return bad + verify_universal(os.path.join(root, "universal"))
+
+
+def verify_universal(root: str) -> List[str]:
+    """Every universal checkpoint with a final name (iter_NNNNNNN, not .tmp-) must be committed
+    and read back in full; its tracker must name a committed one."""
+    if not os.path.isdir(root):
+        return []
+    from datastates.universal import UniversalCheckpoint
+
+    bad = []
+    for name in sorted(os.listdir(root)):
+        if not re.fullmatch(r"iter_\d{7}", name):
+            continue
+        try:
+            with UniversalCheckpoint(os.path.join(root, name)) as u:
+                for tensor in u.names():
+                    u.read(tensor)
+        except Exception as err:  # noqa: BLE001 - every failure is a finding to report
+            bad.append(f"universal/{name}: {err}")
+    tracker = os.path.join(root, TRACKER)
+    if os.path.isfile(tracker):
+        it = int(open(tracker).read().strip())
+        if not os.path.isdir(os.path.join(root, f"iter_{it:07d}")):
+            bad.append(f"universal tracker names iteration {it}, which does not exist")
     return bad
 
 
@@ -281,7 +335,8 @@ def run_trials(n_trials: int, workdir: str, seed: int = 0, nproc: int = 2, train
         plan = make_plan(rng, order[len(trials)], start, nproc,
                          victims[len(trials) % len(victims)] if victims else None)
         trial = Trial(plan)
-        args = trial_args(train_iters) + ["--save", root, "--load", root]
+        args = trial_args(train_iters, universal=plan.phase == MERGE) + ["--save", root,
+                                                                         "--load", root]
         run = run_launch(nproc, args, fault_env(plan, delay), plan, delay, timeout)
         if crashed is not None:
             _record_restart(crashed, run, reference)
@@ -300,14 +355,17 @@ def run_trials(n_trials: int, workdir: str, seed: int = 0, nproc: int = 2, train
     return trials
 
 
-def _record_restart(crashed: Trial, run: Launch, reference: Dict[int, str]) -> None:
+def _record_restart(crashed: Trial, run: Launch, reference: Dict[int, str]) -> None:  # noqa
     """`run` restarted after `crashed`: where it resumed, how much was lost, and whether every
     loss it printed (before its own crash, if any) equals the reference."""
     crashed.resumed_from = run.resumed_from()
     crashed.lost = (None if crashed.resumed_from is None
                     else crashed.last_iteration - crashed.resumed_from)
     losses = run.losses()
-    crashed.bit_identical = bool(losses) and all(reference.get(k) == v for k, v in losses.items())
+    # A restart from the last iteration has nothing left to train: nothing to compare.
+    nothing_left = crashed.resumed_from == max(reference)
+    crashed.bit_identical = (bool(losses) or nothing_left) and \
+        all(reference.get(k) == v for k, v in losses.items())
 
 
 def _finish_chain(nproc: int, root: str, train_iters: int, reference: Dict[int, str],
@@ -317,7 +375,8 @@ def _finish_chain(nproc: int, root: str, train_iters: int, reference: Dict[int, 
                      0.0, timeout)
     assert run.returncode == 0, run.tail()
     _record_restart(crashed, run, reference)
-    crashed.bit_identical = crashed.bit_identical and max(run.losses()) == train_iters
+    crashed.bit_identical = crashed.bit_identical and \
+        max(run.losses(), default=crashed.resumed_from) == train_iters
     crashed.corrupt += verify_committed(root)
 
 

@@ -27,6 +27,19 @@ from typing import Callable, List, Optional
 from .merge import TELEMETRY_FILE
 
 
+def _die_with_parent() -> None:
+    """In the merge child, before exec: SIGKILL it when the trainer process dies (Linux
+    PR_SET_PDEATHSIG), so a crashed or killed rank 0 never leaves a merge running. A merge
+    killed this way leaves only a .tmp- directory (see writer.py); the next merge removes it."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the merge then finishes on its own
+
+
 class MergeQueue(str, enum.Enum):
     """What happens to a commit that arrives while a merge runs."""
 
@@ -124,7 +137,8 @@ class BackgroundMerger:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         with open(job.log_path, "w") as out:
             job.proc = subprocess.Popen(self._command(job), stdout=out, stderr=subprocess.STDOUT,
-                                        env=env, stdin=subprocess.DEVNULL)
+                                        env=env, stdin=subprocess.DEVNULL,
+                                        preexec_fn=_die_with_parent)
         job.started = time.time()
         self.running = job
 

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..errors import CheckpointError
+from ..faults import fault_point
 from ..layout import fsync_dir
 from .format import COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, \
     is_committed, shard_file_name
@@ -133,6 +134,8 @@ def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_M
         save_file(tensors, path, metadata={"format": "pt", "producer": FORMAT_NAME})
         _fsync(path)
         del tensors
+        if i == 0:  # crash tests: a kill here leaves a half-written .tmp- directory
+            fault_point("merge", iteration, 0)
     _write_json(os.path.join(tmp, INDEX_FILE),
                 {"metadata": {"total_size": total, "format": FORMAT_NAME,
                               "format_version": FORMAT_VERSION}, "weight_map": weight_map})
