@@ -14,6 +14,8 @@ def main(argv=None) -> int:
     from megatron.training.arguments import ArgumentError, build_run_config, parse_args
     from megatron.training.checkpoint_state import CheckpointError
 
+    from datastates import CheckpointError as EngineCheckpointError
+
     try:
         config = build_run_config(parse_args(argv))
     except (ArgumentError, ValueError) as err:
@@ -29,7 +31,7 @@ def main(argv=None) -> int:
         if config.checkpoint.save and int(os.environ.get("RANK", "0")) == 0:
             os.makedirs(config.checkpoint.save, exist_ok=True)
         train(trainer)
-    except CheckpointError as err:
+    except (CheckpointError, EngineCheckpointError) as err:
         _report(err)
         return 2
     except Exception as err:  # noqa: BLE001 - the entry point reports, the library raises

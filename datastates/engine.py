@@ -27,6 +27,7 @@ from . import layout
 from .cache import HostCache
 from .config import CommitPolicy, EngineConfig, WriteMode
 from .errors import CheckpointError
+from .faults import fault_point
 from .flush import migrate_version_files, write_block, write_version_files
 from .job import FILE_ALIGN, SaveHandle, SaveJob, Segment, is_small, plan_layout
 from .state import TensorEntry, flatten_state
@@ -116,9 +117,11 @@ class CheckpointEngine:
         sv.blocked_s += time.perf_counter() - t0
         return handle
 
-    def wait_for_snapshot(self) -> None:
-        """Block until every tensor of every pending save is in the host cache (or on disk)."""
-        self._wait(lambda: all(s.copied for s in self._saves))
+    def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
+        """Block until every tensor of every pending save is in the host cache (or on disk).
+        Raises CheckpointError after `timeout` seconds (None: no limit)."""
+        self._wait(lambda: all(s.copied for s in self._saves), timeout=timeout,
+                   what="wait_for_snapshot")
 
     def poll(self) -> List[SaveRecord]:
         """Non-blocking: records of saves that became durable since the last poll/wait; raises a
@@ -127,13 +130,17 @@ class CheckpointEngine:
         self._retry_commits()
         return self._collect()
 
-    def wait_for_durable(self, handle: Optional[SaveHandle] = None) -> List[SaveRecord]:
+    def wait_for_durable(self, handle: Optional[SaveHandle] = None,
+                         timeout: Optional[float] = None) -> List[SaveRecord]:
         """Block until `handle`'s save (or every pending save) is durable on this rank. Returns the
-        records not yet returned by poll/wait."""
+        records not yet returned by poll/wait. Raises CheckpointError naming the stuck save after
+        `timeout` seconds (None: no limit)."""
         if handle is None:
-            self._wait(lambda: all(s.done for s in self._saves))
+            self._wait(lambda: all(s.done for s in self._saves), timeout=timeout,
+                       what="wait_for_durable")
         else:
-            self._wait(lambda: all(s.done for s in self._saves if s.handle is handle))
+            self._wait(lambda: all(s.done for s in self._saves if s.handle is handle),
+                       timeout=timeout, what="wait_for_durable")
         self._retry_commits()
         return self._collect()
 
@@ -153,14 +160,21 @@ class CheckpointEngine:
                 return False
             time.sleep(0.02)
 
-    def close(self) -> None:
-        """Drain in-flight saves, stop the threads; raise a pending error, if any."""
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Drain in-flight saves, stop the threads; raise a pending error, if any. With `timeout`,
+        a drain that takes longer raises CheckpointError naming the stuck save; the hung threads
+        are then abandoned (daemon threads: they cannot keep the process alive) and their saves
+        never get a marker."""
         if self._closed:
             self._raise_pending()
             return
+        stuck = None
         try:
-            self._wait(lambda: all(s.done for s in self._saves), raise_errors=False)
+            self._wait(lambda: all(s.done for s in self._saves), raise_errors=False,
+                       timeout=timeout, what="close (draining in-flight saves)")
             self._retry_commits()
+        except CheckpointError as e:
+            stuck = e
         finally:
             self._closed = True
             for _ in range(self.cfg.copy_threads):
@@ -168,13 +182,17 @@ class CheckpointEngine:
             for _ in range(self.cfg.writer_threads):
                 self._write_q.put(_STOP)
             self._migrate_q.put(_STOP)
-            for t in self._threads:
-                t.join()
             atexit.unregister(self._atexit)
-            self._final_peak = self._cache.peak
-            # Give the cache's memory back now, not whenever the engine object is collected.
-            self._cache = None
-            self._copier = None
+            if stuck is None:
+                for t in self._threads:
+                    t.join()
+                self._final_peak = self._cache.peak
+                # Give the cache's memory back now, not whenever the engine object is collected.
+                self._cache = None
+                self._copier = None
+        if stuck is not None:
+            # Hung threads may still touch the cache: it is kept (not freed) and they are left.
+            raise stuck
         self._raise_pending()
 
     def __enter__(self) -> "CheckpointEngine":
@@ -203,17 +221,35 @@ class CheckpointEngine:
             if self._errors:
                 raise self._errors.pop(0)
 
-    def _wait(self, pred, raise_errors: bool = True) -> None:
+    def _wait(self, pred, raise_errors: bool = True, timeout: Optional[float] = None,
+              what: str = "wait") -> None:
         t0 = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             pending = [s for s in self._saves if not s.done]
             while not pred() and not (raise_errors and self._errors):
-                self._cond.wait(0.5)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self._stuck_error(what, timeout)
+                self._cond.wait(0.5 if deadline is None
+                                else max(0.01, min(0.5, deadline - time.monotonic())))
         dt = time.perf_counter() - t0
         for s in pending:
             s.blocked_s += dt
         if raise_errors:
             self._raise_pending()
+
+    def _stuck_error(self, what: str, timeout: float) -> CheckpointError:
+        """Name the oldest unfinished save and how far it got (called with the lock held)."""
+        sv = next(s for s in self._saves if not s.done)
+        stage = (f"copied {sv.entries_copied}/{len(sv.entries)} tensors"
+                 if not sv.copied else f"wrote {sv.bytes_written}/{sv.total_bytes} bytes"
+                 if sv.bytes_written < sv.total_bytes else "all bytes written, fsync/index/marker "
+                 "not done")
+        return CheckpointError(f"{what} timed out after {timeout:g} s: the save of step "
+                               f"{sv.handle.step} is stuck ({stage}); a background copy or writer "
+                               "thread is hung (storage not responding?). The version stays "
+                               "uncommitted; earlier versions are intact", rank=self.cfg.rank,
+                               file=sv.shard_path)
 
     def _record_ready_events(self, entries: List[TensorEntry]) -> Dict[Any, Any]:
         events = {}
@@ -304,6 +340,8 @@ class CheckpointEngine:
                 return
             sv, group = item
             try:
+                if group[0] == 0:
+                    fault_point("copy", sv.handle.step, self.cfg.rank)
                 if sv.error is None:
                     if not is_small(sv.entries[group[0]].nbytes, self._max_piece()):
                         self._copy_large(sv, group[0])

@@ -11,6 +11,7 @@ from typing import Callable, List
 from . import layout
 from .cache import HostCache
 from .config import Checksum, EngineConfig
+from .faults import fault_point
 from .index import build_index
 from .job import SaveJob, Segment
 from .writeback import drop_cached, start_writeback
@@ -69,6 +70,7 @@ def write_block(cfg: EngineConfig, cache: HostCache, sv: SaveJob, segments: List
 def write_version_files(cfg: EngineConfig, sv: SaveJob, lock: threading.Condition,
                         close_fd: Callable[[SaveJob], None]) -> None:
     """fsync the shard, then write index, format file and, last, this rank's marker."""
+    fault_point("flush", sv.handle.step, cfg.rank)
     if cfg.write_hook is not None:
         cfg.write_hook("fsync", {"rank": cfg.rank, "file": sv.shard_path, "tensor": None})
     if cfg.fsync:

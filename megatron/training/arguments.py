@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 from megatron.training.config import (
     CheckpointConfig,
+    CkptFailurePolicy,
     CkptFormat,
     DataConfig,
     LoggingConfig,
@@ -103,6 +104,21 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="DataStates host cache per rank in MiB (with --async-lazy-save)")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="keep only the newest N complete checkpoints under --save")
+    g.add_argument("--ckpt-failure-policy", choices=[x.value for x in CkptFailurePolicy],
+                   default="stop",
+                   help="when a save fails (full disk, I/O error, hung writer): stop with the "
+                        "error, or continue training without further checkpoints")
+    g.add_argument("--ckpt-fallback-to-previous", action="store_true",
+                   help="if the newest complete checkpoint is damaged, verify and load the newest "
+                        "older intact one instead of failing")
+    g.add_argument("--ckpt-drain-timeout", type=float, default=1800.0,
+                   help="seconds a wait on the background checkpoint writers may take before it "
+                        "is reported as a hung writer (with --async-lazy-save)")
+    g.add_argument("--universal-checkpoint-interval", type=int, default=None,
+                   help="merge every N-th committed --async-lazy-save checkpoint into a universal "
+                        "(any-layout) checkpoint in a background low-priority process")
+    g.add_argument("--universal-save", type=str, default=None,
+                   help="root of the universal checkpoints (default: <save>/universal)")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -206,10 +222,19 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
                  f"dist_checkpointing layout; it needs --ckpt-format torch_dist, got {a.ckpt_format}")
         _require(a.lazy_save_cache_mb > 0,
                  f"--lazy-save-cache-mb must be > 0, got {a.lazy_save_cache_mb}")
+    if a.universal_checkpoint_interval is not None:
+        _require(a.universal_checkpoint_interval > 0, "--universal-checkpoint-interval must be "
+                 f"> 0, got {a.universal_checkpoint_interval}")
+        _require(a.async_lazy_save and a.save is not None, "--universal-checkpoint-interval "
+                 "merges --async-lazy-save checkpoints; it needs --async-lazy-save and --save")
+    _require(a.universal_save is None or a.universal_checkpoint_interval is not None,
+             "--universal-save needs --universal-checkpoint-interval N")
     _require(a.keep_last_n_checkpoints is None or a.keep_last_n_checkpoints > 0,
              f"--keep-last-n-checkpoints must be >= 1, got {a.keep_last_n_checkpoints}")
     _require(not a.async_save or a.ckpt_format == "torch_dist",
              f"--async-save needs --ckpt-format torch_dist, got --ckpt-format {a.ckpt_format}")
+    _require(a.ckpt_drain_timeout > 0,
+             f"--ckpt-drain-timeout must be > 0 seconds, got {a.ckpt_drain_timeout}")
     _require(a.save_interval is None or a.save_interval > 0,
              f"--save-interval must be > 0, got {a.save_interval}")
     _require(a.save_interval is None or a.save is not None, "--save-interval needs --save DIR")
@@ -286,7 +311,12 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
         async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,
-        keep_last_n_checkpoints=a.keep_last_n_checkpoints)
+        keep_last_n_checkpoints=a.keep_last_n_checkpoints,
+        ckpt_failure_policy=CkptFailurePolicy(a.ckpt_failure_policy),
+        ckpt_fallback_to_previous=a.ckpt_fallback_to_previous,
+        ckpt_drain_timeout=a.ckpt_drain_timeout,
+        universal_checkpoint_interval=a.universal_checkpoint_interval,
+        universal_save=a.universal_save)
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
         tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size,

@@ -31,6 +31,7 @@ from megatron.training.checkpointing import (
     torch_rank_dir,
 )
 from megatron.training.config import CkptFormat, RunConfig
+from megatron.training.checkpoint_verify import damage_hint, newest_intact
 from megatron.training.log import print_rank_0
 
 
@@ -47,13 +48,42 @@ def _saved_config(directory: str, fmt: CkptFormat) -> str:
     if fmt is CkptFormat.TORCH_DIST:
         from megatron.core import dist_checkpointing
 
-        return dist_checkpointing.load_common_state_dict(directory)["run_config"]
+        try:
+            # torch.load with weights_only=True (torch >= 2.6 default, which megatron-core
+            # keeps): common.pt cannot run code, a forged one fails here.
+            return dist_checkpointing.load_common_state_dict(directory)["run_config"]
+        except Exception as err:  # noqa: BLE001 - any unreadable common.pt is reported as such
+            raise CheckpointError(f"cannot read common.pt (the checkpoint's common state): "
+                                  f"{type(err).__name__}: {str(err)[:300]}"
+                                  + damage_hint(*_split(directory)), path=directory) from err
     path = os.path.join(torch_rank_dir(directory), TORCH_FILENAME)
     if not os.path.isfile(path):
         raise CheckpointError("torch-format checkpoint has no file for this rank's TP/PP "
                               "position; it was saved with another layout (the torch format "
                               "cannot be resharded: save with --ckpt-format torch_dist)", path=path)
-    return torch.load(path, map_location="cpu", weights_only=False)["run_config"]
+    return safe_torch_load(path)["run_config"]
+
+
+def _numpy_rng_globals() -> list:
+    """What np.random.get_state() needs to unpickle: array reconstruction, ndarray, dtypes."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def safe_torch_load(path: str):
+    """torch.load that never runs code from the file: weights_only=True with the few numpy
+    globals that RNG states need. A file that holds anything else is refused, not executed."""
+    try:
+        with torch.serialization.safe_globals(_numpy_rng_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - unreadable or forged: both refused with the reason
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"cannot load {os.path.basename(path)} safely ({type(err).__name__}: "
+                              f"{first[:300]}); torch-format files are read with "
+                              "weights_only=True and may hold only tensors, containers, numbers, "
+                              "strings and numpy RNG states", path=path) from err
 
 
 def _init_distributed_optimizer_state(optimizer) -> None:
@@ -76,16 +106,22 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         return False
     if not os.path.isdir(ckpt.load):
         raise CheckpointError("--load directory does not exist", path=ckpt.load)
+    if _load_if_universal(state, config, ckpt.load):  # --load names a universal checkpoint
+        return True
     if not os.path.isfile(os.path.join(ckpt.load, TRACKER_FILENAME)):
         # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
         print_rank_0(f"no {TRACKER_FILENAME} in {ckpt.load}: no complete checkpoint there yet, "
                      "starting from scratch")
         return False
     iteration = read_tracker(ckpt.load)
+    if ckpt.ckpt_fallback_to_previous and not _is_universal(checkpoint_dir(ckpt.load, iteration)):
+        iteration = newest_intact(ckpt.load, iteration, config)
     directory = checkpoint_dir(ckpt.load, iteration)
     if not os.path.isdir(directory):
-        raise CheckpointError(f"tracker names iteration {iteration} but {directory} is missing",
-                              path=ckpt.load)
+        raise CheckpointError(f"tracker names iteration {iteration} but {directory} is missing"
+                              + damage_hint(ckpt.load, iteration), path=ckpt.load)
+    if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
+        return True
     fmt = detect_format(directory)
     saved_json = _saved_config(directory, fmt)
     check_model_shape(saved_json, config, directory)
@@ -114,8 +150,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                                       include_rng=load_rng)
         loaded = _load_torch_dist(sd, directory, loader)
     else:
-        loaded = torch.load(os.path.join(torch_rank_dir(directory), TORCH_FILENAME),
-                            map_location="cpu", weights_only=False)
+        loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), TORCH_FILENAME))
     apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                             finetune=ckpt.finetune)
     if fmt is CkptFormat.TORCH and load_optim and config.parallel.use_distributed_optimizer:
@@ -125,6 +160,23 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     print_rank_0(f"loaded checkpoint {directory} (format {fmt.value}, iteration {iteration}; "
                  f"optimizer {'restored' if load_optim else 'not restored'}, rng "
                  f"{'restored' if load_rng else 'not restored'})")
+    return True
+
+
+def _is_universal(directory: str) -> bool:
+    from datastates.universal import is_universal
+
+    return os.path.isdir(directory) and is_universal(directory)
+
+
+def _load_if_universal(state: TrainState, config: RunConfig, directory: str) -> bool:
+    from datastates.universal import is_universal
+
+    if not is_universal(directory):
+        return False
+    from megatron.training.universal import load_universal
+
+    load_universal(state, config, directory)
     return True
 
 
@@ -138,10 +190,30 @@ def _layout_of(saved: dict) -> dict:
 def _load_torch_dist(sd: dict, directory: str, loader) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException as DcpException
 
     try:
         if loader is not None:
             return loader(sd, directory)
         return dist_checkpointing.load(sd, directory)
-    except (CheckpointingException, datastates.CheckpointError) as err:
-        raise CheckpointError(f"could not load the checkpoint: {err}", path=directory) from err
+    except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
+        raise CheckpointError(f"could not load the checkpoint: {err}"
+                              + damage_hint(*_split(directory)), path=directory) from err
+    except DcpException as err:  # a BaseException: PyTorch DCP's per-rank failure report
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        raise CheckpointError(f"could not load the checkpoint (torch_dist reader): "
+                              f"{lines[-1] if lines else err}" + _backend_note(directory)
+                              + damage_hint(*_split(directory)), path=directory) from None
+
+
+def _backend_note(directory: str) -> str:
+    """A DataStates directory whose metadata.json names another backend was edited."""
+    if os.path.isfile(os.path.join(directory, datastates.layout.COMMIT_FILE)):
+        return (". The directory holds a DataStates checkpoint (COMMIT.json) but metadata.json "
+                "names another backend: metadata.json was edited or replaced")
+    return ""
+
+def _split(directory: str):
+    """(root, iteration) of ROOT/iter_NNNNNNN."""
+    root, name = os.path.split(os.path.normpath(directory))
+    return root, int(name.split("_")[-1])

@@ -19,6 +19,17 @@ class CkptFormat(str, enum.Enum):
     TORCH = "torch"
 
 
+class CkptFailurePolicy(str, enum.Enum):
+    """What training does when a checkpoint cannot be saved (``--ckpt-failure-policy``)."""
+
+    STOP = "stop"
+    """Stop: every rank raises the error (exit status 2 from pretrain_gpt.py). Default."""
+    CONTINUE = "continue"
+    """Warn once and keep training with checkpointing switched off for the rest of the run (no
+    further saves, no retry: a full disk rarely frees itself, and retrying would cost a stall
+    per iteration). Earlier complete checkpoints stay loadable."""
+
+
 class LrDecayStyle(str, enum.Enum):
     """Learning-rate decay after warm-up (``--lr-decay-style``), as OptimizerParamScheduler names it."""
 
@@ -169,6 +180,21 @@ class CheckpointConfig:
     """Size of the DataStates host cache per rank, MiB (bounded; larger tensors stream through)."""
     keep_last_n_checkpoints: Optional[int] = None
     """Keep only the newest N complete checkpoints under --save (None: keep all)."""
+    ckpt_failure_policy: CkptFailurePolicy = CkptFailurePolicy.STOP
+    """What to do when a save fails on any rank (full disk, I/O error, hung writer); see
+    CkptFailurePolicy. Applies to --async-lazy-save."""
+    ckpt_fallback_to_previous: bool = False
+    """When the newest complete checkpoint is damaged, verify and load the newest older one that
+    is intact instead of failing (every checksum of each candidate is read first)."""
+    ckpt_drain_timeout: float = 1800.0
+    """Seconds any single wait on the background checkpoint writers may take (snapshot wait before
+    the optimizer step, durability wait, drain at exit) before it is reported as a hung writer."""
+    universal_checkpoint_interval: Optional[int] = None
+    """Merge every N-th committed --async-lazy-save checkpoint into a universal checkpoint, in a
+    separate low-priority process while training continues (None: never)."""
+    universal_save: Optional[str] = None
+    """Root of the merged universal checkpoints (None: <save>/universal); --load it to resume at
+    any TP/PP/DP."""
 
 
 @dataclass(frozen=True)

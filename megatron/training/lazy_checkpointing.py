@@ -30,9 +30,16 @@ from megatron.training.checkpoint_state import (
     TrainState,
     build_sharded_state_dict,
 )
-from megatron.training.checkpointing import CheckpointManager, checkpoint_dir, write_tracker
-from megatron.training.config import RunConfig
+from megatron.training.checkpointing import (
+    TRACKER_FILENAME,
+    CheckpointManager,
+    checkpoint_dir,
+    write_tracker,
+)
+from megatron.training.config import CkptFailurePolicy, RunConfig
+from datastates import CheckpointError as DataStatesError
 from megatron.training.log import print_rank_0
+from megatron.training.universal import make_background_merger
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 
@@ -67,6 +74,10 @@ class LazyCheckpointManager(CheckpointManager):
         self._wrapper = None
         self._dp_group = None
         self._local_error: Optional[BaseException] = None
+        self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
+        self.disabled = False  # CkptFailurePolicy.CONTINUE after a failure: no more saves
+        # Rank 0 runs the background universal merges (None when not asked for).
+        self.universal = make_background_merger(config) if self.rank == 0 else None
 
     # -- 1) after optimizer step i ------------------------------------------------------------
     def _save(self, state: TrainState) -> None:
@@ -76,8 +87,6 @@ class LazyCheckpointManager(CheckpointManager):
 
         t0, wall0 = time.perf_counter(), time.time()
         directory = checkpoint_dir(self.ckpt.save, state.iteration)
-        if self.rank == 0:
-            os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         sd, extra = self._state_dict(state)
@@ -85,15 +94,24 @@ class LazyCheckpointManager(CheckpointManager):
                                        extra_shards=extra)
         if strategy is not base:
             self._wrapper = strategy
-        request = dist_checkpointing.save(sd, directory, sharded_strategy=strategy,
-                                          async_sharded_save=True,
-                                          content_metadata=dict(OPTIMIZER_METADATA))
+        request = None
+        try:
+            if self.rank == 0:
+                os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
+            # After megatron's collectives, rank 0 writes common.pt and every rank opens its
+            # shard: a full disk fails here on some ranks only, so the failure is recorded and
+            # agreed on in after_iteration instead of raised (the others would wait for us).
+            request = dist_checkpointing.save(sd, directory, sharded_strategy=strategy,
+                                              async_sharded_save=True,
+                                              content_metadata=dict(OPTIMIZER_METADATA))
+        except (OSError, DataStatesError) as err:
+            self._local_error = err
         self.pending.append(_Pending(state.iteration, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time()))
 
     def maybe_save(self, state: TrainState, force: bool = False) -> bool:
         # The base class logs a synchronous save's duration; ours logs when durable (step 4).
-        if not self.ckpt.save or not (force or self.should_save(state.iteration)):
+        if self.disabled or not self.ckpt.save or not (force or self.should_save(state.iteration)):
             return False
         if self.pending and self.pending[-1].iteration == state.iteration:
             return True  # e.g. the end-of-training save right after an interval save
@@ -126,7 +144,7 @@ class LazyCheckpointManager(CheckpointManager):
         if not self.pending:
             return
         t0 = time.perf_counter()
-        self._guard(self.engine.wait_for_snapshot)
+        self._guard(lambda: self.engine.wait_for_snapshot(timeout=self.ckpt.ckpt_drain_timeout))
         self.pending[-1].stall_s += time.perf_counter() - t0
 
     # -- 4) every iteration ------------------------------------------------------------------
@@ -134,16 +152,50 @@ class LazyCheckpointManager(CheckpointManager):
         if self.rank == 0 and self.ckpt.save:
             self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
         if self.pending:
-            self._commit_ready(blocking=False)
+            self._apply_policy(lambda: self._commit_ready(blocking=False))
+        if self.universal is not None:
+            self.universal.poll()
 
     # -- 5) at exit --------------------------------------------------------------------------
     def finalize(self) -> None:
         try:
-            self._commit_ready(blocking=True)
+            if self._failed is None:
+                self._apply_policy(lambda: self._commit_ready(blocking=True))
         finally:
-            self.engine.close()
+            try:
+                self._close_engine()
+            finally:
+                if self.universal is not None:
+                    self.universal.wait()  # no merge process outlives the run
 
     # -- internals -----------------------------------------------------------------------------
+    def _apply_policy(self, fn) -> None:
+        """Run `fn`; an agreed save failure either propagates (STOP) or switches checkpointing
+        off for the rest of the run (CONTINUE). Every rank decides the same way because the
+        failure was agreed on collectively."""
+        try:
+            fn()
+        except DataStatesError as err:
+            if self.ckpt.ckpt_failure_policy is not CkptFailurePolicy.CONTINUE:
+                self._failed = err
+                raise
+            self.disabled = True
+            self._local_error = None
+            self.pending.clear()  # never committed: they stay partial and unloadable
+            print_rank_0(f"WARNING: {err}. Continuing WITHOUT checkpointing for the rest of this "
+                         "run (--ckpt-failure-policy continue): no further saves, no retry.")
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close(timeout=self.ckpt.ckpt_drain_timeout)
+        except DataStatesError as err:
+            if self._failed is None and not self.disabled:
+                raise
+            # A failure was already reported (or tolerated by policy); the saves still in flight
+            # at that point fail the same way. Say so, do not hide the first error behind them.
+            print_rank_0(f"WARNING: while closing the checkpoint engine after an earlier failure: "
+                         f"{err}")
+
     def _guard(self, fn):
         """Run an engine call; a failure on any rank becomes a CheckpointError on every rank at
         the next agreement, so no rank hangs in a collective the others skipped."""
@@ -153,9 +205,9 @@ class LazyCheckpointManager(CheckpointManager):
             self._local_error = err
             return None
 
-    def _agree(self, local_done: bool) -> bool:
-        """All ranks: True when every rank's oldest pending save is durable; raises on every rank
-        if any rank's engine failed."""
+    def _agree(self, p: _Pending, local_done: bool) -> bool:
+        """All ranks: True when every rank has `p` durable (or committed); raises the same
+        CheckpointError on every rank if any rank recorded an error."""
         err = self._local_error
         code = -1 if err is not None else int(local_done)
         flags = torch.tensor([code], dtype=torch.int64)
@@ -165,12 +217,14 @@ class LazyCheckpointManager(CheckpointManager):
             gathered = [torch.zeros_like(failed) for _ in range(self.world)]
             dist.all_gather(gathered, failed)
             ranks = [r for r, f in enumerate(gathered) if int(f.item())]
-            from datastates import CheckpointError
-
-            msg = (f"DataStates save of iteration {self.pending[0].iteration} failed on rank(s) "
-                   f"{ranks}" + (f": {err}" if err is not None else "") +
-                   "; earlier checkpoints are intact")
-            raise CheckpointError(msg, rank=self.rank, file=self.pending[0].directory) from err
+            latest = _tracked_iteration(self.ckpt.save)
+            intact = ("no earlier checkpoint was completed" if latest is None else
+                      f"earlier checkpoints are intact (newest complete: iteration {latest})")
+            msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
+                   + (f": {err}" if err is not None else "") + f"; {intact}, and this one is "
+                   "not marked complete. Free space or fix --save storage; "
+                   "--ckpt-failure-policy continue keeps training without checkpoints")
+            raise DataStatesError(msg, rank=self.rank, file=p.directory) from err
         return bool(flags.item())
 
     def _commit_ready(self, blocking: bool) -> None:
@@ -178,27 +232,47 @@ class LazyCheckpointManager(CheckpointManager):
             self.durable[record.step] = record
         while self.pending:
             head = self.pending[0]
-            if blocking and head.iteration not in self.durable:
-                for record in self._guard(lambda: self.engine.wait_for_durable(head.handle)) or []:
+            if (blocking and head.iteration not in self.durable and head.handle is not None
+                    and self._local_error is None):
+                wait = lambda: self.engine.wait_for_durable(  # noqa: E731
+                    head.handle, timeout=self.ckpt.ckpt_drain_timeout)
+                for record in self._guard(wait) or []:
                     self.durable[record.step] = record
-            if not self._agree(head.iteration in self.durable):
+            if not self._agree(head, head.iteration in self.durable):
                 return
             self.pending.popleft()
             self._commit(head, self.durable.pop(head.iteration))
 
     def _commit(self, p: _Pending, record) -> None:
-        from datastates import CheckpointError, try_commit
-
-        for fn in p.request.finalize_fns:  # rank 0 writes metadata.json; barrier
-            fn()
+        try:
+            for fn in p.request.finalize_fns:  # rank 0 writes metadata.json; barrier
+                fn()
+        except OSError as err:  # rank 0 failed before megatron's barrier: meet the others there
+            self._local_error = err
+            dist.barrier()
         stats = self._gather_stats(p, record)
-        if self.rank == 0:
-            _fsync_files(p.directory, ("common.pt", "metadata.json"))
-            if not try_commit(p.directory, self.world):
-                raise CheckpointError("every rank reported its shards durable but the rank "
-                                      "markers are not all valid", rank=0, file=p.directory)
-            write_tracker(self.ckpt.save, p.iteration, self.config)
-            self._log(p, stats)
+        if self.rank == 0 and self._local_error is None:
+            try:
+                self._publish(p, stats)
+            except (OSError, DataStatesError) as err:
+                self._local_error = err
+        self._agree(p, True)  # a failed commit raises on every rank, like a failed flush
+
+    def _publish(self, p: _Pending, stats: Dict[str, float]) -> None:
+        """Rank 0: commit marker, then tracker (then retention), then the report."""
+        from datastates import try_commit
+        from datastates.faults import fault_point
+
+        fault_point("commit", p.iteration, self.rank)
+        _fsync_files(p.directory, ("common.pt", "metadata.json"))
+        if not try_commit(p.directory, self.world):
+            raise DataStatesError("every rank reported its shards durable but the rank markers "
+                                  "are not all valid", rank=0, file=p.directory)
+        fault_point("tracker", p.iteration, self.rank)
+        write_tracker(self.ckpt.save, p.iteration, self.config)
+        self._log(p, stats)
+        if self.universal is not None:  # a failure to start the merge is agreed on like others
+            self.universal.on_commit(p.iteration, p.directory)
 
     def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
         sums = torch.tensor([float(record.bytes)], dtype=torch.float64)
@@ -236,3 +310,12 @@ def _fsync_files(directory: str, names: List[str]) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def _tracked_iteration(root: Optional[str]) -> Optional[int]:
+    """The iteration the tracker names, or None (used in error messages only)."""
+    try:
+        with open(os.path.join(root, TRACKER_FILENAME)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError, TypeError):
+        return None

@@ -1,0 +1,187 @@
+"""The universal checkpoint format: what is on disk and how to read any box of it.
+
+A universal checkpoint is parallelism-agnostic: one full (unsharded) tensor per sharded parameter
+key, as megatron-core's dist_checkpointing names it, plus the optimizer's fp32 main weights and
+Adam moments under the same key with a role prefix. Layout of a committed directory::
+
+    manifest.json                      format, version, iteration, counters, scheduler, optimizer
+                                       param groups and step, model config, tokenizer, source layout,
+                                       small objects, and a table of every tensor's role
+    model.safetensors.index.json       Hugging Face-style {"metadata": {...}, "weight_map": {...}}
+    model-00001-of-0000N.safetensors   tensors, split by size (any safetensors reader opens them)
+    UNIVERSAL_COMMIT.json              written last; readers trust only a directory that has it
+
+Tensor names (``<key>`` is a megatron sharded key such as ``decoder.layers.mlp.linear_fc1.weight``;
+transformer-layer keys carry a leading layer axis, exactly as dist_checkpointing stacks them):
+    ``<key>``                           model weight, in the model's dtype
+    ``optimizer.state.fp32_param.<key>`` fp32 main weight
+    ``optimizer.state.exp_avg.<key>``    Adam first moment (fp32)
+    ``optimizer.state.exp_avg_sq.<key>`` Adam second moment (fp32)
+The optimizer step (one per run: every param group shares it) is ``manifest.optimizer.step``.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+
+FORMAT_NAME = "datastates-universal"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "model.safetensors.index.json"
+COMMIT_FILE = "UNIVERSAL_COMMIT.json"
+OPTIM_PREFIX = "optimizer.state."
+
+
+class Role(str, enum.Enum):
+    """What a universal tensor holds for its parameter."""
+
+    WEIGHT = "weight"
+    FP32_PARAM = "fp32_param"
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+
+
+OPTIMIZER_ROLES = (Role.FP32_PARAM, Role.EXP_AVG, Role.EXP_AVG_SQ)
+
+
+def tensor_name(role: Role, key: str) -> str:
+    return key if role is Role.WEIGHT else f"{OPTIM_PREFIX}{role.value}.{key}"
+
+
+def split_name(name: str) -> Tuple[Role, str]:
+    """Inverse of `tensor_name`."""
+    for role in OPTIMIZER_ROLES:
+        prefix = f"{OPTIM_PREFIX}{role.value}."
+        if name.startswith(prefix):
+            return role, name[len(prefix):]
+    return Role.WEIGHT, name
+
+
+def shard_file_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    file: str
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def is_universal(directory: str) -> bool:
+    """True for a directory that looks like a universal checkpoint (committed or not)."""
+    return os.path.isfile(os.path.join(directory, MANIFEST_FILE))
+
+
+def is_committed(directory: str) -> bool:
+    path = os.path.join(directory, COMMIT_FILE)
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return doc.get("format") == FORMAT_NAME
+
+
+class UniversalCheckpoint:
+    """Read-only view of a committed universal checkpoint.
+
+    Reads are memory-mapped (safetensors ``safe_open`` slices): a rank that asks for its box of a
+    tensor touches only the pages of that box.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        if not os.path.isdir(directory):
+            raise CheckpointError("universal checkpoint directory does not exist", file=directory)
+        if not is_committed(directory):
+            raise CheckpointError(f"not a committed universal checkpoint (no valid {COMMIT_FILE}): "
+                                  "its merge did not finish; merge or convert it again",
+                                  file=directory)
+        self.manifest = _read_json(os.path.join(directory, MANIFEST_FILE))
+        if self.manifest.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"manifest format is {self.manifest.get('format')!r}, expected "
+                                  f"{FORMAT_NAME!r}", file=directory)
+        if int(self.manifest.get("format_version", 0)) > FORMAT_VERSION:
+            raise CheckpointError(f"format version {self.manifest['format_version']} is newer than "
+                                  f"this reader ({FORMAT_VERSION}); upgrade datastates",
+                                  file=directory)
+        index = _read_json(os.path.join(directory, INDEX_FILE))
+        self.weight_map: Dict[str, str] = index["weight_map"]
+        self._handles: Dict[str, Any] = {}
+        self._infos: Dict[str, TensorInfo] = {}
+        for name, entry in self.manifest["tensors"].items():
+            self._infos[name] = TensorInfo(name, _DTYPES[entry["dtype"]], tuple(entry["shape"]),
+                                           self.weight_map[name])
+
+    @property
+    def iteration(self) -> int:
+        return int(self.manifest["iteration"])
+
+    def names(self) -> List[str]:
+        return sorted(self._infos)
+
+    def has(self, name: str) -> bool:
+        return name in self._infos
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self._infos:
+            raise CheckpointError(f"no such tensor; the checkpoint has {len(self._infos)}, e.g. "
+                                  f"{self.names()[:4]}", file=self.directory, tensor=name)
+        return self._infos[name]
+
+    def _handle(self, file: str):
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(os.path.join(self.directory, file), framework="pt")
+        return self._handles[file]
+
+    def read(self, name: str, offset: Optional[Sequence[int]] = None,
+             shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The box of tensor `name` at `offset` (default origin) with `shape` (default: to the
+        end); only that box is read."""
+        info = self.info(name)
+        off = tuple(offset) if offset is not None else (0,) * len(info.shape)
+        shp = tuple(shape) if shape is not None else tuple(g - o for g, o in zip(info.shape, off))
+        if (len(off) != len(info.shape) or len(shp) != len(info.shape)
+                or any(o < 0 or s < 0 or o + s > g for o, s, g in zip(off, shp, info.shape))):
+            raise CheckpointError(f"box at {list(off)} of shape {list(shp)} does not fit in "
+                                  f"{list(info.shape)}", file=self.directory, tensor=name)
+        handle = self._handle(info.file)
+        if not info.shape:
+            return handle.get_tensor(name)
+        sl = handle.get_slice(name)
+        return sl[tuple(slice(o, o + s) for o, s in zip(off, shp))]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "UniversalCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise CheckpointError(f"cannot read: {e}", file=path) from e
+    except ValueError as e:
+        raise CheckpointError(f"not valid JSON: {e}", file=path) from e

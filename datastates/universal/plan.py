@@ -1,0 +1,205 @@
+"""What a merge writes: source tensor keys mapped to universal names, and the manifest.
+
+megatron-core names optimizer state differently per optimizer: the distributed optimizer's
+``fully_reshardable`` format saves ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` with the step
+in every param group; the non-distributed optimizer saves ``optimizer.state.{exp_avg,exp_avg_sq}.
+<key>`` (plus ``fp32_param`` in mixed precision) with the step as ``state.common_step``. The
+universal format has one spelling (see format.py) and records which one the source used.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from .format import FORMAT_NAME, FORMAT_VERSION, OPTIM_PREFIX, Role, tensor_name
+from .sources import Source
+
+_SOURCE_ROLES = {"param": Role.FP32_PARAM, "fp32_param": Role.FP32_PARAM,
+                 "exp_avg": Role.EXP_AVG, "exp_avg_sq": Role.EXP_AVG_SQ}
+DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class OptimizerFlavor:
+    """How the source spelled its optimizer state (strings, stored in the manifest)."""
+
+    DISTRIBUTED = "distributed"  # fully_reshardable
+    LOCAL = "local"              # megatron's non-distributed (FP32 or mixed-precision) optimizer
+    NONE = "none"                # saved without optimizer state
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One universal tensor: its name, role and parameter key, and the source key it comes from."""
+
+    name: str
+    role: Role
+    key: str
+    source_key: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def plan_entries(source: Source) -> Tuple[List[Entry], str]:
+    """Universal entries for every source tensor, and the optimizer flavor found."""
+    entries: List[Entry] = []
+    flavor = OptimizerFlavor.NONE
+    for key in source.keys():
+        dtype, shape = source.meta(key)
+        role, param = Role.WEIGHT, key
+        if key.startswith(OPTIM_PREFIX):
+            kind, _, param = key[len(OPTIM_PREFIX):].partition(".")
+            if kind not in _SOURCE_ROLES:
+                raise CheckpointError(f"optimizer state {kind!r} is not supported by the universal "
+                                      f"format (Adam's param/fp32_param/exp_avg/exp_avg_sq are)",
+                                      file=source.directory, tensor=key)
+            role = _SOURCE_ROLES[kind]
+            if flavor != OptimizerFlavor.DISTRIBUTED:
+                flavor = OptimizerFlavor.DISTRIBUTED if kind == "param" else OptimizerFlavor.LOCAL
+        entries.append(Entry(tensor_name(role, param), role, param, key, dtype, shape))
+    names = {e.name for e in entries}
+    if flavor != OptimizerFlavor.NONE:
+        # fp32 weights with a non-distributed optimizer: the weights are the main weights, so the
+        # universal checkpoint gets an explicit fp32 copy and every consumer reads one spelling.
+        for e in [e for e in entries if e.role is Role.WEIGHT]:
+            main = tensor_name(Role.FP32_PARAM, e.key)
+            if main not in names:
+                if e.dtype != torch.float32:
+                    raise CheckpointError(f"no fp32 main weight for a {e.dtype} parameter",
+                                          file=source.directory, tensor=e.key)
+                entries.append(Entry(main, Role.FP32_PARAM, e.key, e.source_key, e.dtype, e.shape))
+    entries.sort(key=lambda e: e.name)
+    return entries, flavor
+
+
+def _optimizer_common(common: dict) -> Optional[dict]:
+    """The dict holding `param_groups` inside common['optimizer'] (nested once for wrappers)."""
+    opt = common.get("optimizer")
+    while isinstance(opt, dict) and "param_groups" not in opt:
+        opt = opt.get("optimizer")
+    return opt
+
+
+def optimizer_manifest(common: dict, flavor: str, directory: str) -> Optional[dict]:
+    if flavor == OptimizerFlavor.NONE:
+        return None
+    opt = _optimizer_common(common)
+    if opt is None:
+        raise CheckpointError("optimizer tensors are present but common.pt has no param_groups",
+                              file=directory)
+    groups, steps = [], set()
+    for g in opt["param_groups"]:
+        g = dict(g)
+        g.pop("params", None)
+        if "step" in g:
+            steps.add(float(g.pop("step")))
+        groups.append(g)
+    common_step = (opt.get("state") or {}).get("common_step")
+    if common_step is not None:
+        steps.add(float(common_step))
+    if len(steps) != 1:
+        raise CheckpointError(f"expected one optimizer step shared by every param group, found "
+                              f"{sorted(steps)}", file=directory)
+    return {"flavor": flavor, "step": steps.pop(), "param_groups": groups,
+            "sharding_type": (common.get("optimizer") or {}).get("param_state_sharding_type")}
+
+
+def encode_object(value: Any) -> dict:
+    """JSON when possible; anything else (e.g. Transformer Engine extra state) as torch.save
+    bytes in base64, so nothing is lost."""
+    try:
+        json.dumps(value)
+        return {"json": value}
+    except (TypeError, ValueError):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        return {"torch_b64": base64.b64encode(buf.getvalue()).decode("ascii")}
+
+
+def decode_object(doc: dict) -> Any:
+    if "json" in doc:
+        return doc["json"]
+    return torch.load(io.BytesIO(base64.b64decode(doc["torch_b64"])), weights_only=False)
+
+
+def encode_value(value: Any) -> Any:
+    """Lossless, readable JSON for megatron's common state: tuples and small tensors are tagged,
+    anything else falls back to `encode_object`."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: encode_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [encode_value(v) for v in value]
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_value(v) for v in value]}
+    if isinstance(value, torch.Tensor) and value.numel() <= 16 and value.dtype in DTYPE_NAMES:
+        return {"__tensor__": {"dtype": DTYPE_NAMES[value.dtype], "shape": list(value.shape),
+                               "data": value.flatten().tolist()}}
+    return {"__object__": encode_object(value)}
+
+
+def decode_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tuple__" in value:
+        return tuple(decode_value(v) for v in value["__tuple__"])
+    if "__tensor__" in value:
+        t = value["__tensor__"]
+        dtype = {v: k for k, v in DTYPE_NAMES.items()}[t["dtype"]]
+        return torch.tensor(t["data"], dtype=dtype).reshape(t["shape"])
+    if "__object__" in value:
+        return decode_object(value["__object__"])
+    return {k: decode_value(v) for k, v in value.items()}
+
+
+def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: str,
+                   weight_map: Dict[str, str]) -> dict:
+    run_config = json.loads(common["run_config"]) if "run_config" in common else {}
+    data = run_config.get("data", {})
+    model = run_config.get("model", {})
+    par = run_config.get("parallel", {})
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "iteration": int(common.get("iteration", 0)),
+        "consumed_train_samples": int(common.get("consumed_train_samples", 0)),
+        "consumed_valid_samples": int(common.get("consumed_valid_samples", 0)),
+        "checkpoint_version": common.get("checkpoint_version"),
+        "scheduler": common.get("opt_param_scheduler"),
+        "optimizer": optimizer_manifest(common, flavor, source.directory),
+        "model_config": model,
+        "tokenizer": {"tokenizer_type": data.get("tokenizer_type"),
+                      "vocab_size": model.get("vocab_size"),
+                      "padded_vocab_size": model.get("padded_vocab_size"),
+                      "make_vocab_size_divisible_by": data.get("make_vocab_size_divisible_by")},
+        "source": {"format": source.kind, "directory": source.directory,
+                   "layout": {"tp": par.get("tensor_model_parallel_size"),
+                              "pp": par.get("pipeline_model_parallel_size"),
+                              "vpp": par.get("virtual_pipeline_model_parallel_size"),
+                              "world_size": par.get("world_size"),
+                              "use_distributed_optimizer": par.get("use_distributed_optimizer")}},
+        "run_config": run_config,
+        # megatron's common.pt as saved, so universal -> torch_dist restores it exactly.
+        "megatron_common": encode_value(common),
+        "objects": {k: encode_object(v) for k, v in sorted(source.objects().items())},
+        "tensors": {e.name: {"role": e.role.value, "param": e.key, "source_key": e.source_key,
+                             "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
+                             "file": weight_map[e.name]} for e in entries},
+    }

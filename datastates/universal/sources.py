@@ -1,0 +1,174 @@
+"""Where a merge reads from: a committed DataStates checkpoint or a Megatron torch_dist one.
+
+Both expose the same small interface (`Source`), so the writer never knows which format it merges.
+Neither needs megatron: DataStates shards are read with `CheckpointReader` (any global box,
+assembled from every rank's shards), torch_dist with PyTorch DCP's `FileSystemReader`.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from ..reader import CheckpointReader
+
+COMMON_FILE = "common.pt"
+RNG_OBJECT = "rng_state/"  # per-rank RNG streams: meaningless at another layout, never merged
+
+
+class Source:
+    """A checkpoint to merge. Call order: `common()`, `keys()`/`meta()`, `read()` per key,
+    `objects()`, `close()`."""
+
+    kind = "abstract"
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def common(self) -> dict:
+        """megatron's common state (iteration, counters, scheduler, optimizer param groups)."""
+        path = os.path.join(self.directory, COMMON_FILE)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"no {COMMON_FILE}: not a megatron dist_checkpointing checkpoint",
+                                  file=self.directory)
+        # Our own trainer's file of plain dicts, numbers and a few tensors.
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+    def keys(self) -> List[str]:
+        raise NotImplementedError
+
+    def meta(self, key: str) -> Tuple[torch.dtype, Tuple[int, ...]]:
+        raise NotImplementedError
+
+    def read(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def objects(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class DataStatesSource(Source):
+    """A committed `--async-lazy-save` checkpoint (refused when not committed)."""
+
+    kind = "datastates"
+
+    def __init__(self, directory: str, verify: bool = True):
+        super().__init__(directory)
+        self.reader = CheckpointReader(directory, verify=verify)
+
+    def keys(self) -> List[str]:
+        return self.reader.tensor_keys(shards_only=True)
+
+    def meta(self, key):
+        m = self.reader.tensor_meta(key)
+        return m.dtype, tuple(m.global_shape)
+
+    def read(self, key):
+        return self.reader.read(key)
+
+    def objects(self):
+        out: Dict[str, Any] = {}
+        for rank in self.reader.ranks():
+            for k, v in self.reader.load_objects(rank)["objects"].items():
+                if not k.startswith(RNG_OBJECT):
+                    out[k] = v
+        return out
+
+    def close(self):
+        self.reader.close()
+
+
+class TorchDistSource(Source):
+    """A Megatron ``torch_dist`` checkpoint (PyTorch DCP files + common.pt + metadata.json)."""
+
+    kind = "torch_dist"
+
+    def __init__(self, directory: str):
+        super().__init__(directory)
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        meta_path = os.path.join(directory, "metadata.json")
+        if not os.path.isfile(meta_path):
+            raise CheckpointError("no metadata.json: not a megatron dist_checkpointing checkpoint",
+                                  file=directory)
+        with open(meta_path) as f:
+            backend = json.load(f).get("sharded_backend")
+        if backend != "torch_dist":
+            raise CheckpointError(f"sharded backend is {backend!r}, expected 'torch_dist'",
+                                  file=directory)
+        md = FileSystemReader(directory).read_metadata()
+        self._tensors = {k: v for k, v in md.state_dict_metadata.items()
+                         if isinstance(v, TensorStorageMetadata)}
+        self._bytes = [k for k in md.state_dict_metadata if k not in self._tensors]
+
+    def _load(self, state: dict) -> dict:
+        from torch.distributed.checkpoint import FileSystemReader, load
+
+        load(state, storage_reader=FileSystemReader(self.directory), no_dist=True)
+        return state
+
+    def keys(self):
+        return sorted(self._tensors)
+
+    def meta(self, key):
+        m = self._tensors[key]
+        return m.properties.dtype, tuple(m.size)
+
+    def read(self, key):
+        dtype, shape = self.meta(key)
+        return self._load({key: torch.empty(shape, dtype=dtype)})[key]
+
+    def objects(self):
+        keys = [k for k in self._bytes if not k.startswith(RNG_OBJECT)]
+        if not keys:
+            return {}
+        loaded = self._load({k: io.BytesIO() for k in keys})
+        out = {}
+        for k in keys:
+            v = loaded[k]
+            if isinstance(v, io.BytesIO):
+                v.seek(0)
+                v = torch.load(v, map_location="cpu", weights_only=False)
+            # megatron's torch_dist saves each object as the list of its local shards' data.
+            out[k] = v[0] if isinstance(v, list) and len(v) == 1 else v
+        return out
+
+
+def open_source(directory: str) -> Source:
+    """The right `Source` for a megatron-layout checkpoint directory (``iter_XXXXXXX``)."""
+    meta_path = os.path.join(directory, "metadata.json")
+    if not os.path.isfile(meta_path):
+        raise CheckpointError("expected a checkpoint directory with metadata.json (an "
+                              "iter_XXXXXXX directory of --save)", file=directory)
+    with open(meta_path) as f:
+        backend = json.load(f).get("sharded_backend")
+    if backend == "datastates":
+        return DataStatesSource(directory)
+    if backend == "torch_dist":
+        return TorchDistSource(directory)
+    raise CheckpointError(f"sharded backend {backend!r} is not supported; expected 'datastates' or "
+                          "'torch_dist'", file=directory)
+
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """`path` itself, or for a Megatron save root the ``iter_XXXXXXX`` its tracker names."""
+    tracker = os.path.join(path, TRACKER_FILE)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            raise CheckpointError(f"tracker holds {text!r}, expected an iteration number",
+                                  file=tracker)
+        return os.path.join(path, f"iter_{int(text):07d}")
+    return path

@@ -1,0 +1,152 @@
+"""Writing a universal checkpoint atomically.
+
+Order (one process):
+  1) plan the tensors and group them into files of at most `max_file_bytes` (a tensor larger than
+     that gets a file of its own);
+  2) write every safetensors file into ``<dst>.tmp-<pid>/``, one file's tensors in memory at a
+     time, each fsynced;
+  3) write the index and the manifest (fsynced), then the commit marker, fsync the directory;
+  4) rename the temporary directory to ``<dst>`` and fsync the parent.
+A process killed anywhere before 4) leaves only a ``.tmp-`` directory, which no reader accepts and
+the next merge into the same parent removes. A committed ``<dst>`` is never rewritten unless asked,
+so running the same merge twice is a no-op.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..errors import CheckpointError
+from ..faults import fault_point
+from ..layout import fsync_dir
+from .format import COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, \
+    is_committed, shard_file_name
+from .plan import Entry, build_manifest, plan_entries
+from .sources import Source
+
+Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current tensor)
+DEFAULT_MAX_FILE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    directory: str
+    iteration: int
+    bytes: int
+    seconds: float
+    skipped: bool  # already committed: nothing was written
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 and not self.skipped else 0.0
+
+    def to_json(self) -> dict:
+        return {"directory": self.directory, "iteration": self.iteration, "bytes": self.bytes,
+                "seconds": round(self.seconds, 6), "gbps": round(self.gbps, 6),
+                "skipped": self.skipped}
+
+
+def group_files(entries: List[Entry], max_file_bytes: int) -> List[List[Entry]]:
+    groups: List[List[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if groups[-1] and size + e.nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e.nbytes
+    return [g for g in groups if g]
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, doc) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove_stale_temporaries(dst: str) -> None:
+    """Leftovers of merges into `dst` that died (only one merge per destination runs at a time)."""
+    for path in glob.glob(glob.escape(dst) + ".tmp-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                    progress: Optional[Progress] = None, overwrite: bool = False,
+                    max_bytes_per_s: Optional[float] = None) -> MergeResult:
+    """Merge `source` into the universal checkpoint `dst` and commit it (see module docstring).
+
+    `max_bytes_per_s` throttles a background merge so its reads and writes leave the disk to
+    the training job's own checkpoints."""
+    t0 = time.perf_counter()
+    common = source.common()
+    iteration = int(common.get("iteration", 0))
+    dst = os.path.abspath(dst)
+    if is_committed(dst) and not overwrite:
+        return MergeResult(dst, iteration, 0, time.perf_counter() - t0, skipped=True)
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_temporaries(dst)
+    entries, flavor = plan_entries(source)
+    groups = group_files(entries, max_file_bytes)
+    weight_map = {e.name: shard_file_name(i + 1, len(groups))
+                  for i, g in enumerate(groups) for e in g}
+    total = sum(e.nbytes for e in entries)
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    os.makedirs(tmp)
+    done = 0
+    for i, group in enumerate(groups):
+        from safetensors.torch import save_file
+
+        tensors: Dict[str, torch.Tensor] = {}
+        for e in group:
+            t = source.read(e.source_key)
+            if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                raise CheckpointError(f"read {t.dtype}{list(t.shape)}, metadata says "
+                                      f"{e.dtype}{list(e.shape)}", file=source.directory,
+                                      tensor=e.source_key)
+            # safetensors refuses tensors that share storage; the fp32 copy of fp32 weights does.
+            tensors[e.name] = t.contiguous().clone() if e.name != e.source_key and \
+                any(x.source_key == e.source_key for x in group if x is not e) else t.contiguous()
+            done += e.nbytes
+            if max_bytes_per_s:
+                ahead = done / max_bytes_per_s - (time.perf_counter() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+            if progress is not None:
+                progress(done, total, e.name)
+        path = os.path.join(tmp, shard_file_name(i + 1, len(groups)))
+        save_file(tensors, path, metadata={"format": "pt", "producer": FORMAT_NAME})
+        _fsync(path)
+        del tensors
+        if i == 0:  # crash tests: a kill here leaves a half-written .tmp- directory
+            fault_point("merge", iteration, 0)
+    _write_json(os.path.join(tmp, INDEX_FILE),
+                {"metadata": {"total_size": total, "format": FORMAT_NAME,
+                              "format_version": FORMAT_VERSION}, "weight_map": weight_map})
+    _write_json(os.path.join(tmp, MANIFEST_FILE),
+                build_manifest(source, common, entries, flavor, weight_map))
+    _write_json(os.path.join(tmp, COMMIT_FILE),
+                {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "iteration": iteration,
+                 "files": len(groups), "total_size": total, "time": time.time()})
+    fsync_dir(tmp)
+    if os.path.exists(dst):  # an uncommitted leftover with the final name (written by hand?)
+        shutil.rmtree(dst)
+    os.rename(tmp, dst)
+    fsync_dir(parent)
+    return MergeResult(dst, iteration, total, time.perf_counter() - t0, skipped=False)

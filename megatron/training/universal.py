@@ -1,0 +1,208 @@
+"""Universal checkpoints in the trainer: load one at any TP/PP/DP, write one back as torch_dist.
+
+The format and the merge live in `datastates.universal` (no megatron there). This module maps it
+onto megatron-core's sharded state dict:
+
+  1) every rank builds the sharded state dict it would load (`build_sharded_state_dict`), which
+     names each of its shards by global key, offset and shape;
+  2) each ShardedTensor is filled with exactly its box of the universal tensor (memory-mapped
+     safetensors slice), so a rank reads only its slices; optimizer keys are mapped from the
+     universal spelling to the one this run's optimizer uses;
+  3) the common state (iteration, counters, scheduler, param groups, step) comes from the
+     manifest, in the form this run's optimizer expects, and everything is applied as any other
+     checkpoint would be (`apply_loaded_state_dict`). RNG states are per rank and not restored.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Callable, Optional
+
+import torch
+
+from datastates import CheckpointError as DataStatesError
+from datastates.universal import (OptimizerFlavor, Role, UniversalCheckpoint, decode_object,
+                                  decode_value, split_name, tensor_name)
+
+from megatron.training.checkpoint_state import (
+    CheckpointError,
+    TrainState,
+    apply_loaded_state_dict,
+    build_sharded_state_dict,
+    check_model_shape,
+)
+from megatron.training.config import RunConfig
+from megatron.training.log import print_rank_0
+
+_DISTOPT_MAIN = "optimizer.state.param."
+
+
+def universal_name(sharded_key: str) -> str:
+    """The universal tensor holding a megatron sharded key of either optimizer's spelling."""
+    if sharded_key.startswith(_DISTOPT_MAIN):
+        return tensor_name(Role.FP32_PARAM, sharded_key[len(_DISTOPT_MAIN):])
+    return sharded_key
+
+
+def _read_box(u: UniversalCheckpoint, sh) -> torch.Tensor:
+    name = universal_name(sh.key)
+    saved = u.info(name).shape
+    want = tuple(sh.global_shape)
+    box = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    if saved == want:
+        out = u.read(name, sh.global_offset, box)
+    elif sh.allow_shape_mismatch and len(saved) == len(want):
+        # e.g. a vocabulary padded for another TP size: rows past the saved shape stay zero
+        out = torch.zeros(box, dtype=u.info(name).dtype)
+        lo = tuple(sh.global_offset)
+        hi = tuple(min(o + b, g) for o, b, g in zip(lo, box, saved))
+        if all(h > o for o, h in zip(lo, hi)):
+            out[tuple(slice(0, h - o) for o, h in zip(lo, hi))] = \
+                u.read(name, lo, tuple(h - o for o, h in zip(lo, hi)))
+    else:
+        raise DataStatesError(f"global shape mismatch: universal {list(saved)}, model {list(want)}",
+                              file=u.directory, tensor=name)
+    return out.to(sh.dtype).reshape(sh.local_shape)
+
+
+def _fill(sd: Any, u: UniversalCheckpoint, objects: dict) -> Any:
+    from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedObject,
+                                                          ShardedTensor, ShardedTensorFactory)
+
+    if isinstance(sd, dict):
+        return {k: _fill(v, u, objects) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [_fill(v, u, objects) for v in sd]
+    if isinstance(sd, ShardedTensor):
+        return _read_box(u, sd)
+    if isinstance(sd, ShardedObject):
+        if sd.unique_key not in objects:
+            raise DataStatesError("object is not in the universal checkpoint (another model?)",
+                                  file=u.directory, tensor=sd.unique_key)
+        return decode_object(objects[sd.unique_key])
+    if isinstance(sd, LocalNonpersistentObject):
+        return sd.unwrap()
+    if isinstance(sd, ShardedTensorFactory):
+        raise DataStatesError("ShardedTensorFactory (e.g. gated MLP) is not supported by the "
+                              "universal loader", file=u.directory, tensor=sd.key)
+    return sd
+
+
+def _param_groups_holder(optimizer_sd: dict) -> dict:
+    d = optimizer_sd
+    while isinstance(d, dict) and "param_groups" not in d:
+        d = d.get("optimizer")
+    if d is None:
+        raise CheckpointError("optimizer state dict has no param_groups")
+    return d
+
+
+def _apply_common(loaded: dict, m: dict, load_optim: bool, distributed: bool) -> None:
+    for k in ("iteration", "consumed_train_samples", "consumed_valid_samples"):
+        loaded[k] = m[k]
+    if not load_optim:
+        return
+    loaded["opt_param_scheduler"] = dict(m["scheduler"])
+    holder = _param_groups_holder(loaded["optimizer"])
+    saved_groups, step = m["optimizer"]["param_groups"], m["optimizer"]["step"]
+    if len(holder["param_groups"]) != len(saved_groups):
+        raise CheckpointError(f"universal checkpoint has {len(saved_groups)} optimizer param "
+                              f"groups, this run {len(holder['param_groups'])}")
+    for group, saved in zip(holder["param_groups"], saved_groups):
+        group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        if distributed:
+            group["step"] = step  # the distributed optimizer keeps Adam's step in its groups
+    if not distributed:
+        holder.setdefault("state", {})["common_step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def load_universal(state: TrainState, config: RunConfig, directory: str) -> None:
+    """Every rank: restore `state` from the universal checkpoint `directory` at this run's
+    layout (see the module docstring for the order)."""
+    from megatron.training.checkpoint_loading import _init_distributed_optimizer_state
+
+    ckpt = config.checkpoint
+    try:
+        u = UniversalCheckpoint(directory)
+    except DataStatesError as err:
+        raise CheckpointError(str(err), path=directory) from err
+    with u:
+        m = u.manifest
+        check_model_shape(json.dumps(m["run_config"]), config, directory)
+        load_optim = ckpt.load_optim and not ckpt.finetune and m["optimizer"] is not None
+        distributed = config.parallel.use_distributed_optimizer
+        if load_optim and distributed:
+            _init_distributed_optimizer_state(state.optimizer)
+        sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
+                                      include_rng=False)
+        try:
+            loaded = _fill(sd, u, m["objects"])
+        except DataStatesError as err:
+            raise CheckpointError(f"could not load the universal checkpoint: {err}",
+                                  path=directory) from err
+        _apply_common(loaded, m, load_optim, distributed)
+    apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=False,
+                            finetune=ckpt.finetune)
+    print_rank_0(f"loaded universal checkpoint {directory} (iteration {m['iteration']}, saved at "
+                 f"{m['source']['layout']}; optimizer {'restored' if load_optim else 'not restored'}"
+                 ", rng not restored)")
+
+
+def _single_process_group() -> None:
+    """megatron's dist_checkpointing.save needs a process group; a converter is one process."""
+    import torch.distributed as dist
+
+    from megatron.training.cpu_compat import apply_cpu_patches
+
+    apply_cpu_patches()
+    if not dist.is_initialized():
+        store = tempfile.mkdtemp(prefix="convert_pg_")
+        dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+
+
+def universal_to_torch_dist(universal_dir: str, out_dir: str,
+                            progress: Optional[Callable[[int, int, str], None]] = None) -> int:
+    """Write the universal checkpoint as a megatron ``torch_dist`` checkpoint in `out_dir` (an
+    ``iter_XXXXXXX`` directory), with the source's own key spelling and common state, so that
+    a round trip reproduces the source. Returns the iteration."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    _single_process_group()
+    with UniversalCheckpoint(universal_dir) as u:
+        m = u.manifest
+        sd: dict = decode_value(m["megatron_common"])
+        content_metadata = sd.pop("content_metadata", None)
+        names = u.names()
+        for i, name in enumerate(names):
+            entry = m["tensors"][name]
+            role, key = split_name(name)
+            if role is Role.FP32_PARAM and entry["source_key"] == key:
+                continue  # fp32 weights were their own main weights: nothing separate to write
+            sd[entry["source_key"]] = ShardedTensor.from_rank_offsets(
+                entry["source_key"], u.read(name), replica_id=0)
+            if progress is not None:
+                progress(i + 1, len(names), name)
+        for unique_key, enc in m["objects"].items():
+            empty = ShardedObject.empty_from_unique_key(unique_key)
+            sd[unique_key] = ShardedObject(empty.key, decode_object(enc), empty.global_shape,
+                                           empty.global_offset, replica_id=0)
+        os.makedirs(out_dir, exist_ok=True)
+        dist_checkpointing.save(sd, out_dir, sharded_strategy=TorchDistSaveShardedStrategy(
+            "torch_dist", 1), content_metadata=content_metadata)
+        return u.iteration
+
+
+def make_background_merger(config: RunConfig):
+    """The background merger `--universal-checkpoint-interval` asks for, or None."""
+    ckpt = config.checkpoint
+    if not ckpt.universal_checkpoint_interval:
+        return None
+    from datastates.universal import BackgroundMerger, MergerConfig
+
+    root = ckpt.universal_save or os.path.join(ckpt.save, "universal")
+    return BackgroundMerger(MergerConfig(root=root, every_n=ckpt.universal_checkpoint_interval),
+                            log=print_rank_0)
+

@@ -1,0 +1,169 @@
+"""Damaged checkpoints at --load: every case fails with an error naming rank, file and tensor (where
+there is one) and saying what to do; --ckpt-fallback-to-previous resumes from the newest intact
+older checkpoint; common.pt is never unpickled with code execution.
+
+One training launch writes iterations 1-3 (--async-lazy-save); every damaged copy is probed by
+one process (tests/faults_load_probe.py), so megatron-core starts twice in all.
+"""
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, launch
+
+ARGS = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0"]
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class _Pwned:
+    """A pickle that would create a file if it were ever unpickled with code execution."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("datastates_checkpoints.jsonl"))
+    return dst
+
+
+def _index(d):
+    return json.load(open(os.path.join(d, "index_r00000.json")))
+
+
+def _largest_tensor(d):
+    return max(_index(d)["tensors"], key=lambda t: t["nbytes"])
+
+
+def _rewrite_index(d, doc):
+    """Forge an index consistently: also fix the crc its rank marker records."""
+    raw = json.dumps(doc).encode()
+    open(os.path.join(d, "index_r00000.json"), "wb").write(raw)
+    marker_path = os.path.join(d, "done_r00000.json")
+    marker = json.load(open(marker_path))
+    marker["index_crc32"] = zlib.crc32(raw)
+    json.dump(marker, open(marker_path, "w"))
+
+
+def _make_cases(src, root, pwned_path):
+    """name -> (--load directory, fallback flag); each damages iteration 3 of a copy."""
+    cases = {}
+
+    def case(name, damage, fallback=False):
+        d = _copy(src, os.path.join(root, name))
+        damage(os.path.join(d, "iter_0000003"))
+        cases[name] = {"name": name, "load": d, "fallback": fallback}
+
+    def flip(it):
+        t = _largest_tensor(it)
+        with open(os.path.join(it, "shard_r00000.bin"), "r+b") as f:
+            f.seek(t["offset"] + t["nbytes"] // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x01]))
+
+    def truncate(it):
+        t = _largest_tensor(it)
+        with open(os.path.join(it, "shard_r00000.bin"), "r+b") as f:
+            f.truncate(t["offset"] + 8)
+
+    def missing(it):
+        os.remove(os.path.join(it, "shard_r00000.bin"))
+
+    def edit_index(it):  # edited by hand: the rank marker's crc no longer matches
+        doc = _index(it)
+        doc["tensors"][0]["offset"] += 4096
+        open(os.path.join(it, "index_r00000.json"), "w").write(json.dumps(doc))
+
+    def traversal(it):  # forged consistently: only the file-name check can stop it
+        doc = _index(it)
+        doc["tensors"][0]["file"] = "../../" + TRACKER
+        _rewrite_index(it, doc)
+
+    def edit_metadata(it):
+        path = os.path.join(it, "metadata.json")
+        doc = json.load(open(path))
+        doc["sharded_backend"] = "torch_dist"
+        json.dump(doc, open(path, "w"))
+
+    def forged_common(it):
+        with open(os.path.join(it, "common.pt"), "wb") as f:
+            pickle.dump({"run_config": _Pwned(pwned_path)}, f)
+
+    case("flipped", flip)
+    case("flipped_fallback", flip, fallback=True)
+    case("truncated", truncate)
+    case("missing", missing)
+    case("edited_index", edit_index)
+    case("traversal", traversal)
+    case("edited_metadata", edit_metadata)
+    case("forged_common", forged_common)
+    case("forged_common_fallback", forged_common, fallback=True)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corrupt")
+    src = root / "src"
+    run = launch(1, ARGS + ["--train-iters", "3", "--async-lazy-save", "--save-interval", "1",
+                            "--save", str(src)])
+    assert run.returncode == 0, run.describe()
+    assert open(src / TRACKER).read().strip() == "3"
+    pwned = str(root / "PWNED")
+    cases = _make_cases(str(src), str(root), pwned)
+    spec = root / "cases.json"
+    spec.write_text(json.dumps(list(cases.values())))
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "faults_load_probe.py"), str(spec),
+                          "--"] + ARGS + ["--train-iters", "3"], cwd=str(REPO), text=True,
+                         capture_output=True, timeout=300,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    results = {r["name"]: r for r in (json.loads(line[6:]) for line in out.stdout.splitlines()
+                                      if line.startswith("PROBE "))}
+    assert sorted(results) == sorted(cases), out.stdout[-3000:] + out.stderr[-3000:]
+    return results, pwned
+
+
+FALLBACK_HINT = "--ckpt-fallback-to-previous to resume from iteration 2"
+
+
+@pytest.mark.parametrize("name,needles", [
+    ("flipped", ["checksum mismatch", "rank 0", "iter_0000003/shard_r00000.bin", "tensor '"]),
+    ("truncated", ["shard file is truncated", "rank 0", "iter_0000003/shard_r00000.bin",
+                   "tensor '"]),
+    ("missing", ["cannot open shard file", "No such file", "rank 0",
+                 "iter_0000003/shard_r00000.bin", "tensor '"]),
+    ("edited_index", ["index does not match the checksum in its rank marker", "rank 0",
+                      "iter_0000003/index_r00000.json"]),
+    ("traversal", ["expected a plain file name inside the checkpoint directory", "rank 0",
+                   "../../" + TRACKER]),
+    ("edited_metadata", ["iter_0000003"]),
+    ("forged_common", ["cannot read common.pt", "iter_0000003", "Weights only load failed"]),
+])
+def test_damage_is_named_with_what_to_do(probed, name, needles):
+    results, _ = probed
+    r = results[name]
+    assert not r["ok"] and r["error"] is not None, r
+    assert not r["error"].startswith("UNEXPECTED"), r["error"]
+    for needle in needles + [FALLBACK_HINT]:
+        assert needle in r["error"], (needle, r["error"])
+
+
+def test_fallback_resumes_from_previous_intact_checkpoint(probed):
+    results, _ = probed
+    for name in ("flipped_fallback", "forged_common_fallback"):
+        assert results[name]["ok"] and results[name]["iteration"] == 2, results[name]
+
+
+def test_common_pt_is_never_unpickled_with_code(probed):
+    _, pwned = probed
+    assert not os.path.exists(pwned)

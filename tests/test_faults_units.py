@@ -1,0 +1,95 @@
+"""Fault points and bounded waits, without a training job."""
+import threading
+
+import pytest
+import torch
+
+from datastates import CheckpointEngine, CheckpointError, EngineConfig, faults
+from datastates.faults import FaultSpec, parse_spec
+
+
+@pytest.mark.parametrize("text,spec", [
+    ("2", FaultSpec(2.0)), ("0.5@7", FaultSpec(0.5, 7)), ("1@3:1", FaultSpec(1.0, 3, 1)),
+    ("4:0", FaultSpec(4.0, None, 0)),
+])
+def test_fault_spec_parses(text, spec):
+    assert parse_spec("X", text) == spec
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1@x", "1@2:y", "-1"])
+def test_bad_fault_spec_names_the_variable_and_the_expected_form(text):
+    with pytest.raises(CheckpointError, match=r"DATASTATES_FAULT_DELAY_FLUSH=.*expected|>= 0"):
+        parse_spec("DATASTATES_FAULT_DELAY_FLUSH", text)
+
+
+def test_fault_point_pauses_only_the_named_step_and_rank(monkeypatch, capfd):
+    monkeypatch.setenv("DATASTATES_FAULT_DELAY_FLUSH", "0@3:1")
+    faults.reload_from_env()
+    try:
+        faults.fault_point("flush", 3, 0)
+        faults.fault_point("flush", 2, 1)
+        faults.fault_point("copy", 3, 1)
+        assert capfd.readouterr().err == ""
+        faults.fault_point("flush", 3, 1)
+        assert capfd.readouterr().err == "DATASTATES_FAULT phase=flush step=3 rank=1 delay=0\n"
+    finally:
+        monkeypatch.delenv("DATASTATES_FAULT_DELAY_FLUSH")
+        faults.reload_from_env()
+
+
+def _hung_engine(release):
+    def hook(event, info):
+        if event == "fsync":
+            release.wait()  # a writer stuck in storage until the test lets it go
+
+    return CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20, write_hook=hook))
+
+
+def test_durable_wait_and_close_time_out_naming_the_stuck_save(tmp_path):
+    release = threading.Event()
+    eng = _hung_engine(release)
+    try:
+        eng.save({"w": torch.arange(1000.0)}, str(tmp_path / "v"), step=7)
+        eng.wait_for_snapshot(timeout=60)  # the copy is not hung, only the writer
+        with pytest.raises(CheckpointError) as err:
+            eng.wait_for_durable(timeout=0.2)
+        msg = str(err.value)
+        assert "timed out after 0.2 s" in msg and "step 7" in msg and "hung" in msg
+        assert err.value.rank == 0 and err.value.file.endswith("v/shard_r00000.bin")
+        assert "all bytes written, fsync/index/marker not done" in msg
+        with pytest.raises(CheckpointError, match="close .* timed out after 0.2 s"):
+            eng.close(timeout=0.2)
+        assert not (tmp_path / "v" / "done_r00000.json").exists()
+    finally:
+        release.set()
+
+
+def test_torch_format_files_are_loaded_without_running_code(tmp_path):
+    """The legacy torch format is read with weights_only=True plus numpy RNG globals: a real
+    payload loads, a forged one is refused before anything runs."""
+    import os
+    import random
+
+    import numpy as np
+
+    from megatron.training.checkpoint_loading import safe_torch_load
+    from megatron.training.checkpoint_state import CheckpointError as TrainerError
+
+    path = tmp_path / "model_optim_rng.pt"
+    payload = {"random": random.getstate(), "np": np.random.get_state(), "w": torch.ones(3),
+               "run_config": "{}", "iteration": 3}
+    torch.save(payload, path)
+    loaded = safe_torch_load(str(path))
+    assert loaded["np"][0] == "MT19937" and np.array_equal(loaded["np"][1], payload["np"][1])
+    assert torch.equal(loaded["w"], payload["w"]) and loaded["random"] == payload["random"]
+
+    marker = tmp_path / "PWNED"
+
+    class Forged:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    torch.save({"run_config": Forged()}, path)
+    with pytest.raises(TrainerError, match="cannot load model_optim_rng.pt safely"):
+        safe_torch_load(str(path))
+    assert not marker.exists()

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Convert and inspect checkpoints (universal, DataStates, Megatron torch_dist, Hugging Face).
+
+    python tools/convert_checkpoint.py merge           SRC DST   # --async-lazy-save ckpt -> universal
+    python tools/convert_checkpoint.py from-torch-dist SRC DST   # Megatron torch_dist -> universal
+    python tools/convert_checkpoint.py to-torch-dist   SRC DST   # universal -> torch_dist (iter dir)
+    python tools/convert_checkpoint.py to-hf           SRC DST   # universal -> HF GPT-2 safetensors
+    python tools/convert_checkpoint.py inspect         PATH [--json]
+
+SRC may be an ``iter_XXXXXXX`` directory or a --save root (its tracker picks the iteration).
+Universal outputs are committed atomically; rerunning a finished merge does nothing (--overwrite
+rewrites it). Errors end with one line on stderr and exit status 2.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+
+class Progress:
+    """A progress bar on stderr (a line per 10% when stderr is not a terminal)."""
+
+    def __init__(self, what: str, unit_bytes: bool):
+        self.what, self.unit_bytes = what, unit_bytes
+        self.t0, self.last_tenth = time.perf_counter(), -1
+        self.tty = sys.stderr.isatty()
+
+    def _fmt(self, n: int) -> str:
+        return f"{n / 2**20:.1f} MiB" if self.unit_bytes else str(n)
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        frac = done / total if total else 1.0
+        tenth = int(frac * 10)
+        if not self.tty and tenth == self.last_tenth and done != total:
+            return
+        self.last_tenth = tenth
+        bar = "#" * int(frac * 30)
+        line = (f"{self.what} [{bar:<30}] {frac:6.1%} {self._fmt(done)}/{self._fmt(total)} "
+                f"{time.perf_counter() - self.t0:6.1f}s {name[:50]}")
+        sys.stderr.write(("\r" + line + ("\n" if done == total else "")) if self.tty
+                         else line + "\n")
+        sys.stderr.flush()
+
+
+def _merge(args, kind):
+    from datastates import CheckpointError
+    from datastates.universal import open_source, resolve_checkpoint_dir, write_universal
+
+    source = open_source(resolve_checkpoint_dir(args.src))
+    try:
+        if source.kind != kind:
+            other = "merge" if source.kind == "datastates" else "from-torch-dist"
+            raise CheckpointError(f"this is a {source.kind} checkpoint, expected {kind}; use the "
+                                  f"{other} subcommand", file=source.directory)
+        result = write_universal(source, args.dst, max_file_bytes=args.max_file_size_mb << 20,
+                                 progress=Progress("merge", True), overwrite=args.overwrite)
+    finally:
+        source.close()
+    if result.skipped:
+        print(f"{result.directory} is already a committed universal checkpoint of iteration "
+              f"{result.iteration}; nothing to do (--overwrite rewrites it)")
+    else:
+        print(f"universal checkpoint of iteration {result.iteration} committed to "
+              f"{result.directory}: {result.bytes} bytes in {result.seconds:.2f} s "
+              f"({result.gbps:.3f} GB/s)")
+    print(json.dumps(result.to_json()))
+
+
+def _to_torch_dist(args):
+    from megatron.training.universal import universal_to_torch_dist
+
+    it = universal_to_torch_dist(args.src, args.dst, progress=Progress("to-torch-dist", False))
+    parent, name = os.path.split(os.path.abspath(args.dst))
+    if name == f"iter_{it:07d}":  # a Megatron save root: make it loadable with --load parent
+        with open(os.path.join(parent, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(it))
+        print(f"torch_dist checkpoint of iteration {it} written to {args.dst}; --load {parent}")
+    else:
+        print(f"torch_dist checkpoint of iteration {it} written to {args.dst} (name it "
+              f"iter_{it:07d} under a --load root with a tracker to resume from it)")
+
+
+def _to_hf(args):
+    from datastates.universal.hf import export_hf
+
+    cfg = export_hf(args.src, args.dst, progress=Progress("to-hf", False))
+    print(f"Hugging Face {cfg['architectures'][0]} ({cfg['n_layer']} layers, hidden {cfg['n_embd']})"
+          f" written to {args.dst}")
+
+
+def _inspect(args):
+    from datastates.universal.inspect import describe, render
+
+    info = describe(args.path)
+    print(json.dumps(info, indent=1) if args.json else render(info))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("merge", "DataStates (--async-lazy-save) checkpoint -> universal"),
+                        ("from-torch-dist", "Megatron torch_dist checkpoint -> universal")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("src")
+        s.add_argument("dst")
+        s.add_argument("--max-file-size-mb", type=int, default=2048,
+                       help="split the safetensors files at this size (default 2048)")
+        s.add_argument("--overwrite", action="store_true",
+                       help="rewrite a destination that is already committed")
+    s = sub.add_parser("to-torch-dist", help="universal -> Megatron torch_dist (iter_XXXXXXX dir)")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s = sub.add_parser("to-hf", help="universal -> Hugging Face safetensors + config.json")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s = sub.add_parser("inspect", help="iteration, tensors, shapes, dtypes, sizes, layout")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from datastates import CheckpointError
+
+    try:
+        if args.command == "merge":
+            _merge(args, "datastates")
+        elif args.command == "from-torch-dist":
+            _merge(args, "torch_dist")
+        elif args.command == "to-torch-dist":
+            _to_torch_dist(args)
+        elif args.command == "to-hf":
+            _to_hf(args)
+        else:
+            _inspect(args)
+    except CheckpointError as err:
+        print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # the torch_dist writer's spawn-context Manager re-imports __main__
+    sys.exit(main())
