@@ -1,0 +1,97 @@
+"""Universal checkpoints end to end (gloo): save at TP2xPP2 with the distributed optimizer while
+the background merge runs, then load the merged checkpoint at TP1/PP1/DP2 (distributed optimizer)
+and TP2/PP1/DP1 (plain optimizer).
+
+What each rank restored is dumped right after loading (tests/universal_probe.py saves it as
+torch_dist before any step), converted back to universal, and compared bit for bit with the merged
+checkpoint; the probe then trains one iteration, whose loss must match the uninterrupted run.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from datastates import CheckpointReader
+from datastates.universal import UniversalCheckpoint, open_source, write_universal
+from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, Run, _kill_tree, assert_close, launch
+
+FOUR = ["--train-iters", "4", "--eval-interval", "0"]
+PROBE = str(REPO / "tests" / "universal_probe.py")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("universal_tp2pp2")
+    run = launch(4, TINY_MODEL + NO_DROPOUT + FOUR + [
+        "--async-lazy-save", "--save-interval", "3", "--use-distributed-optimizer",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--universal-checkpoint-interval", "1", "--save", str(root)], timeout=400)
+    assert run.returncode == 0, run.describe()
+    return run, root
+
+
+def _probe(nproc, args, timeout=300) -> Run:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", PROBE] + args
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        raise
+    return Run(proc.returncode, out, err)
+
+
+def test_background_merge_of_every_commit(saved):
+    run, root = saved
+    uroot = root / "universal"
+    lines = [x for x in run.stdout.splitlines() if x.startswith(" universal merge iteration")]
+    assert [int(x.split("|")[0].split()[-1]) for x in lines] == [3, 4], run.stdout[-3000:]
+    assert all("throughput (GB/s)" in x for x in lines)
+    assert (uroot / "latest_checkpointed_iteration.txt").read_text() == "4"
+    records = [json.loads(x) for x in open(uroot / "universal_merges.jsonl")]
+    assert [r["iteration"] for r in records] == [3, 4] and all(r["bytes"] > 0 for r in records)
+    # Every universal tensor is the gathered original, bit for bit.
+    reader = CheckpointReader(str(root / "iter_0000003"))
+    with UniversalCheckpoint(str(uroot / "iter_0000003")) as u:
+        assert u.manifest["source"]["layout"]["tp"] == 2 and u.manifest["iteration"] == 3
+        keys = reader.tensor_keys(shards_only=True)
+        assert len(keys) == len(u.names())
+        for key in keys:
+            name = key.replace("optimizer.state.param.", "optimizer.state.fp32_param.")
+            assert torch.equal(u.read(name), reader.read(key)), key
+
+
+@pytest.mark.parametrize("layout", ["tp1pp1dp2_distopt", "tp2pp1dp1_plain"])
+def test_load_at_another_layout_bit_exact_then_same_loss(saved, tmp_path, layout):
+    run, root = saved
+    merged = root / "universal" / "iter_0000003"
+    if layout == "tp1pp1dp2_distopt":
+        extra = ["--use-distributed-optimizer"]
+        load = tmp_path / "uroot"  # a universal root with its tracker, as --load usually is
+        shutil.copytree(merged, load / "iter_0000003")
+        (load / "latest_checkpointed_iteration.txt").write_text("3")
+    else:
+        extra = ["--tensor-model-parallel-size", "2"]
+        load = merged  # or the universal directory itself
+    dump = tmp_path / "dump"
+    probe = _probe(2, TINY_MODEL + NO_DROPOUT + FOUR + extra + [
+        "--load", str(load), "--save", str(dump)])
+    assert probe.returncode == 0, probe.describe()
+    assert "loaded universal checkpoint" in probe.stdout and "optimizer restored" in probe.stdout
+    assert_close({4: probe.losses()[4]}, {4: run.losses()[4]})
+    restored = write_universal(open_source(str(dump / "iter_0000003")), str(tmp_path / "u2"))
+    with UniversalCheckpoint(str(merged)) as a, UniversalCheckpoint(restored.directory) as b:
+        assert a.names() == b.names()
+        for name in a.names():
+            assert torch.equal(a.read(name), b.read(name)), name
+        for field in ("iteration", "consumed_train_samples", "scheduler"):
+            assert a.manifest[field] == b.manifest[field], field
+        assert a.manifest["optimizer"]["step"] == b.manifest["optimizer"]["step"] == 3.0
+        assert a.manifest["optimizer"]["param_groups"] == b.manifest["optimizer"]["param_groups"]
