@@ -5,31 +5,17 @@ checkpoints, so the reference losses and the checkpoint come from the same launc
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, assert_close, launch
+from trainer_launch import (NO_DROPOUT, REPO, TINY_MODEL, after, assert_close, copy_checkpoints,
+                            launch)
 
 SIX = ["--train-iters", "6", "--eval-interval", "0"]
 LAZY = ["--async-lazy-save", "--save-interval", "1"]
 DISTOPT = ["--use-distributed-optimizer"]
-
-
-def _copy(src_root, iterations, latest, dst_root):
-    """A --load root holding `iterations` with the tracker at `latest`."""
-    for it in iterations:
-        name = f"iter_{it:07d}"
-        shutil.copytree(os.path.join(src_root, name), os.path.join(dst_root, name))
-    with open(os.path.join(dst_root, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(latest))
-    return str(dst_root)
-
-
-def _after(values, iteration):
-    return {k: v for k, v in values.items() if k > iteration}
 
 
 def _checkpoint_lines(stdout):
@@ -65,23 +51,23 @@ def tp2pp2(tmp_path_factory):
 
 def test_tp2pp2_resume_bit_exact(tp2pp2, tmp_path):
     run, root = tp2pp2
-    load = _copy(root, [3], 3, tmp_path / "load")
+    load = copy_checkpoints(root, [3], 3, tmp_path / "load")
     resumed = launch(4, TINY_MODEL + NO_DROPOUT + SIX + DISTOPT + [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--load", load], timeout=400)
     assert resumed.returncode == 0, resumed.describe()
     assert "optimizer restored" in resumed.stdout
-    assert resumed.losses() == _after(run.losses(), 3)
+    assert resumed.losses() == after(run.losses(), 3)
 
 
 def test_tp2pp2_resume_at_dp2(tp2pp2, tmp_path):
     """Weights and Adam state saved at TP2xPP2 reshard onto TP1xPP1xDP2."""
     run, root = tp2pp2
-    load = _copy(root, [3], 3, tmp_path / "load")
+    load = copy_checkpoints(root, [3], 3, tmp_path / "load")
     resumed = launch(2, TINY_MODEL + NO_DROPOUT + SIX + DISTOPT + ["--load", load])
     assert resumed.returncode == 0, resumed.describe()
     assert "optimizer restored" in resumed.stdout
-    assert_close(resumed.losses(), _after(run.losses(), 3))
+    assert_close(resumed.losses(), after(run.losses(), 3))
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +110,7 @@ def test_dp2_resume_bit_exact_and_incomplete_never_loaded(dp2, tmp_path):
     """The newest directory is torn (no commit marker, shard truncated) and the tracker names
     the previous one, as after a crash mid-flush: --load resumes from the complete one."""
     run, root = dp2
-    load = _copy(root, [3, 4], 3, tmp_path / "load")
+    load = copy_checkpoints(root, [3, 4], 3, tmp_path / "load")
     torn = tmp_path / "load" / "iter_0000004"
     os.remove(torn / "COMMIT.json")
     with open(torn / "shard_r00001.bin", "r+b") as f:
@@ -132,14 +118,14 @@ def test_dp2_resume_bit_exact_and_incomplete_never_loaded(dp2, tmp_path):
     resumed = launch(2, TINY_MODEL + SIX + DISTOPT + LAZY + ["--load", load, "--save", load])
     assert resumed.returncode == 0, resumed.describe()
     assert "iteration 3;" in resumed.stdout
-    assert resumed.losses() == _after(run.losses(), 3)
+    assert resumed.losses() == after(run.losses(), 3)
     # The torn version was rewritten and committed by the resumed run.
     assert (torn / "COMMIT.json").is_file()
 
 
 def test_tracker_naming_an_uncommitted_checkpoint_is_refused(dp2, tmp_path):
     _, root = dp2
-    load = _copy(root, [5], 5, tmp_path / "load")
+    load = copy_checkpoints(root, [5], 5, tmp_path / "load")
     os.remove(tmp_path / "load" / "iter_0000005" / "COMMIT.json")
     resumed = launch(2, TINY_MODEL + SIX + DISTOPT + ["--load", load])
     assert resumed.returncode != 0

@@ -4,27 +4,13 @@ One uninterrupted run per scenario saves every 3 iterations; the resumed run loa
 iteration-3 checkpoint, so the reference and the checkpoint come from a single launch.
 """
 import json
-import os
-import shutil
 
 import pytest
 
-from trainer_launch import NO_DROPOUT, TINY_MODEL, assert_close, launch, send_sigterm_to_tree
+from trainer_launch import (NO_DROPOUT, TINY_MODEL, after, assert_close, copy_checkpoints, launch,
+                            send_sigterm_to_tree)
 
 SIX = ["--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1"]
-
-
-def _copy_checkpoint(src_root, iteration, dst_root):
-    """A --load root that holds only ``iteration`` (as if the run had stopped there)."""
-    name = f"iter_{iteration:07d}"
-    shutil.copytree(os.path.join(src_root, name), os.path.join(dst_root, name))
-    with open(os.path.join(dst_root, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(iteration))
-    return str(dst_root)
-
-
-def _after(values, iteration):
-    return {k: v for k, v in values.items() if k > iteration}
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +28,12 @@ def test_torch_dist_layout_and_bit_exact_resume(dropout_run, tmp_path):
     assert (root / "iter_0000003" / "metadata.json").is_file()
     saved = json.loads((root / "run_config.json").read_text())
     assert saved["model"]["num_layers"] == 4 and saved["checkpoint"]["ckpt_format"] == "torch_dist"
-    load = _copy_checkpoint(root, 3, tmp_path / "load")
+    load = copy_checkpoints(root, [3], 3, tmp_path / "load")
     resumed = launch(1, TINY_MODEL + SIX + ["--load", load])
     assert resumed.returncode == 0, resumed.describe()
     assert "optimizer restored, rng restored" in resumed.stdout
-    assert resumed.losses() == _after(run.losses(), 3)
-    assert resumed.validation() == _after(run.validation(), 3)
+    assert resumed.losses() == after(run.losses(), 3)
+    assert resumed.validation() == after(run.validation(), 3)
 
 
 def test_torch_format_exit_interval_then_bit_exact_resume(dropout_run, tmp_path):
@@ -61,7 +47,7 @@ def test_torch_format_exit_interval_then_bit_exact_resume(dropout_run, tmp_path)
     assert open(root / "latest_checkpointed_iteration.txt").read().strip() == "3"
     resumed = launch(1, TINY_MODEL + SIX + ["--ckpt-format", "torch", "--load", str(root)])
     assert resumed.returncode == 0, resumed.describe()
-    assert resumed.losses() == _after(run.losses(), 3)
+    assert resumed.losses() == after(run.losses(), 3)
 
 
 def test_other_model_shape_is_refused_clearly(dropout_run, tmp_path):
@@ -86,22 +72,22 @@ def distopt_async_run(tmp_path_factory):
 
 def test_distributed_optimizer_async_save_resumes_bit_exact(distopt_async_run, tmp_path):
     run, root = distopt_async_run
-    load = _copy_checkpoint(root, 3, tmp_path / "load")
+    load = copy_checkpoints(root, [3], 3, tmp_path / "load")
     resumed = launch(2, TINY_MODEL + NO_DROPOUT + SIX + ["--use-distributed-optimizer",
                                                          "--load", load])
     assert resumed.returncode == 0, resumed.describe()
-    assert resumed.losses() == _after(run.losses(), 3)
+    assert resumed.losses() == after(run.losses(), 3)
 
 
 def test_resume_at_another_layout_restores_weights_and_optimizer(distopt_async_run, tmp_path):
     run, root = distopt_async_run
-    load = _copy_checkpoint(root, 3, tmp_path / "load")
+    load = copy_checkpoints(root, [3], 3, tmp_path / "load")
     resumed = launch(2, TINY_MODEL + NO_DROPOUT + SIX + [
         "--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--load", load])
     assert resumed.returncode == 0, resumed.describe()
     assert "optimizer restored" in resumed.stdout and "are not restored" in resumed.stdout
     # Iteration 4's loss proves the weights; 5 and 6 prove Adam moments and step were resharded.
-    assert_close(resumed.losses(), _after(run.losses(), 3))
+    assert_close(resumed.losses(), after(run.losses(), 3))
 
 
 def test_sigterm_saves_then_exits_zero(tmp_path):

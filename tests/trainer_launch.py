@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,3 +116,19 @@ def assert_close(actual: Dict[int, str], expected: Dict[int, str], rel: float = 
     for it in expected:
         a, e = float(actual[it]), float(expected[it])
         assert abs(a - e) <= rel * abs(e), f"iteration {it}: {a} vs {e}"
+
+
+def copy_checkpoints(src_root, iterations, latest, dst_root) -> str:
+    """A --load root holding copies of `iterations` with the tracker at `latest` (as if the run
+    had stopped there)."""
+    for it in iterations:
+        name = f"iter_{it:07d}"
+        shutil.copytree(os.path.join(src_root, name), os.path.join(dst_root, name))
+    with open(os.path.join(dst_root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(latest))
+    return str(dst_root)
+
+
+def after(values: Dict[int, str], iteration: int) -> Dict[int, str]:
+    """The per-iteration values logged after `iteration`."""
+    return {k: v for k, v in values.items() if k > iteration}
