@@ -318,8 +318,11 @@ def run_trials(n_trials: int, workdir: str, seed: int = 0, nproc: int = 2, train
     rng = random.Random(seed)
     reference = reference_losses(nproc, train_iters, workdir, timeout)
     trials: List[Trial] = []
-    order = list(phases) * (n_trials // len(phases) + 1)
-    rng.shuffle(order)
+    order: List[str] = []
+    while len(order) < n_trials:  # rounds of every phase once, each round in a seeded order
+        round_ = list(phases)
+        rng.shuffle(round_)
+        order += round_
     chain, root = 0, None
     crashed: Optional[Trial] = None  # the trial whose restart is the next launch of the chain
     while len(trials) < n_trials:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -104,7 +105,8 @@ class LazyCheckpointManager(CheckpointManager):
             request = dist_checkpointing.save(sd, directory, sharded_strategy=strategy,
                                               async_sharded_save=True,
                                               content_metadata=dict(OPTIMIZER_METADATA))
-        except (OSError, DataStatesError) as err:
+        except (OSError, RuntimeError, DataStatesError) as err:
+            # RuntimeError: torch.save reports a full disk while writing common.pt this way.
             self._local_error = err
         self.pending.append(_Pending(state.iteration, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time()))
@@ -221,7 +223,8 @@ class LazyCheckpointManager(CheckpointManager):
             intact = ("no earlier checkpoint was completed" if latest is None else
                       f"earlier checkpoints are intact (newest complete: iteration {latest})")
             msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
-                   + (f": {err}" if err is not None else "") + f"; {intact}, and this one is "
+                   + (f": {err}" if err is not None else "") + _free_space(self.ckpt.save)
+                   + f"; {intact}, and this one is "
                    "not marked complete. Free space or fix --save storage; "
                    "--ckpt-failure-policy continue keeps training without checkpoints")
             raise DataStatesError(msg, rank=self.rank, file=p.directory) from err
@@ -319,3 +322,11 @@ def _tracked_iteration(root: Optional[str]) -> Optional[int]:
             return int(f.read().strip())
     except (OSError, ValueError, TypeError):
         return None
+
+
+def _free_space(root: Optional[str]) -> str:
+    """' (free space under --save: N MiB)' for error messages; '' if unknown."""
+    try:
+        return f" (free space under --save: {shutil.disk_usage(root).free / 2**20:.1f} MiB)"
+    except (OSError, TypeError):
+        return ""
