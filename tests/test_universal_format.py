@@ -96,6 +96,12 @@ def test_refuses_uncommitted_source_and_unknown_optimizer_state(tmp_path):
                                     "optimizer.state.momentum_buffer.x": torch.ones(2, 2)})
     with pytest.raises(CheckpointError, match="momentum_buffer"):
         write_universal(open_source(d), str(tmp_path / "u"))
+    flat = str(tmp_path / "iter_0000006")
+    write_datastates_checkpoint(flat, {**global_tensors(optimizer_state=()),
+                                       "optimizer.distributed.dp_group_idx_0.gp_0.param":
+                                       torch.ones(4, 2)})
+    with pytest.raises(CheckpointError, match="layout-specific"):
+        write_universal(open_source(flat), str(tmp_path / "u"))
     os.remove(os.path.join(d, "COMMIT.json"))
     with pytest.raises(CheckpointError, match="not committed"):
         open_source(d)

@@ -95,3 +95,48 @@ def test_load_at_another_layout_bit_exact_then_same_loss(saved, tmp_path, layout
             assert a.manifest[field] == b.manifest[field], field
         assert a.manifest["optimizer"]["step"] == b.manifest["optimizer"]["step"] == 3.0
         assert a.manifest["optimizer"]["param_groups"] == b.manifest["optimizer"]["param_groups"]
+
+
+def _gpt2_logits(w: dict, cfg: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """A plain GPT-2 forward (Hugging Face's names and Conv1D layout), written from the paper."""
+    F = torch.nn.functional
+    b, s = tokens.shape
+    heads, h = cfg["n_head"], cfg["n_embd"]
+    ln = lambda x, p: F.layer_norm(x, (h,), w[p + ".weight"], w[p + ".bias"],  # noqa: E731
+                                   cfg["layer_norm_epsilon"])
+    x = w["transformer.wte.weight"][tokens] + w["transformer.wpe.weight"][torch.arange(s)]
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    for i in range(cfg["n_layer"]):
+        p = f"transformer.h.{i}."
+        qkv = ln(x, p + "ln_1") @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+        q, k, v = (t.view(b, s, heads, h // heads).transpose(1, 2) for t in qkv.split(h, -1))
+        att = (q @ k.transpose(-1, -2)) / (h // heads) ** 0.5
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, h)
+        x = x + y @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+        m = F.gelu(ln(x, p + "ln_2") @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"])
+        x = x + m @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
+    x = ln(x, "transformer.ln_f")
+    return x @ w.get("lm_head.weight", w["transformer.wte.weight"]).t()
+
+
+def test_hf_export_computes_what_megatron_computes(saved, tmp_path):
+    """The exported GPT-2 weights, run through a plain GPT-2 forward, give megatron's logits."""
+    from safetensors.torch import load_file
+
+    from datastates.universal.hf import export_hf
+
+    run, root = saved
+    merged = root / "universal" / "iter_0000003"
+    cfg = export_hf(str(merged), str(tmp_path / "hf"))
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               LOGITS_OUT=str(tmp_path / "logits.pt"))
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "universal_hf_probe.py")] +
+                         TINY_MODEL + NO_DROPOUT + FOUR + ["--load", str(merged)],
+                         cwd=str(REPO), env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ref = torch.load(str(tmp_path / "logits.pt"))
+    ours = _gpt2_logits(weights, cfg, ref["tokens"])
+    assert ours.shape == ref["logits"].shape
+    torch.testing.assert_close(ours, ref["logits"], rtol=1e-4, atol=1e-4)

@@ -61,6 +61,12 @@ def plan_entries(source: Source) -> Tuple[List[Entry], str]:
     for key in source.keys():
         dtype, shape = source.meta(key)
         role, param = Role.WEIGHT, key
+        if key.startswith("optimizer.") and not key.startswith(OPTIM_PREFIX):
+            # e.g. the distributed optimizer's dp_reshardable buffers: flat, layout-specific
+            raise CheckpointError("optimizer state is saved in a layout-specific format; the "
+                                  "universal format needs per-parameter state (the distributed "
+                                  "optimizer's 'fully_reshardable' format, or the non-distributed "
+                                  "optimizer)", file=source.directory, tensor=key)
         if key.startswith(OPTIM_PREFIX):
             kind, _, param = key[len(OPTIM_PREFIX):].partition(".")
             if kind not in _SOURCE_ROLES:
@@ -173,7 +179,7 @@ def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: s
                    weight_map: Dict[str, str]) -> dict:
     run_config = json.loads(common["run_config"]) if "run_config" in common else {}
     data = run_config.get("data", {})
-    model = run_config.get("model", {})
+    model = run_config.get("model") or _model_from_megatron_args(common.get("args"))
     par = run_config.get("parallel", {})
     return {
         "format": FORMAT_NAME,
@@ -203,3 +209,17 @@ def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: s
                              "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
                              "file": weight_map[e.name]} for e in entries},
     }
+
+
+_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                 "seq_length", "max_position_embeddings", "vocab_size", "padded_vocab_size",
+                 "untie_embeddings_and_output_weights", "bf16", "init_method_std",
+                 "hidden_dropout", "attention_dropout")
+
+
+def _model_from_megatron_args(args: Any) -> dict:
+    """Megatron-LM's own checkpoints carry its argparse Namespace instead of our run config."""
+    if args is None:
+        return {}
+    return {k: getattr(args, k) for k in _MODEL_FIELDS if hasattr(args, k)}
+

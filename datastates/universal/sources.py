@@ -59,9 +59,11 @@ class DataStatesSource(Source):
 
     kind = "datastates"
 
-    def __init__(self, directory: str, verify: bool = True):
+    def __init__(self, directory: str, verify: bool = True, threads: int = 1):
         super().__init__(directory)
-        self.reader = CheckpointReader(directory, verify=verify)
+        # One reader thread by default: a background merge should take as little CPU from
+        # training as it can (and a thread pool per read costs more than it saves here).
+        self.reader = CheckpointReader(directory, verify=verify, threads=threads)
 
     def keys(self) -> List[str]:
         return self.reader.tensor_keys(shards_only=True)

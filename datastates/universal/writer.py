@@ -120,9 +120,9 @@ def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_M
                 raise CheckpointError(f"read {t.dtype}{list(t.shape)}, metadata says "
                                       f"{e.dtype}{list(e.shape)}", file=source.directory,
                                       tensor=e.source_key)
-            # safetensors refuses tensors that share storage; the fp32 copy of fp32 weights does.
-            tensors[e.name] = t.contiguous().clone() if e.name != e.source_key and \
-                any(x.source_key == e.source_key for x in group if x is not e) else t.contiguous()
+            # Every read returns fresh memory (safetensors refuses tensors that share storage,
+            # e.g. an fp32 weight and its main-weight copy read from the same source key).
+            tensors[e.name] = t.contiguous()
             done += e.nbytes
             if max_bytes_per_s:
                 ahead = done / max_bytes_per_s - (time.perf_counter() - t0)

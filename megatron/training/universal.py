@@ -129,7 +129,7 @@ def load_universal(state: TrainState, config: RunConfig, directory: str) -> None
         raise CheckpointError(str(err), path=directory) from err
     with u:
         m = u.manifest
-        check_model_shape(json.dumps(m["run_config"]), config, directory)
+        check_model_shape(json.dumps({"model": m["model_config"]}), config, directory)
         load_optim = ckpt.load_optim and not ckpt.finetune and m["optimizer"] is not None
         distributed = config.parallel.use_distributed_optimizer
         if load_optim and distributed:
