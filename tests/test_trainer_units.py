@@ -26,7 +26,8 @@ def config(extra="", world_size=1):
      "not divisible by --num-layers-per-virtual-pipeline-stage 3"),
     ("--sequence-parallel", 1, "--sequence-parallel needs"),
     ("--load /nonexistent/ckpt", 1, "--load directory '/nonexistent/ckpt' does not exist"),
-    ("--async-lazy-save", 1, "not yet implemented"),
+    ("--async-lazy-save --async-save", 1, "two different asynchronous savers"),
+    ("--async-lazy-save --ckpt-format torch", 1, "it needs --ckpt-format torch_dist"),
     ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist"),
     ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),
 ])
