@@ -175,16 +175,21 @@ def run_launch(nproc: int, args: List[str], env_extra: Dict[str, str], plan: Opt
 
 
 def _watch_merge_logs(logs: str, q: "queue.Queue", lines: List[str], stop: threading.Event):
+    """Forward fault lines of merge logs written during this launch (logs of earlier launches in
+    the chain hold fault lines too: those must not trigger a kill)."""
+    started = time.time()
     seen = set()
     while not stop.is_set():
         for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+            path = os.path.join(logs, name)
             try:
-                text = open(os.path.join(logs, name)).read()
+                mtime = os.stat(path).st_mtime
+                text = open(path).read() if mtime >= started else ""
             except OSError:
                 continue
             for line in text.splitlines(keepends=True):
-                if line.startswith("DATASTATES_FAULT") and (name, line) not in seen:
-                    seen.add((name, line))
+                if line.startswith("DATASTATES_FAULT") and (name, mtime, line) not in seen:
+                    seen.add((name, mtime, line))
                     lines.append(line)
                     q.put(line)
         stop.wait(0.05)
