@@ -88,8 +88,9 @@ class EngineConfig:
     """If set, one JSON line per completed save (a `SaveRecord`) is appended to this file."""
 
     background_nice: int = 0
-    """Niceness added to the engine's background threads (Linux), so that training threads win
-    the cores when both want them. 0 leaves the priority alone."""
+    """Niceness added to the engine's writer (and migration) threads (Linux), so that training
+    threads win the cores when both want them. Copy threads are never lowered: the training loop
+    waits for them in wait_for_snapshot. 0 leaves the priority alone."""
 
     local_dir: Optional[str] = None
     """Level 3: if set, each version is first written to the node-local directory

@@ -333,7 +333,8 @@ class CheckpointEngine:
         return max(FILE_ALIGN, min(self.cfg.chunk_bytes, self._cache.capacity // 2))
 
     def _copy_loop(self) -> None:
-        self._nice()
+        # Copy threads keep their priority: the training loop waits for them before the next
+        # optimizer step, so starving them turns background work into stall.
         while True:
             item = self._copy_q.get()
             if item is _STOP:

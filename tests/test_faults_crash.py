@@ -18,4 +18,9 @@ def test_kills_inside_each_phase_resume_bit_identically(tmp_path):
         # checkpoint whose save completed on every rank (it may be 0: none yet).
         assert t.resumed_from == t.tracker_after, (t, report)
         assert t.bit_identical, (t, report)  # lm loss equal to the uninterrupted run, bit for bit
-        assert 0 <= t.lost <= t.plan.step + 1, (t, report)
+        if t.plan.phase == "flush":
+            # Training runs on while the paused flush holds the writer, and versions commit in
+            # order: nothing from the paused step on can have been committed.
+            assert t.resumed_from < t.plan.step, (t, report)
+        else:
+            assert 0 <= t.lost <= t.plan.step + 1, (t, report)
