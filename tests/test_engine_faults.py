@@ -12,6 +12,7 @@ import torch
 
 from datastates import (CheckpointEngine, CheckpointError, CheckpointReader, EngineConfig,
                         is_committed, try_commit)
+from tmpfs import mounted_tmpfs
 
 
 def state(n=4096, seed=0):
@@ -76,20 +77,13 @@ def test_fsync_fault_leaves_no_marker(tmp_path):
 
 
 def test_full_tmpfs_fails_cleanly(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "1m") as mnt:
         d = str(mnt / "v")
         with pytest.raises(CheckpointError) as err:
             save(d, state(n=1 << 17), host_cache_bytes=1 << 18)  # 3.5 MB into 1 MB
         assert "No space left" in str(err.value) or "Errno 28" in str(err.value)
         assert err.value.file.endswith("shard_r00000.bin") and err.value.tensor in "abc"
         assert markers(d) == [] and not is_committed(d)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def corrupt_setup(tmp_path):
@@ -256,12 +250,7 @@ def test_level3_local_copy_then_migration_and_local_restore(tmp_path):
 
 
 def test_level3_migration_to_a_full_filesystem_fails_without_shared_marker(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "1m") as mnt:
         local, d = str(tmp_path / "local"), str(mnt / "step_000000001")
         with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 18, local_dir=local)) as eng:
             eng.save(state(n=1 << 17), d, step=1)
@@ -269,22 +258,13 @@ def test_level3_migration_to_a_full_filesystem_fails_without_shared_marker(tmp_p
                 eng.wait_for_durable()
         assert markers(d) == [] and not is_committed(d)
         assert markers(os.path.join(local, "step_000000001")) == ["done_r00000.json"]
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_level3_migrates_across_filesystems(tmp_path):
-    mnt = tmp_path / "node_local"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "node_local", "16m") as mnt:
         d = str(tmp_path / "shared" / "step_000000002")
         st = state(n=50000)
         with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 18, local_dir=str(mnt))) as eng:
             eng.wait_for_durable(eng.save(st, d, step=2))
         reader = CheckpointReader(d)
         assert reader.source(0) == d and torch.equal(reader.load_state()["b"], st["b"])
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)

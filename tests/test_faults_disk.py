@@ -6,11 +6,11 @@ loadable, and no partial one carries a commit marker or is named by the tracker.
 Skipped where mounting is not permitted (CI and sessions run as root, see docs/TESTING.md).
 """
 import os
-import subprocess
 
 import pytest
 
 from crash_harness import verify_committed
+from tmpfs import mounted_tmpfs
 from trainer_launch import NO_DROPOUT, TINY_MODEL, launch
 
 TRAIN = ["--train-iters", "8", "--eval-interval", "0", "--async-lazy-save", "--save-interval", "1"]
@@ -20,16 +20,8 @@ SIZE = "6m"
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", SIZE) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _iter_dirs(root):
