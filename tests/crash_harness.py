@@ -124,14 +124,19 @@ def kill_rank(pid: int, rank: int) -> bool:
     return False
 
 
+def _spawn(nproc: int, args: List[str], env_extra: Dict[str, str]) -> subprocess.Popen:
+    """Start pretrain_gpt.py in its own session, stderr merged into stdout (fault lines)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
+               TORCHELASTIC_ERROR_FILE="", **env_extra)
+    return subprocess.Popen(_command(nproc, args), cwd=str(REPO), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
 def run_launch(nproc: int, args: List[str], env_extra: Dict[str, str], plan: Optional[Plan],
                delay: float, timeout: float) -> Launch:
     """One launch; with a plan, SIGKILL it inside the planned phase (then reap the tree)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
-               TORCHELASTIC_ERROR_FILE="", **env_extra)
-    proc = subprocess.Popen(_command(nproc, args), cwd=str(REPO), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _spawn(nproc, args, env_extra)
     lines: List[str] = []
     q: "queue.Queue[Optional[str]]" = queue.Queue()
 
@@ -200,11 +205,7 @@ def stream_launch(nproc: int, args: List[str], env_extra: Dict[str, str],
                   timeout: float = 240.0) -> Launch:
     """One launch with stderr merged into stdout (fault lines go to stderr), each line passed to
     `on_line` as it arrives (e.g. to send a signal). The tree is killed on timeout."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
-               TORCHELASTIC_ERROR_FILE="", **env_extra)
-    proc = subprocess.Popen(_command(nproc, args), cwd=str(REPO), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _spawn(nproc, args, env_extra)
     lines: List[str] = []
     timer = threading.Timer(timeout, kill_tree, (proc.pid,))
     timer.start()
