@@ -17,9 +17,9 @@ _TARGET = "megatron.core"
 
 
 def _register() -> None:
-    from . import megatron_adapter
-
-    megatron_adapter.register()
+    # Importing the adapter registers (its last line). When the adapter itself is what imported
+    # megatron.core, this returns the half-initialised module and its own last line registers.
+    from . import megatron_adapter  # noqa: F401
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -99,11 +99,13 @@ def atomic_write(path: str, data: bytes, *, durable: bool = True) -> None:
             if durable:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(err, OSError) and err.filename is None:  # write/fsync errors name no file
+            raise OSError(err.errno, err.strerror, path) from err
         raise
     if durable:
         fsync_dir(directory)

@@ -19,7 +19,10 @@ Save, call order (every rank):
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+import contextlib
+import io
+import os
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
 
@@ -30,12 +33,15 @@ from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
     StrategyAction,
+    default_strategies,
     register_default_strategy,
 )
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 
+from . import layout
 from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointError
 from .reader import CheckpointReader
@@ -116,6 +122,38 @@ def save_strategy(engine: CheckpointEngine, step: int, dp_group=None, cached_wra
         cached_wrapper = FullyParallelSaveStrategyWrapper(base, dp_group, do_cache_distribution=True)
     cached_wrapper.base_strategy = base
     return cached_wrapper, base
+
+
+class DurableCommonSaveStrategy(TorchCommonSaveStrategy):
+    """megatron's common.pt, byte for byte what `torch.save` writes, but durable and atomic
+    (temp + fsync + rename), and a full disk surfaces as OSError(ENOSPC) naming the file: stock
+    `torch.save` to a path reports it as "[enforce fail at inline_container.cc] unexpected pos"."""
+
+    def save_common(self, common_state_dict, checkpoint_dir) -> None:
+        if torch.distributed.get_rank() != 0:
+            return
+        buf = io.BytesIO()
+        torch.save(common_state_dict, buf)
+        layout.atomic_write(os.path.join(str(checkpoint_dir), "common.pt"), buf.getbuffer())
+
+
+@contextlib.contextmanager
+def durable_common_save() -> Iterator[None]:
+    """Within the block, `dist_checkpointing.save` writes common.pt with
+    `DurableCommonSaveStrategy` (megatron-core 0.16.1 refuses an explicit `common_strategy`
+    argument and looks the default up in its registry on every save). Restored on exit, so
+    saves outside our lazy path keep megatron's own behaviour."""
+    table = default_strategies[StrategyAction.SAVE_COMMON.value]
+    key = ("torch", 1)
+    previous = table.get(key)
+    table[key] = DurableCommonSaveStrategy("torch", 1)
+    try:
+        yield
+    finally:
+        if previous is None:
+            table.pop(key, None)
+        else:
+            table[key] = previous
 
 
 class DataStatesLoadStrategy(LoadShardedStrategy):
@@ -225,3 +263,6 @@ def register() -> None:
     every lookup, so we use a name of our own)."""
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, BACKEND_VERSION,
                               DataStatesLoadStrategy())
+
+
+register()  # importing this module is enough (see _megatron_hook)

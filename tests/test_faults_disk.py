@@ -64,3 +64,59 @@ def test_full_disk_continue_policy_trains_to_the_end_without_saving(small_fs):
     tracked = _check_nothing_partial_is_complete(root)
     # No saves after the failure was agreed on: the last iterations have no directory at all.
     assert 8 not in _iter_dirs(root) and tracked < 8
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_common_pt_on_a_full_disk_is_an_enospc_oserror_naming_the_file(tmp_path, one_rank_group):
+    """Stock torch.save reports a full disk as "[enforce fail at inline_container.cc] unexpected
+    pos"; our common.pt writer must say ENOSPC and name the file, and leave no partial file."""
+    import errno
+
+    import torch
+
+    from datastates.megatron_adapter import DurableCommonSaveStrategy
+
+    with mounted_tmpfs(tmp_path / "fs", "1m") as mnt:
+        ckpt = mnt / "iter_0000001"
+        ckpt.mkdir()
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)  # fill it to the last block
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as info:
+            DurableCommonSaveStrategy("torch", 1).save_common({"w": torch.ones(4096)}, ckpt)
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.filename == str(ckpt / "common.pt")
+        assert os.listdir(ckpt) == []  # neither common.pt nor the temporary file
+
+
+def test_durable_common_save_writes_torch_save_bytes_and_restores_the_registry(tmp_path,
+                                                                                one_rank_group):
+    import torch
+    from megatron.core.dist_checkpointing.strategies.base import (
+        StrategyAction, default_strategies)
+
+    from datastates.megatron_adapter import DurableCommonSaveStrategy, durable_common_save
+
+    table = default_strategies[StrategyAction.SAVE_COMMON.value]
+    stock = table[("torch", 1)]
+    assert not isinstance(stock, DurableCommonSaveStrategy)
+    with durable_common_save():
+        ours = table[("torch", 1)]
+        assert isinstance(ours, DurableCommonSaveStrategy)
+        ours.save_common({"iteration": 7, "w": torch.arange(5.0)}, tmp_path)
+    assert table[("torch", 1)] is stock
+    loaded = torch.load(tmp_path / "common.pt", weights_only=True)
+    assert loaded["iteration"] == 7 and torch.equal(loaded["w"], torch.arange(5.0))

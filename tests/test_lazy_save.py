@@ -152,3 +152,16 @@ def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):
         env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
     assert check.returncode == 0 and "MATCH" in check.stdout, check.stdout + check.stderr
     assert int(check.stdout.split("MATCH")[1].split()[0]) > 20  # model and optimizer tensors
+
+
+@pytest.mark.parametrize("imports", ["import datastates.megatron_adapter",
+                                     "import datastates; import megatron.core",
+                                     "import megatron.core; import datastates"])
+def test_load_strategy_registered_in_any_import_order(imports):
+    """Whichever of megatron-core and our adapter is imported first, stock load finds our backend
+    (importing the adapter first used to fail with a circular import)."""
+    code = (imports + "\nfrom megatron.core.dist_checkpointing.strategies.base import "
+            "default_strategies as d\nprint(sorted(d['load_sharded']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "('datastates', 1)" in out.stdout, out.stdout

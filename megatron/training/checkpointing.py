@@ -20,6 +20,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from datastates.layout import atomic_write
 from megatron.training.checkpoint_state import (
     CheckpointError,
     OPTIMIZER_METADATA,
@@ -43,25 +44,11 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_tracker(root: str, iteration: int, config: RunConfig) -> None:
     """Rank 0 only: mark ``iteration`` complete. Called after the save is finalized."""
     if dist.get_rank() == 0:
-        _atomic_write(os.path.join(root, RUN_CONFIG_FILENAME), config.to_json())
-        _atomic_write(os.path.join(root, TRACKER_FILENAME), str(iteration))
+        atomic_write(os.path.join(root, RUN_CONFIG_FILENAME), config.to_json().encode())
+        atomic_write(os.path.join(root, TRACKER_FILENAME), str(iteration).encode())
         # Saves still in flight are newer than `iteration`, so retention never reaches them.
         apply_retention(root, config.checkpoint.keep_last_n_checkpoints, iteration)
 

@@ -74,7 +74,10 @@ class LazyCheckpointManager(CheckpointManager):
         self.durable: Dict[int, object] = {}  # save id -> this rank's SaveRecord
         self._wrapper = None
         self._dp_group = None
-        self._local_error: Optional[BaseException] = None
+        # Errors this rank hit since the last agreement, in order (a full disk can fail both
+        # common.pt of the next save and the flush of the previous one: all are reported).
+        self._local_errors: List[BaseException] = []
+        self._telemetry_off = False
         self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
         self.disabled = False  # CkptFailurePolicy.CONTINUE after a failure: no more saves
         # Rank 0 runs the background universal merges (None when not asked for).
@@ -84,7 +87,7 @@ class LazyCheckpointManager(CheckpointManager):
     def _save(self, state: TrainState) -> None:
         from megatron.core import dist_checkpointing, parallel_state
 
-        from datastates.megatron_adapter import save_strategy
+        from datastates.megatron_adapter import durable_common_save, save_strategy
 
         t0, wall0 = time.perf_counter(), time.time()
         directory = checkpoint_dir(self.ckpt.save, state.iteration)
@@ -102,12 +105,12 @@ class LazyCheckpointManager(CheckpointManager):
             # After megatron's collectives, rank 0 writes common.pt and every rank opens its
             # shard: a full disk fails here on some ranks only, so the failure is recorded and
             # agreed on in after_iteration instead of raised (the others would wait for us).
-            request = dist_checkpointing.save(sd, directory, sharded_strategy=strategy,
-                                              async_sharded_save=True,
-                                              content_metadata=dict(OPTIMIZER_METADATA))
+            with durable_common_save():  # common.pt fsync'd; a full disk is an ENOSPC OSError
+                request = dist_checkpointing.save(sd, directory, sharded_strategy=strategy,
+                                                  async_sharded_save=True,
+                                                  content_metadata=dict(OPTIMIZER_METADATA))
         except (OSError, RuntimeError, DataStatesError) as err:
-            # RuntimeError: torch.save reports a full disk while writing common.pt this way.
-            self._local_error = err
+            self._local_errors.append(err)
         self.pending.append(_Pending(state.iteration, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time()))
 
@@ -182,7 +185,7 @@ class LazyCheckpointManager(CheckpointManager):
                 self._failed = err
                 raise
             self.disabled = True
-            self._local_error = None
+            self._local_errors.clear()
             self.pending.clear()  # never committed: they stay partial and unloadable
             print_rank_0(f"WARNING: {err}. Continuing WITHOUT checkpointing for the rest of this "
                          "run (--ckpt-failure-policy continue): no further saves, no retry.")
@@ -204,13 +207,13 @@ class LazyCheckpointManager(CheckpointManager):
         try:
             return fn()
         except Exception as err:  # noqa: BLE001 - recorded and re-raised below
-            self._local_error = err
+            self._local_errors.append(err)
             return None
 
     def _agree(self, p: _Pending, local_done: bool) -> bool:
         """All ranks: True when every rank has `p` durable (or committed); raises the same
         CheckpointError on every rank if any rank recorded an error."""
-        err = self._local_error
+        err = self._local_errors[0] if self._local_errors else None
         code = -1 if err is not None else int(local_done)
         flags = torch.tensor([code], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -223,7 +226,8 @@ class LazyCheckpointManager(CheckpointManager):
             intact = ("no earlier checkpoint was completed" if latest is None else
                       f"earlier checkpoints are intact (newest complete: iteration {latest})")
             msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
-                   + (f": {err}" if err is not None else "") + _free_space(self.ckpt.save)
+                   + (": " + "; then: ".join(dict.fromkeys(str(e) for e in self._local_errors))
+                      if err is not None else "") + _free_space(self.ckpt.save)
                    + f"; {intact}, and this one is "
                    "not marked complete. Free space or fix --save storage; "
                    "--ckpt-failure-policy continue keeps training without checkpoints")
@@ -236,7 +240,7 @@ class LazyCheckpointManager(CheckpointManager):
         while self.pending:
             head = self.pending[0]
             if (blocking and head.iteration not in self.durable and head.handle is not None
-                    and self._local_error is None):
+                    and not self._local_errors):
                 wait = lambda: self.engine.wait_for_durable(  # noqa: E731
                     head.handle, timeout=self.ckpt.ckpt_drain_timeout)
                 for record in self._guard(wait) or []:
@@ -251,14 +255,16 @@ class LazyCheckpointManager(CheckpointManager):
             for fn in p.request.finalize_fns:  # rank 0 writes metadata.json; barrier
                 fn()
         except OSError as err:  # rank 0 failed before megatron's barrier: meet the others there
-            self._local_error = err
+            if err.filename is None:  # megatron's json.dump into metadata.json names no file
+                err = OSError(err.errno, err.strerror, os.path.join(p.directory, "metadata.json"))
+            self._local_errors.append(err)
             dist.barrier()
         stats = self._gather_stats(p, record)
-        if self.rank == 0 and self._local_error is None:
+        if self.rank == 0 and not self._local_errors:
             try:
                 self._publish(p, stats)
             except (OSError, DataStatesError) as err:
-                self._local_error = err
+                self._local_errors.append(err)
         self._agree(p, True)  # a failed commit raises on every rank, like a failed flush
 
     def _publish(self, p: _Pending, stats: Dict[str, float]) -> None:
@@ -267,7 +273,7 @@ class LazyCheckpointManager(CheckpointManager):
         from datastates.faults import fault_point
 
         fault_point("commit", p.iteration, self.rank)
-        _fsync_files(p.directory, ("common.pt", "metadata.json"))
+        _fsync_files(p.directory, ("metadata.json",))
         if not try_commit(p.directory, self.world):
             raise DataStatesError("every rank reported its shards durable but the rank markers "
                                   "are not all valid", rank=0, file=p.directory)
@@ -298,13 +304,21 @@ class LazyCheckpointManager(CheckpointManager):
     def _event(self, record: Dict[str, float]) -> None:
         """Rank 0: one JSON line per iteration end and per committed checkpoint (the timeline
         tool draws both)."""
-        with open(os.path.join(self.ckpt.save, TELEMETRY_FILENAME), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self._telemetry_off:
+            return
+        path = os.path.join(self.ckpt.save, TELEMETRY_FILENAME)
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:  # e.g. the disk that just filled up: telemetry never stops training
+            self._telemetry_off = True
+            print_rank_0(f"WARNING: cannot append to {path} ({err}); checkpoint telemetry is off "
+                         "for the rest of this run")
 
 
 def _fsync_files(directory: str, names: List[str]) -> None:
-    """megatron's common strategy writes common.pt (and metadata.json) without fsync; the commit
-    marker must not reach the disk before them."""
+    """megatron's finalize writes metadata.json without fsync (common.pt is written durably by
+    `durable_common_save`); the commit marker must not reach the disk before it."""
     for name in names:
         path = os.path.join(directory, name)
         if os.path.exists(path):
