@@ -12,6 +12,9 @@ exit, so draining in-flight saves counts) over the no-checkpoint run, durable th
 `dd ... conv=fdatasync` measured in the same run, peak RSS of the process tree (RSS summed: pages
 a forked writer shares copy-on-write are counted twice), and whether the checkpoint saved while the
 next iteration ran holds exactly what torch_dist sync saved (stock megatron-core load, bit-exact).
+The `io_floor` variant trains without checkpointing while a `dd` writes a checkpoint's worth of
+bytes after every iteration: what the I/O alone costs the 2 compute cores, the floor for any saver
+(add `--variants none,io_floor,async_lazy` to see how close ours gets).
 Writes JSON and a bar-chart PNG (matplotlib, optional). Ratios, not absolute times, are the result:
 these machines are noisy.
 """
@@ -55,7 +58,13 @@ VARIANTS = {
     "torch_dist": ["--ckpt-format", "torch_dist"],
     "torch_dist_async": ["--ckpt-format", "torch_dist", "--async-save"],
     "async_lazy": ["--async-lazy-save"],
+    # No checkpointing, but after every iteration a separate `dd` process writes a checkpoint's
+    # worth of bytes (12 B per parameter: fp32 weights + two Adam moments) with O_DIRECT and
+    # fdatasync. No copy, no checksum, no Python: the cost of the I/O alone on this machine, a
+    # floor for any background saver that writes every iteration.
+    "io_floor": [],
 }
+_PARAMS = re.compile(r"GPT model: (\d+) parameters")
 REFERENCE = "torch_dist"  # what the other dist_checkpointing variants must equal, bit for bit
 
 _ITER = re.compile(r" iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
@@ -111,7 +120,7 @@ def run_variant(name: str, config: str, iters: int, work: Path, rnd: int) -> Res
     save = work / f"{name}_r{rnd}"
     shutil.rmtree(save, ignore_errors=True)
     args = CONFIGS[config] + COMMON + ["--train-iters", str(iters)] + VARIANTS[name]
-    if name != "none":
+    if name not in ("none", "io_floor"):
         # Keep two: the one saved while the last iteration ran is checked for consistency.
         args += ["--save", str(save), "--save-interval", "1", "--keep-last-n-checkpoints", "2"]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
@@ -119,12 +128,18 @@ def run_variant(name: str, config: str, iters: int, work: Path, rnd: int) -> Res
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rss = RssPeak(proc.pid)
     rss.start()
-    lines, t_begin = [], None
+    lines, t_begin, floor = [], None, None
     for line in proc.stdout:
         lines.append(line)
         if t_begin is None and line.startswith("training from iteration"):
             t_begin = time.perf_counter()
+        if name == "io_floor":
+            floor = floor or IoFloor(save, "".join(lines))
+            if _ITER.match(line):
+                floor.on_iteration()
     proc.wait()
+    if floor is not None:
+        floor.drain()  # like a saver's end-of-training drain, it counts in end-to-end time
     t_end = time.perf_counter()
     rss.stop.set()
     rss.join()
@@ -134,17 +149,43 @@ def run_variant(name: str, config: str, iters: int, work: Path, rnd: int) -> Res
     res = Result(name, rnd, t_end - t_begin, [float(m.group(2)) for m in _ITER.finditer(out)],
                  {int(m.group(1)): m.group(3) for m in _ITER.finditer(out)},
                  peak_rss_gb=rss.peak / 1e9)
+    if floor is not None:
+        res.ckpt_bytes = floor.bytes
     if name == "async_lazy":
         for m in _LAZY.finditer(out):
             res.stall_ms.append(float(m.group(3)))
             res.durable_s.append(float(m.group(5)))
             res.ckpt_bytes = int(m.group(2))
-    elif name != "none":
+    elif name not in ("none", "io_floor"):
         res.stall_ms = [float(m.group(2)) for m in _SAVED.finditer(out)]
         res.ckpt_bytes = _dir_bytes(save / f"iter_{iters:07d}")
         if name in ("torch", "torch_dist"):  # synchronous: the save call ends durable-ish
             res.durable_s = [s / 1e3 for s in res.stall_ms]
     return res
+
+
+class IoFloor:
+    """For the io_floor variant: one `dd` per iteration writing a checkpoint's bytes (a dd still
+    running when the next iteration ends is not doubled: like a saver, it falls behind)."""
+
+    def __init__(self, save: Path, log: str):
+        m = _PARAMS.search(log)
+        params = int(m.group(1)) if m else 0
+        self.count = max(1, round(12 * params / (64 << 20)))  # 64 MiB blocks
+        self.bytes = self.count * (64 << 20)
+        save.mkdir(parents=True, exist_ok=True)
+        self.target, self.proc = save / "floor.bin", None
+
+    def on_iteration(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.proc = subprocess.Popen(["dd", "if=/dev/zero", f"of={self.target}", "bs=64M",
+                                      f"count={self.count}", "oflag=direct", "conv=fdatasync"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def drain(self) -> None:
+        if self.proc is not None:
+            self.proc.wait()
 
 
 def _dir_bytes(path: Path) -> int:
