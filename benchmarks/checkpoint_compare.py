@@ -65,6 +65,7 @@ VARIANTS = {
     "io_floor": [],
 }
 _PARAMS = re.compile(r"GPT model: (\d+) parameters")
+NO_SAVE = ("none", "io_floor")  # variants that run without --save
 REFERENCE = "torch_dist"  # what the other dist_checkpointing variants must equal, bit for bit
 
 _ITER = re.compile(r" iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
@@ -120,7 +121,7 @@ def run_variant(name: str, config: str, iters: int, work: Path, rnd: int) -> Res
     save = work / f"{name}_r{rnd}"
     shutil.rmtree(save, ignore_errors=True)
     args = CONFIGS[config] + COMMON + ["--train-iters", str(iters)] + VARIANTS[name]
-    if name not in ("none", "io_floor"):
+    if name not in NO_SAVE:
         # Keep two: the one saved while the last iteration ran is checked for consistency.
         args += ["--save", str(save), "--save-interval", "1", "--keep-last-n-checkpoints", "2"]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
@@ -134,8 +135,14 @@ def run_variant(name: str, config: str, iters: int, work: Path, rnd: int) -> Res
         if t_begin is None and line.startswith("training from iteration"):
             t_begin = time.perf_counter()
         if name == "io_floor":
-            floor = floor or IoFloor(save, "".join(lines))
-            if _ITER.match(line):
+            m = _PARAMS.search(line)
+            if m:
+                floor = IoFloor(save, int(m.group(1)))
+            elif _ITER.match(line):
+                if floor is None:
+                    proc.kill()
+                    raise SystemExit("io_floor: the first iteration was logged before the "
+                                     "'GPT model: N parameters' line; cannot size the writes")
                 floor.on_iteration()
     proc.wait()
     if floor is not None:
@@ -156,7 +163,7 @@ def run_variant(name: str, config: str, iters: int, work: Path, rnd: int) -> Res
             res.stall_ms.append(float(m.group(3)))
             res.durable_s.append(float(m.group(5)))
             res.ckpt_bytes = int(m.group(2))
-    elif name not in ("none", "io_floor"):
+    elif name not in NO_SAVE:
         res.stall_ms = [float(m.group(2)) for m in _SAVED.finditer(out)]
         res.ckpt_bytes = _dir_bytes(save / f"iter_{iters:07d}")
         if name in ("torch", "torch_dist"):  # synchronous: the save call ends durable-ish
@@ -168,9 +175,7 @@ class IoFloor:
     """For the io_floor variant: one `dd` per iteration writing a checkpoint's bytes (a dd still
     running when the next iteration ends is not doubled: like a saver, it falls behind)."""
 
-    def __init__(self, save: Path, log: str):
-        m = _PARAMS.search(log)
-        params = int(m.group(1)) if m else 0
+    def __init__(self, save: Path, params: int):
         self.count = max(1, round(12 * params / (64 << 20)))  # 64 MiB blocks
         self.bytes = self.count * (64 << 20)
         save.mkdir(parents=True, exist_ok=True)
