@@ -145,15 +145,12 @@ def durable_common_save() -> Iterator[None]:
     saves outside our lazy path keep megatron's own behaviour."""
     table = default_strategies[StrategyAction.SAVE_COMMON.value]
     key = ("torch", 1)
-    previous = table.get(key)
+    previous = table[key]  # registered when megatron's strategies package is imported
     table[key] = DurableCommonSaveStrategy("torch", 1)
     try:
         yield
     finally:
-        if previous is None:
-            table.pop(key, None)
-        else:
-            table[key] = previous
+        table[key] = previous
 
 
 class DataStatesLoadStrategy(LoadShardedStrategy):
