@@ -9,7 +9,8 @@ setup(
     # `megatron` has no __init__.py of ours: it is a namespace package shared with the installed
     # megatron-core wheel, so only our `megatron.training` subpackage is ours to ship.
     packages=find_namespace_packages(include=["megatron.training*", "datastates*"]),
-    install_requires=["torch>=2.4", "megatron-core==0.16.1", "psutil", "numpy", "safetensors"],
+    install_requires=["torch>=2.4", "megatron-core==0.16.1", "psutil", "numpy", "safetensors",
+                      "crc32c"],
     extras_require={
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is unrelated); build it from
         # https://github.com/NVIDIA/apex with CUDA. transformer-engine needs CUDA at install time.

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import layout
+from . import checksum, layout
 from .cache import HostCache
 from .config import CommitPolicy, EngineConfig, WriteMode
 from .errors import CheckpointError
@@ -44,6 +44,7 @@ class CheckpointEngine:
     """Lazy asynchronous checkpointing of one rank's state. Thread-safe for one caller thread."""
 
     def __init__(self, config: EngineConfig):
+        checksum.function(config.checksum)  # a missing checksum package fails here, not mid-save
         self.cfg = config
         self._cond = threading.Condition()
         self._saves: List[SaveJob] = []

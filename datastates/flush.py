@@ -8,9 +8,9 @@ import threading
 import zlib
 from typing import Callable, List
 
-from . import layout
+from . import checksum, layout
 from .cache import HostCache
-from .config import Checksum, EngineConfig
+from .config import EngineConfig
 from .faults import fault_point
 from .index import build_index
 from .job import SaveJob, Segment
@@ -39,8 +39,8 @@ def write_block(cfg: EngineConfig, cache: HostCache, sv: SaveJob, segments: List
         cfg.write_hook("write", {"rank": cfg.rank, "file": sv.shard_path,
                                  "tensor": sv.entries[first.entry].key, "offset": file_off,
                                  "nbytes": total})
-    crcs = [zlib.crc32(cache.memview(start + s.pos, s.nbytes))
-            if cfg.checksum is Checksum.CRC32 else 0 for s in segments]
+    crc = checksum.function(cfg.checksum)
+    crcs = [crc(cache.memview(start + s.pos, s.nbytes)) for s in segments]
     last = segments[-1]
     ends_tensor = last.offset + last.nbytes == sv.entries[last.entry].nbytes
     if (sv.dfd >= 0 and file_off % DIRECT_ALIGN == 0 and start % DIRECT_ALIGN == 0

@@ -3,7 +3,7 @@
 Index document (JSON), one per rank:
   format, format_version   repeated from FORMAT.json so that an index is self-describing
   rank, world_size, step
-  checksum                 "zlib-crc32" or "none": algorithm of the per-chunk checksums
+  checksum                 "crc32c", "zlib-crc32" or "none": algorithm of the per-chunk checksums
   tensors: list of {key, dtype, shape, global_shape, global_offset, is_shard, file, offset,
                     nbytes, chunks: [[byte offset in tensor, nbytes, checksum], ...]}
            tensor i's bytes: the row-major image of its local `shape`, at
@@ -19,11 +19,9 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 
-from . import layout
-from .config import Checksum
+from . import checksum, layout
 from .errors import CheckpointError
 
-CHECKSUM_NAMES = {Checksum.CRC32: "zlib-crc32", Checksum.NONE: "none"}
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -48,7 +46,7 @@ def build_index(cfg, step: int, entries, file_offsets, chunks, skeleton) -> dict
             "is_shard": e.is_shard, "file": layout.shard_file(cfg.rank), "offset": off,
             "nbytes": e.nbytes, "chunks": sorted(ch)})
     return dict(layout.format_header(), rank=cfg.rank, world_size=cfg.world_size, step=step,
-                checksum=CHECKSUM_NAMES[cfg.checksum], tensors=tensors, objects=skeleton)
+                checksum=checksum.NAMES[cfg.checksum], tensors=tensors, objects=skeleton)
 
 
 @dataclass(frozen=True)
@@ -116,9 +114,7 @@ def parse_tensor(doc: dict, rank: int, directory: str, index_path: str) -> Shard
 
 def parse_index(doc: Any, rank: int, directory: str, index_path: str) -> List[ShardMeta]:
     layout.check_format(doc, index_path, rank)
-    if doc.get("checksum") not in CHECKSUM_NAMES.values():
-        raise CheckpointError(f"unknown checksum algorithm {doc.get('checksum')!r}", rank=rank,
-                              file=index_path)
+    checksum.from_name(doc.get("checksum"), rank=rank, file=index_path)
     tensors: Sequence[Any] = doc.get("tensors")
     if not isinstance(tensors, list):
         raise CheckpointError("index has no tensor list", rank=rank, file=index_path)

@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import layout
+from . import checksum, layout
+from .config import Checksum
 from .errors import CheckpointError
 from .index import ShardMeta, parse_index
 from .state import TensorShard, decode_skeleton
@@ -71,7 +72,7 @@ class CheckpointReader:
         self._fd_lock = threading.Lock()
         self._by_rank: Dict[int, List[ShardMeta]] = {}
         self._objects: Dict[int, Any] = {}
-        self._checksum: Dict[int, str] = {}
+        self._checksum: Dict[int, Optional[checksum.ChecksumFn]] = {}  # None: not verified
         self._by_key: Dict[str, List[ShardMeta]] = {}
         for r in ranks:
             self._load_rank(r)
@@ -100,7 +101,9 @@ class CheckpointReader:
         metas = parse_index(doc, rank, directory, index_path)
         self._by_rank[rank] = metas
         self._objects[rank] = doc.get("objects")
-        self._checksum[rank] = doc["checksum"]
+        kind = checksum.from_name(doc["checksum"], rank=rank, file=index_path)
+        self._checksum[rank] = (checksum.function(kind)
+                                if self.verify and kind is not Checksum.NONE else None)
         for m in metas:
             known = self._by_key.setdefault(m.key, [])
             if known and (known[0].global_shape != m.global_shape or known[0].dtype != m.dtype):
@@ -180,7 +183,8 @@ class CheckpointReader:
         """Bytes [b0, b1) of the tensor's image, widened to whole chunks and verified when
         `verify`. Returns (buffer, position of b0 in the buffer)."""
         start, end = b0, b1
-        check = self.verify and self._checksum[m.rank] != "none"
+        crc_fn = self._checksum[m.rank]
+        check = crc_fn is not None
         if check:
             chunks = [c for c in m.chunks if c[0] < b1 and c[0] + c[1] > b0]
             start, end = chunks[0][0], chunks[-1][0] + chunks[-1][1]
@@ -194,7 +198,7 @@ class CheckpointReader:
         if check:
             arr = buf.numpy()
             for off, n, crc in chunks:
-                found = zlib.crc32(memoryview(arr[off - start:off - start + n]))
+                found = crc_fn(memoryview(arr[off - start:off - start + n]))
                 if found != crc:
                     raise CheckpointError(f"checksum mismatch in bytes [{off}, {off + n}) of the "
                                           f"tensor (file offset {m.offset + off}): expected "

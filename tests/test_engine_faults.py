@@ -10,8 +10,8 @@ import zlib
 import pytest
 import torch
 
-from datastates import (CheckpointEngine, CheckpointError, CheckpointReader, EngineConfig,
-                        is_committed, try_commit)
+from datastates import (Checksum, CheckpointEngine, CheckpointError, CheckpointReader,
+                        EngineConfig, is_committed, try_commit)
 from tmpfs import mounted_tmpfs
 
 
@@ -86,16 +86,18 @@ def test_full_tmpfs_fails_cleanly(tmp_path):
         assert markers(d) == [] and not is_committed(d)
 
 
-def corrupt_setup(tmp_path):
+def corrupt_setup(tmp_path, **cfg):
     d = str(tmp_path / "v")
-    save(d, state(), chunk_bytes=8192, host_cache_bytes=1 << 16)
+    save(d, state(), chunk_bytes=8192, host_cache_bytes=1 << 16, **cfg)
     with open(os.path.join(d, "index_r00000.json")) as f:
         index = json.load(f)
     return d, {t["key"]: t for t in index["tensors"]}
 
 
-def test_flipped_byte_is_detected_naming_file_and_tensor(tmp_path):
-    d, entries = corrupt_setup(tmp_path)
+# zlib-crc32: what versions before crc32c wrote; their checkpoints must keep verifying.
+@pytest.mark.parametrize("kind", [Checksum.CRC32C, Checksum.CRC32])
+def test_flipped_byte_is_detected_naming_file_and_tensor(tmp_path, kind):
+    d, entries = corrupt_setup(tmp_path, checksum=kind)
     shard = os.path.join(d, "shard_r00000.bin")
     pos = entries["b"]["offset"] + 20000
     with open(shard, "r+b") as f:

@@ -182,6 +182,50 @@ def test_checksum_none_is_recorded_and_reads_skip_verification(tmp_path):
         assert json.load(f)["checksum"] == "none"
 
 
+def test_default_checksum_is_crc32c_of_each_chunk_as_stored(tmp_path):
+    import crc32c
+    assert crc32c.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    state = {"w": torch.randn(300, 50), "b": torch.arange(1000, dtype=torch.int64)}
+    _, _, d = save_and_load(state, tmp_path, chunk_bytes=16384)
+    with open(os.path.join(d, "index_r00000.json")) as f:
+        index = json.load(f)
+    assert index["checksum"] == "crc32c"
+    with open(os.path.join(d, "shard_r00000.bin"), "rb") as f:
+        shard = f.read()
+    chunks = 0
+    for t in index["tensors"]:
+        for off, n, crc in t["chunks"]:
+            start = t["offset"] + off
+            assert crc == crc32c.crc32c(shard[start:start + n]), (t["key"], off)
+            chunks += 1
+    assert chunks >= 5  # 60000 + 8000 bytes in 16 KiB chunks: several per tensor
+
+
+def test_crc32c_checkpoint_without_the_package_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+    state = {"x": torch.arange(10.0)}
+    _, _, d = save_and_load(state, tmp_path)
+    monkeypatch.setitem(sys.modules, "crc32c", None)  # import crc32c now raises ImportError
+    with pytest.raises(CheckpointError, match=r"needs the 'crc32c' package \(pip install crc32c"):
+        CheckpointReader(d)
+    assert torch.equal(CheckpointReader(d, verify=False).load_state()["x"], state["x"])
+    with pytest.raises(CheckpointError, match=r"needs the 'crc32c' package"):
+        CheckpointEngine(EngineConfig())  # before any save starts, not in a writer thread
+
+
+def test_unknown_checksum_in_index_names_the_known_ones(tmp_path):
+    _, _, d = save_and_load({"x": torch.arange(10.0)}, tmp_path)
+    path = os.path.join(d, "index_r00000.json")
+    with open(path) as f:
+        index = json.load(f)
+    index["checksum"] = "md5"
+    with open(path, "w") as f:
+        json.dump(index, f)
+    with pytest.raises(CheckpointError, match=r"unknown checksum algorithm 'md5': expected one of "
+                                              r"\['crc32c', 'none', 'zlib-crc32'\]"):
+        CheckpointReader(d, verify=False)  # the index checksum is skipped; the name is not
+
+
 @pytest.mark.parametrize("mode", ["direct", "buffered"])
 def test_write_modes_round_trip_aligned_and_unaligned_pieces(tmp_path, mode):
     """O_DIRECT for page-aligned pieces, buffered fallback for row pieces of non-contiguous

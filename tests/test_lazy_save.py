@@ -29,6 +29,7 @@ def _check_committed_run(run, root, iterations, kept=None):
         d = root / f"iter_{it:07d}"
         assert (d / "COMMIT.json").is_file(), sorted(os.listdir(d))
         assert json.loads((d / "metadata.json").read_text())["sharded_backend"] == "datastates"
+        assert json.loads((d / "index_r00000.json").read_text())["checksum"] == "crc32c"
     lines = _checkpoint_lines(run.stdout)
     assert [int(line.split("|")[0].split()[-1]) for line in lines] == iterations, lines
     events = [json.loads(x) for x in open(root / "datastates_checkpoints.jsonl")]
@@ -138,14 +139,17 @@ def test_tracker_naming_an_uncommitted_checkpoint_is_refused(dp2, tmp_path):
 
 def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):
     """One process: the same training saved with torch_dist and with --async-lazy-save; stock
-    megatron-core load (after `import datastates`) gives bit-identical tensors."""
+    megatron-core load (after `import datastates`) gives bit-identical tensors. Saved with zlib
+    crc32 chunk checksums (--lazy-save-checksum crc32): the load verifies them too."""
     lazy_root, dist_root = tmp_path / "lazy", tmp_path / "dist"
     args = TINY_MODEL + NO_DROPOUT + ["--train-iters", "6", "--exit-interval", "3",
                                       "--eval-interval", "0"]
-    lazy = launch(1, args + LAZY + ["--save", str(lazy_root)])
+    lazy = launch(1, args + LAZY + ["--save", str(lazy_root), "--lazy-save-checksum", "crc32"])
     ref = launch(1, args + ["--save", str(dist_root), "--save-interval", "3"])
     assert lazy.returncode == 0 and ref.returncode == 0, lazy.describe() + ref.describe()
     assert lazy.losses() == ref.losses()
+    index = json.loads((lazy_root / "iter_0000003" / "index_r00000.json").read_text())
+    assert index["checksum"] == "zlib-crc32"
     check = subprocess.run(
         [sys.executable, str(REPO / "tests" / "stock_load.py"), str(dist_root / "iter_0000003"),
          str(lazy_root / "iter_0000003")], cwd=str(REPO), capture_output=True, text=True,

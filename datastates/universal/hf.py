@@ -9,7 +9,6 @@ with the reason, rather than exported to names that would load and compute somet
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from typing import Callable, Dict, List, Optional, Tuple

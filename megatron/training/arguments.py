@@ -102,6 +102,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "next forward/backward runs, write it in the background")
     g.add_argument("--lazy-save-cache-mb", type=int, default=1024,
                    help="DataStates host cache per rank in MiB (with --async-lazy-save)")
+    g.add_argument("--lazy-save-checksum", choices=["crc32c", "crc32", "none"], default="crc32c",
+                   help="per-chunk checksum of --async-lazy-save shards, verified on every load: "
+                        "crc32c (CPU instruction; default), crc32 (zlib), none")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="keep only the newest N complete checkpoints under --save")
     g.add_argument("--ckpt-failure-policy", choices=[x.value for x in CkptFailurePolicy],
@@ -311,6 +314,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
         async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,
+        lazy_save_checksum=a.lazy_save_checksum,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
         ckpt_failure_policy=CkptFailurePolicy(a.ckpt_failure_policy),
         ckpt_fallback_to_previous=a.ckpt_fallback_to_previous,

@@ -61,7 +61,7 @@ class LazyCheckpointManager(CheckpointManager):
 
     def __init__(self, config: RunConfig):
         super().__init__(config)
-        from datastates import CheckpointEngine, CommitPolicy, EngineConfig
+        from datastates import Checksum, CheckpointEngine, CommitPolicy, EngineConfig
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         ckpt = config.checkpoint
@@ -69,6 +69,7 @@ class LazyCheckpointManager(CheckpointManager):
             rank=self.rank, world_size=self.world,
             host_cache_bytes=ckpt.lazy_save_cache_mb << 20,
             commit_policy=CommitPolicy.MANUAL,  # committed below, after every rank agrees
+            checksum=Checksum(ckpt.lazy_save_checksum),
             background_nice=5))
         self.pending: Deque[_Pending] = deque()
         self.durable: Dict[int, object] = {}  # save id -> this rank's SaveRecord
