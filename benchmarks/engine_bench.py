@@ -3,7 +3,7 @@
 Usage:
   python benchmarks/engine_bench.py [--dir DIR] [--size-gb 1.0] [--tensors 64] [--rounds 2]
                                     [--cache-mb MB] [--writers 1] [--modes buffered,direct]
-                                    [--json out.json]
+                                    [--checksums crc32c] [--json out.json]
 
 Each round runs, in this order, on the same directory: for each engine write mode, a raw write
 (dd, conv=fdatasync) then the engine (save -> wait_for_snapshot with no overlapping work ->
@@ -26,7 +26,7 @@ import time
 import psutil
 import torch
 
-from datastates import CheckpointEngine, EngineConfig, WriteMode
+from datastates import Checksum, CheckpointEngine, EngineConfig, WriteMode
 
 
 class PeakRSS:
@@ -117,13 +117,14 @@ def print_table(rounds, nbytes, modes):
                  (f"[{m}] engine CPU s per GB saved", f"{m}.cpu_s_per_gb", "{:.2f}"),
                  (f"[{m}] peak RSS / state size", f"{m}.peak_rss_ratio", "{:.2f}"),
                  (f"[{m}] peak cache / state size", f"{m}.peak_cache_ratio", "{:.2f}")]
+    width = max(42, max(len(name) for name, _, _ in rows))
     header = " | ".join(f"round {x['round']}" for x in rounds)
-    print(f"| {'metric':42s} | {header} | median  |")
-    print("|" + "-" * 44 + "|" + "---------|" * (len(rounds) + 1))
+    print(f"| {'metric':{width}s} | {header} | median  |")
+    print("|" + "-" * (width + 2) + "|" + "---------|" * (len(rounds) + 1))
     for name, key, fmt in rows:
         vals = [x[key] for x in rounds]
         cells = [fmt.format(v) for v in vals] + [fmt.format(statistics.median(vals))]
-        print(f"| {name:42s} | " + " | ".join(f"{c:7s}" for c in cells) + " |")
+        print(f"| {name:{width}s} | " + " | ".join(f"{c:7s}" for c in cells) + " |")
 
 
 def main() -> None:
@@ -138,26 +139,33 @@ def main() -> None:
     p.add_argument("--writers", type=int, default=1)
     p.add_argument("--modes", default="buffered,direct",
                    help="comma-separated WriteMode values to compare")
+    p.add_argument("--checksums", default="crc32c",
+                   help="comma-separated Checksum values (crc32c, crc32, none); each is run with "
+                        "every mode, labelled mode/checksum when more than one is given")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     state = make_state(int(args.size_gb * 1e9), args.tensors)
     nbytes = sum(v["weight"].nbytes for k, v in state.items() if k != "step")
     cache = (args.cache_mb << 20) if args.cache_mb else nbytes + (16 << 20)
-    modes = args.modes.split(",")
+    checksums = [Checksum(c) for c in args.checksums.split(",")]
+    variants = [(m if len(checksums) == 1 else f"{m}/{c.value}", WriteMode(m), c)
+                for m in args.modes.split(",") for c in checksums]
+    modes = [label for label, _, _ in variants]
     load_before = os.getloadavg()
     rounds = []
     for r in range(args.rounds):
         res = {"round": r}
         # Every variant is compared with a dd run right before it: disk bandwidth drifts.
-        for m in modes:
+        for m, mode, checksum in variants:
             subprocess.run(["sync"], check=True)
             res[f"{m}.raw_gbps"] = raw_dd(os.path.join(args.dir, "dd.bin"), nbytes)
             # A fresh engine per variant and round: its cache is allocated before the save.
             with CheckpointEngine(EngineConfig(host_cache_bytes=cache, writer_threads=args.writers,
-                                               write_mode=WriteMode(m))) as eng:
+                                               write_mode=mode, checksum=checksum)) as eng:
                 base = psutil.Process().memory_info().rss
-                e = engine_save(eng, state, os.path.join(args.dir, f"engine_{m}"), r)
+                target = os.path.join(args.dir, "engine_" + m.replace("/", "_"))
+                e = engine_save(eng, state, target, r)
             e["engine_gbps"] = nbytes / e["durable_s"] / 1e9
             e["engine_vs_raw"] = e["engine_gbps"] / res[f"{m}.raw_gbps"]
             e["cpu_s_per_gb"] = e["cpu_s"] / (nbytes / 1e9)
