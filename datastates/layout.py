@@ -10,6 +10,7 @@ version lives in FORMAT.json (apart from content) and is repeated in every marke
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -109,6 +110,67 @@ def atomic_write(path: str, data: bytes, *, durable: bool = True) -> None:
         raise
     if durable:
         fsync_dir(directory)
+
+
+#: Size of the spare file kept beside a file updated with `replace_from_spare`.
+SPARE_BYTES = 4096
+
+
+def spare_path(path: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(path)),
+                        f".{os.path.basename(path)}.spare")
+
+
+def make_spare(path: str) -> bool:
+    """Allocate (write and fsync SPARE_BYTES) the spare of `path` if there is none. Best effort:
+    False, with nothing left behind, if the filesystem has no room for it."""
+    spare = spare_path(path)
+    if os.path.isfile(spare):
+        return True
+    try:
+        with open(spare, "wb") as f:
+            f.write(bytes(SPARE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+    except OSError:
+        try:
+            os.unlink(spare)
+        except OSError:
+            pass
+        return False
+
+
+def replace_from_spare(path: str, data: bytes) -> None:
+    """`atomic_write` for a small file that must stay updatable when the disk fills up (the
+    tracker naming the newest complete checkpoint): the temp file is a spare whose blocks were
+    allocated earlier, so the update overwrites blocks it owns instead of asking a full
+    filesystem for new ones, then is renamed over `path`. A new spare is allocated afterwards,
+    best effort; without one the next update is a plain `atomic_write`."""
+    spare = spare_path(path)
+    if len(data) > SPARE_BYTES or not os.path.isfile(spare):
+        atomic_write(path, data)
+    else:
+        try:
+            fd = os.open(spare, os.O_WRONLY)
+            try:
+                done = 0
+                while done < len(data):
+                    n = os.pwrite(fd, data[done:], done)
+                    if n <= 0:
+                        raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
+                    done += n
+                os.ftruncate(fd, len(data))  # shrinking frees nothing the data needs
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(spare, path)
+        except OSError as err:
+            if err.filename is None:
+                raise OSError(err.errno, err.strerror, path) from err
+            raise
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    make_spare(path)
 
 
 def dumps(obj: Any) -> bytes:

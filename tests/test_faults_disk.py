@@ -5,6 +5,7 @@ runs to the end, no further saves. Either way the checkpoints completed before t
 loadable, and no partial one carries a commit marker or is named by the tracker.
 Skipped where mounting is not permitted (CI and sessions run as root, see docs/TESTING.md).
 """
+import errno
 import os
 
 import pytest
@@ -66,6 +67,18 @@ def test_full_disk_continue_policy_trains_to_the_end_without_saving(small_fs):
     assert 8 not in _iter_dirs(root) and tracked < 8
 
 
+def _fill(mnt):
+    """Fill the filesystem at `mnt` to its last block."""
+    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as err:
+        assert err.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     import torch.distributed as dist
@@ -78,8 +91,6 @@ def one_rank_group(tmp_path):
 def test_common_pt_on_a_full_disk_is_an_enospc_oserror_naming_the_file(tmp_path, one_rank_group):
     """Stock torch.save reports a full disk as "[enforce fail at inline_container.cc] unexpected
     pos"; our common.pt writer must say ENOSPC and name the file, and leave no partial file."""
-    import errno
-
     import torch
 
     from datastates.megatron_adapter import DurableCommonSaveStrategy
@@ -87,14 +98,7 @@ def test_common_pt_on_a_full_disk_is_an_enospc_oserror_naming_the_file(tmp_path,
     with mounted_tmpfs(tmp_path / "fs", "1m") as mnt:
         ckpt = mnt / "iter_0000001"
         ckpt.mkdir()
-        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)  # fill it to the last block
-        try:
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError as err:
-            assert err.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        _fill(mnt)
         with pytest.raises(OSError) as info:
             DurableCommonSaveStrategy("torch", 1).save_common({"w": torch.ones(4096)}, ckpt)
         assert info.value.errno == errno.ENOSPC
@@ -120,3 +124,75 @@ def test_durable_common_save_writes_torch_save_bytes_and_restores_the_registry(t
     assert table[("torch", 1)] is stock
     loaded = torch.load(tmp_path / "common.pt", weights_only=True)
     assert loaded["iteration"] == 7 and torch.equal(loaded["w"], torch.arange(5.0))
+
+
+def _run_config(save):
+    from megatron.training.arguments import build_run_config, parse_args
+
+    return build_run_config(parse_args(["--num-layers", "2", "--hidden-size", "64",
+                                        "--num-attention-heads", "4", "--seq-length", "32",
+                                        "--max-position-embeddings", "32", "--micro-batch-size",
+                                        "1", "--train-iters", "4", "--mock-data",
+                                        "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                        "128", "--save", str(save)]), world_size=1)
+
+
+def test_tracker_moves_on_a_full_disk_through_its_spare(tmp_path, one_rank_group):
+    """After a commit marker is written the disk may fill up (the next save's shards): the
+    tracker must still move, so it is rewritten in blocks allocated beforehand; a plain atomic
+    write (temp file + rename) gets ENOSPC in the same state."""
+    from datastates.layout import atomic_write, make_spare, spare_path
+    from megatron.training.checkpointing import TRACKER_FILENAME, write_tracker
+
+    with mounted_tmpfs(tmp_path / "fs", "1m") as mnt:
+        root = mnt / "ckpt"
+        root.mkdir()
+        config = _run_config(root)
+        tracker = root / TRACKER_FILENAME
+        assert make_spare(str(tracker))  # what the first save does, before any shard
+        write_tracker(str(root), 1, config)
+        assert tracker.read_text() == "1" and os.path.isfile(spare_path(str(tracker)))
+        run_config = os.stat(root / "run_config.json").st_ino
+        _fill(mnt)
+        with pytest.raises(OSError) as info:
+            atomic_write(str(root / "other.txt"), b"2")
+        assert info.value.errno == errno.ENOSPC
+        write_tracker(str(root), 2, config)
+        assert tracker.read_text() == "2"
+        assert os.stat(root / "run_config.json").st_ino == run_config  # unchanged: not rewritten
+        # The rename freed the old tracker's block and the new spare took it: the tracker keeps
+        # moving on a disk that stays full.
+        assert os.path.isfile(spare_path(str(tracker)))
+        write_tracker(str(root), 3, config)
+        assert tracker.read_text() == "3"
+        # Without a spare (lost, or never made) the update is a plain atomic write: on the full
+        # disk it fails naming the tracker and leaves the tracker as it was, with no stray files.
+        os.unlink(spare_path(str(tracker)))
+        _fill(mnt)
+        with pytest.raises(OSError) as info:
+            write_tracker(str(root), 4, config)
+        assert info.value.errno == errno.ENOSPC and info.value.filename == str(tracker)
+        assert tracker.read_text() == "3"
+        assert sorted(os.listdir(root)) == ["latest_checkpointed_iteration.txt", "run_config.json"]
+        os.unlink(mnt / "filler")
+        write_tracker(str(root), 4, config)  # room again: a new spare comes with the update
+        assert tracker.read_text() == "4" and os.path.isfile(spare_path(str(tracker)))
+
+
+def test_commit_marker_written_but_tracker_not_is_reported_as_such(tmp_path):
+    """A tracker that cannot be replaced (here: a directory in its place) fails the save after
+    COMMIT.json: the error must say the checkpoint is complete and what the tracker names,
+    not that the checkpoint is incomplete."""
+    root = tmp_path / "ckpt"
+    (root / "latest_checkpointed_iteration.txt").mkdir(parents=True)
+    run = launch(1, TINY_MODEL + NO_DROPOUT + TRAIN + ["--save", str(root)])
+    assert run.returncode == 2, run.describe()
+    errors = [line for line in run.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1, run.describe()
+    assert (root / "iter_0000001" / "COMMIT.json").is_file()
+    for needle in ("save of iteration 1 failed on rank(s) [0]", "Is a directory",
+                   "this one is complete (", "has its commit marker) but "
+                   "latest_checkpointed_iteration.txt could not be moved to it: it still names "
+                   "no iteration"):
+        assert needle in errors[0], (needle, errors[0])
+    assert "not marked complete" not in errors[0]

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from datastates.layout import atomic_write
+from datastates.layout import atomic_write, make_spare, replace_from_spare
 from megatron.training.checkpoint_state import (
     CheckpointError,
     OPTIMIZER_METADATA,
@@ -45,10 +45,22 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 
 
 def write_tracker(root: str, iteration: int, config: RunConfig) -> None:
-    """Rank 0 only: mark ``iteration`` complete. Called after the save is finalized."""
+    """Rank 0 only: mark ``iteration`` complete. Called after the save is finalized.
+
+    On a disk that filled up after the commit marker was written, the tracker still moves: it
+    is rewritten in blocks allocated beforehand (see ``replace_from_spare``), and
+    run_config.json is rewritten only when the run's configuration differs from it."""
     if dist.get_rank() == 0:
-        atomic_write(os.path.join(root, RUN_CONFIG_FILENAME), config.to_json().encode())
-        atomic_write(os.path.join(root, TRACKER_FILENAME), str(iteration).encode())
+        run_config = config.to_json().encode()
+        path = os.path.join(root, RUN_CONFIG_FILENAME)
+        try:
+            with open(path, "rb") as f:
+                same = f.read() == run_config
+        except OSError:
+            same = False
+        if not same:
+            atomic_write(path, run_config)
+        replace_from_spare(os.path.join(root, TRACKER_FILENAME), str(iteration).encode())
         # Saves still in flight are newer than `iteration`, so retention never reaches them.
         apply_retention(root, config.checkpoint.keep_last_n_checkpoints, iteration)
 
@@ -74,6 +86,7 @@ class CheckpointManager:
     def __init__(self, config: RunConfig):
         self.config = config
         self.ckpt = config.checkpoint
+        self._root_prepared = False
 
     # 1) hook point for lazy snapshots; stock formats copy nothing and need not wait.
     def before_optimizer_step(self) -> None:
@@ -87,6 +100,11 @@ class CheckpointManager:
     def maybe_save(self, state: TrainState, force: bool = False) -> bool:
         if not self.ckpt.save or not (force or self.should_save(state.iteration)):
             return False
+        if not self._root_prepared:
+            self._root_prepared = True
+            if dist.get_rank() == 0:  # the tracker's spare, allocated before any shard is
+                os.makedirs(self.ckpt.save, exist_ok=True)
+                make_spare(os.path.join(self.ckpt.save, TRACKER_FILENAME))
         start = time.time()
         self._save(state)
         print_rank_0(f"saved checkpoint at iteration {state.iteration:7d} to {self.ckpt.save} "

@@ -39,6 +39,7 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.config import CkptFailurePolicy, RunConfig
 from datastates import CheckpointError as DataStatesError
+from datastates import is_committed
 from megatron.training.log import print_rank_0
 from megatron.training.universal import make_background_merger
 
@@ -224,13 +225,22 @@ class LazyCheckpointManager(CheckpointManager):
             dist.all_gather(gathered, failed)
             ranks = [r for r, f in enumerate(gathered) if int(f.item())]
             latest = _tracked_iteration(self.ckpt.save)
-            intact = ("no earlier checkpoint was completed" if latest is None else
-                      f"earlier checkpoints are intact (newest complete: iteration {latest})")
+            committed = is_committed(p.directory)
+            if committed and latest == p.iteration:  # failed after the tracker moved
+                state = f"this one is complete and {TRACKER_FILENAME} names it"
+            elif committed:  # the marker was written, then the tracker failed
+                state = (f"this one is complete ({p.directory} has its commit marker) but "
+                         f"{TRACKER_FILENAME} could not be moved to it: it still names "
+                         f"{'no iteration' if latest is None else f'iteration {latest}'}, "
+                         f"which --load will use")
+            else:
+                intact = ("no earlier checkpoint was completed" if latest is None else
+                          f"earlier checkpoints are intact (newest complete: iteration {latest})")
+                state = f"{intact}, and this one is not marked complete"
             msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
                    + (": " + "; then: ".join(dict.fromkeys(str(e) for e in self._local_errors))
                       if err is not None else "") + _free_space(self.ckpt.save)
-                   + f"; {intact}, and this one is "
-                   "not marked complete. Free space or fix --save storage; "
+                   + f"; {state}. Free space or fix --save storage; "
                    "--ckpt-failure-policy continue keeps training without checkpoints")
             raise DataStatesError(msg, rank=self.rank, file=p.directory) from err
         return bool(flags.item())
