@@ -112,7 +112,7 @@ def atomic_write(path: str, data: bytes, *, durable: bool = True) -> None:
         fsync_dir(directory)
 
 
-#: Size of the spare file kept beside a file updated with `replace_from_spare`.
+#: Default size of the spare file kept beside a file updated with `replace_from_spare`.
 SPARE_BYTES = 4096
 
 
@@ -121,15 +121,15 @@ def spare_path(path: str) -> str:
                         f".{os.path.basename(path)}.spare")
 
 
-def make_spare(path: str) -> bool:
-    """Allocate (write and fsync SPARE_BYTES) the spare of `path` if there is none. Best effort:
+def make_spare(path: str, nbytes: int = SPARE_BYTES) -> bool:
+    """Allocate (write and fsync `nbytes`) the spare of `path` if there is none. Best effort:
     False, with nothing left behind, if the filesystem has no room for it."""
     spare = spare_path(path)
     if os.path.isfile(spare):
         return True
     try:
         with open(spare, "wb") as f:
-            f.write(bytes(SPARE_BYTES))
+            f.write(bytes(nbytes))
             f.flush()
             os.fsync(f.fileno())
         return True
@@ -141,15 +141,31 @@ def make_spare(path: str) -> bool:
         return False
 
 
-def replace_from_spare(path: str, data: bytes) -> None:
-    """`atomic_write` for a small file that must stay updatable when the disk fills up (the
-    tracker naming the newest complete checkpoint): the temp file is a spare whose blocks were
-    allocated earlier, so the update overwrites blocks it owns instead of asking a full
-    filesystem for new ones, then is renamed over `path`. A new spare is allocated afterwards,
-    best effort; without one the next update is a plain `atomic_write`."""
+def release_spare(path: str) -> None:
+    """Delete the spare of `path`, if any, so that its blocks can hold what is written next."""
+    try:
+        os.unlink(spare_path(path))
+    except FileNotFoundError:
+        pass
+
+
+def replace_from_spare(path: str, data: bytes, *, renew: bool = True) -> None:
+    """`atomic_write` for a small file that must be writable when the disk fills up (the
+    tracker naming the newest complete checkpoint, a version's commit marker): the temp file is
+    a spare whose blocks were allocated earlier (`make_spare`), so the write overwrites blocks
+    it owns instead of asking a full filesystem for new ones, then is renamed over `path`.
+    Without a spare big enough it is a plain `atomic_write`. With `renew`, a new spare is
+    allocated afterwards, best effort (the replaced file's blocks are free by then); otherwise
+    no spare is left behind."""
     spare = spare_path(path)
-    if len(data) > SPARE_BYTES or not os.path.isfile(spare):
+    try:
+        room = os.path.getsize(spare)
+    except OSError:
+        room = -1
+    if room < len(data):
         atomic_write(path, data)
+        if not renew:
+            release_spare(path)
     else:
         try:
             fd = os.open(spare, os.O_WRONLY)
@@ -170,7 +186,8 @@ def replace_from_spare(path: str, data: bytes) -> None:
                 raise OSError(err.errno, err.strerror, path) from err
             raise
         fsync_dir(os.path.dirname(os.path.abspath(path)))
-    make_spare(path)
+    if renew:
+        make_spare(path)
 
 
 def dumps(obj: Any) -> bytes:
@@ -272,5 +289,6 @@ def try_commit(directory: str, world_size: int) -> bool:
     commit = dict(format_header(), world_size=world_size, step=markers[0].get("step"),
                   ranks=list(range(world_size)),
                   bytes=sum(int(m.get("bytes", 0)) for m in markers))
-    atomic_write(os.path.join(directory, COMMIT_FILE), dumps(commit))
+    # Into the space set aside at save time, if the caller did (see `make_spare`).
+    replace_from_spare(os.path.join(directory, COMMIT_FILE), dumps(commit), renew=False)
     return True

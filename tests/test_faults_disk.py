@@ -196,3 +196,31 @@ def test_commit_marker_written_but_tracker_not_is_reported_as_such(tmp_path):
                    "no iteration"):
         assert needle in errors[0], (needle, errors[0])
     assert "not marked complete" not in errors[0]
+
+
+def test_commit_marker_goes_into_space_set_aside_at_save_time(tmp_path):
+    """The trainer sets aside room for COMMIT.json when a save starts; once every rank is
+    durable, the marker is written into it even if a later save has filled the disk since.
+    Without that room the same commit fails with ENOSPC and the version stays uncommitted."""
+    import torch
+
+    from datastates import CheckpointEngine, CommitPolicy, EngineConfig, is_committed, try_commit
+    from datastates.layout import COMMIT_FILE, make_spare, spare_path
+
+    with mounted_tmpfs(tmp_path / "fs", "2m") as mnt:
+        state = {"w": torch.arange(4096.0)}
+        with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20,
+                                           commit_policy=CommitPolicy.MANUAL)) as eng:
+            for name in ("with_room", "without_room"):
+                (mnt / name).mkdir()
+                if name == "with_room":
+                    assert make_spare(str(mnt / name / COMMIT_FILE), 64 * 1024)
+                eng.wait_for_durable(eng.save(state, str(mnt / name), step=1))
+        _fill(mnt)
+        with pytest.raises(OSError) as info:
+            try_commit(str(mnt / "without_room"), 1)
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.filename == str(mnt / "without_room" / COMMIT_FILE)
+        assert not is_committed(str(mnt / "without_room"))
+        assert try_commit(str(mnt / "with_room"), 1) and is_committed(str(mnt / "with_room"))
+        assert not os.path.exists(spare_path(str(mnt / "with_room" / COMMIT_FILE)))

@@ -30,6 +30,7 @@ def _check_committed_run(run, root, iterations, kept=None):
         assert (d / "COMMIT.json").is_file(), sorted(os.listdir(d))
         assert json.loads((d / "metadata.json").read_text())["sharded_backend"] == "datastates"
         assert json.loads((d / "index_r00000.json").read_text())["checksum"] == "crc32c"
+        assert not [f for f in os.listdir(d) if f.endswith(".spare")]  # room set aside is gone
     lines = _checkpoint_lines(run.stdout)
     assert [int(line.split("|")[0].split()[-1]) for line in lines] == iterations, lines
     events = [json.loads(x) for x in open(root / "datastates_checkpoints.jsonl")]

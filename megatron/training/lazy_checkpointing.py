@@ -40,10 +40,14 @@ from megatron.training.checkpointing import (
 from megatron.training.config import CkptFailurePolicy, RunConfig
 from datastates import CheckpointError as DataStatesError
 from datastates import is_committed
+from datastates.layout import COMMIT_FILE, make_spare, release_spare
 from megatron.training.log import print_rank_0
 from megatron.training.universal import make_background_merger
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
+#: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.
+COMMIT_RESERVE_BYTES = 64 * 1024
+METADATA_FILE = "metadata.json"  # megatron's, written by the save request's finalize functions
 
 
 @dataclass
@@ -104,6 +108,12 @@ class LazyCheckpointManager(CheckpointManager):
         try:
             if self.rank == 0:
                 os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
+                # Room for COMMIT.json (written into it) and metadata.json (megatron writes it:
+                # released right before), taken before any shard byte of this save or a later
+                # one, so a disk that the next save fills up rarely keeps this save, once
+                # durable, from committing.
+                make_spare(os.path.join(directory, COMMIT_FILE), COMMIT_RESERVE_BYTES)
+                make_spare(os.path.join(directory, METADATA_FILE), COMMIT_RESERVE_BYTES)
             # After megatron's collectives, rank 0 writes common.pt and every rank opens its
             # shard: a full disk fails here on some ranks only, so the failure is recorded and
             # agreed on in after_iteration instead of raised (the others would wait for us).
@@ -262,12 +272,14 @@ class LazyCheckpointManager(CheckpointManager):
             self._commit(head, self.durable.pop(head.iteration))
 
     def _commit(self, p: _Pending, record) -> None:
+        if self.rank == 0:
+            release_spare(os.path.join(p.directory, METADATA_FILE))
         try:
             for fn in p.request.finalize_fns:  # rank 0 writes metadata.json; barrier
                 fn()
         except OSError as err:  # rank 0 failed before megatron's barrier: meet the others there
             if err.filename is None:  # megatron's json.dump into metadata.json names no file
-                err = OSError(err.errno, err.strerror, os.path.join(p.directory, "metadata.json"))
+                err = OSError(err.errno, err.strerror, os.path.join(p.directory, METADATA_FILE))
             self._local_errors.append(err)
             dist.barrier()
         stats = self._gather_stats(p, record)
@@ -284,7 +296,7 @@ class LazyCheckpointManager(CheckpointManager):
         from datastates.faults import fault_point
 
         fault_point("commit", p.iteration, self.rank)
-        _fsync_files(p.directory, ("metadata.json",))
+        _fsync_files(p.directory, (METADATA_FILE,))
         if not try_commit(p.directory, self.world):
             raise DataStatesError("every rank reported its shards durable but the rank markers "
                                   "are not all valid", rank=0, file=p.directory)
