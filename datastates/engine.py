@@ -44,8 +44,9 @@ class CheckpointEngine:
     """Lazy asynchronous checkpointing of one rank's state. Thread-safe for one caller thread."""
 
     def __init__(self, config: EngineConfig):
-        checksum.function(config.checksum)  # a missing checksum package fails here, not mid-save
         self.cfg = config
+        # Resolved once; a missing checksum package fails here, not mid-save.
+        self._crc = checksum.function(config.checksum)
         self._cond = threading.Condition()
         self._saves: List[SaveJob] = []
         self._errors: List[CheckpointError] = []
@@ -435,7 +436,8 @@ class CheckpointEngine:
     def _write_block(self, sv: SaveJob, segments: List[Segment], start: int, total: int) -> None:
         if sv.t_first_write is None:
             sv.t_first_write = time.perf_counter()
-        crcs = write_block(self.cfg, self._cache, sv, segments, start, total, self._cond)
+        crcs = write_block(self.cfg, self._crc, self._cache, sv, segments, start, total,
+                           self._cond)
         with self._cond:
             for seg, crc in zip(segments, crcs):
                 sv.chunks[seg.entry].append([seg.offset, seg.nbytes, crc])

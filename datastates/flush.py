@@ -8,8 +8,9 @@ import threading
 import zlib
 from typing import Callable, List
 
-from . import checksum, layout
+from . import layout
 from .cache import HostCache
+from .checksum import ChecksumFn
 from .config import EngineConfig
 from .faults import fault_point
 from .index import build_index
@@ -20,17 +21,9 @@ logger = logging.getLogger(__name__)
 DIRECT_ALIGN = 4096
 
 
-def pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(mv):
-        n = os.pwrite(fd, mv[done:], offset + done)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes")
-        done += n
-
-
-def write_block(cfg: EngineConfig, cache: HostCache, sv: SaveJob, segments: List[Segment],
-                start: int, total: int, lock: threading.Condition) -> List[int]:
+def write_block(cfg: EngineConfig, crc: ChecksumFn, cache: HostCache, sv: SaveJob,
+                segments: List[Segment], start: int, total: int,
+                lock: threading.Condition) -> List[int]:
     """Checksum each segment of a cache block and write the block, which is contiguous in the
     file, with one write; returns the checksums. O_DIRECT where the block is page-aligned."""
     first = segments[0]
@@ -39,7 +32,6 @@ def write_block(cfg: EngineConfig, cache: HostCache, sv: SaveJob, segments: List
         cfg.write_hook("write", {"rank": cfg.rank, "file": sv.shard_path,
                                  "tensor": sv.entries[first.entry].key, "offset": file_off,
                                  "nbytes": total})
-    crc = checksum.function(cfg.checksum)
     crcs = [crc(cache.memview(start + s.pos, s.nbytes)) for s in segments]
     last = segments[-1]
     ends_tensor = last.offset + last.nbytes == sv.entries[last.entry].nbytes
@@ -49,7 +41,7 @@ def write_block(cfg: EngineConfig, cache: HostCache, sv: SaveJob, segments: List
         # the next page-aligned block (the cache block is page-rounded too).
         padded = -(-total // DIRECT_ALIGN) * DIRECT_ALIGN
         try:
-            pwrite_all(sv.dfd, cache.memview(start, padded), file_off)
+            layout.pwrite_all(sv.dfd, cache.memview(start, padded), file_off)
             return crcs
         except OSError as e:
             if e.errno != errno.EINVAL:
@@ -61,7 +53,7 @@ def write_block(cfg: EngineConfig, cache: HostCache, sv: SaveJob, segments: List
                 if sv.dfd >= 0:
                     os.close(sv.dfd)
                     sv.dfd = -1
-    pwrite_all(sv.fd, cache.memview(start, total), file_off)
+    layout.pwrite_all(sv.fd, cache.memview(start, total), file_off)
     if cfg.early_writeback:
         start_writeback(sv.fd, file_off, total)
     return crcs

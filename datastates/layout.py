@@ -10,7 +10,6 @@ version lives in FORMAT.json (apart from content) and is repeated in every marke
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -88,6 +87,25 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def pwrite_all(fd: int, mv, offset: int) -> None:
+    """pwrite all of `mv` at `offset`, looping over short writes."""
+    done = 0
+    while done < len(mv):
+        n = os.pwrite(fd, mv[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        done += n
+
+
+def _naming(err: OSError, path: str) -> OSError:
+    """`err` with `path` as its file name if it names none (write and fsync errors do not)."""
+    if err.filename is not None:
+        return err
+    named = OSError(err.errno, err.strerror or str(err), path)
+    named.__cause__ = err
+    return named
+
+
 def atomic_write(path: str, data: bytes, *, durable: bool = True) -> None:
     """Write `data` to `path` so that readers see either nothing or all of it:
     temp file + fsync + rename + directory fsync."""
@@ -105,8 +123,8 @@ def atomic_write(path: str, data: bytes, *, durable: bool = True) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        if isinstance(err, OSError) and err.filename is None:  # write/fsync errors name no file
-            raise OSError(err.errno, err.strerror, path) from err
+        if isinstance(err, OSError):
+            raise _naming(err, path)
         raise
     if durable:
         fsync_dir(directory)
@@ -170,21 +188,14 @@ def replace_from_spare(path: str, data: bytes, *, renew: bool = True) -> None:
         try:
             fd = os.open(spare, os.O_WRONLY)
             try:
-                done = 0
-                while done < len(data):
-                    n = os.pwrite(fd, data[done:], done)
-                    if n <= 0:
-                        raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
-                    done += n
+                pwrite_all(fd, data, 0)
                 os.ftruncate(fd, len(data))  # shrinking frees nothing the data needs
                 os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(spare, path)
         except OSError as err:
-            if err.filename is None:
-                raise OSError(err.errno, err.strerror, path) from err
-            raise
+            raise _naming(err, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
     if renew:
         make_spare(path)

@@ -129,12 +129,8 @@ def test_durable_common_save_writes_torch_save_bytes_and_restores_the_registry(t
 def _run_config(save):
     from megatron.training.arguments import build_run_config, parse_args
 
-    return build_run_config(parse_args(["--num-layers", "2", "--hidden-size", "64",
-                                        "--num-attention-heads", "4", "--seq-length", "32",
-                                        "--max-position-embeddings", "32", "--micro-batch-size",
-                                        "1", "--train-iters", "4", "--mock-data",
-                                        "--tokenizer-type", "NullTokenizer", "--vocab-size",
-                                        "128", "--save", str(save)]), world_size=1)
+    return build_run_config(parse_args(TINY_MODEL + ["--train-iters", "4", "--save", str(save)]),
+                            world_size=1)
 
 
 def test_tracker_moves_on_a_full_disk_through_its_spare(tmp_path, one_rank_group):

@@ -37,6 +37,7 @@ from megatron.training.checkpointing import (
     checkpoint_dir,
     write_tracker,
 )
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME as METADATA_FILE  # metadata.json
 from megatron.training.config import CkptFailurePolicy, RunConfig
 from datastates import CheckpointError as DataStatesError
 from datastates import is_committed
@@ -47,7 +48,6 @@ from megatron.training.universal import make_background_merger
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 #: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.
 COMMIT_RESERVE_BYTES = 64 * 1024
-METADATA_FILE = "metadata.json"  # megatron's, written by the save request's finalize functions
 
 
 @dataclass
