@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
 from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
@@ -36,15 +37,25 @@ from megatron.core.dist_checkpointing.strategies.base import (
     default_strategies,
     register_default_strategy,
 )
-from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME
+from megatron.core.dist_checkpointing.strategies.common import (
+    COMMON_STATE_FNAME,
+    TorchCommonLoadStrategy,
+    TorchCommonSaveStrategy,
+)
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreLoadPlanner as _MCORE_PLANNER,
+    TorchDistLoadShardedStrategy,
 )
 
 from . import layout
 from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointError
 from .reader import CheckpointReader
+from .safe_load import SafeBytesMixin, SafeFileSystemReader, torch_load
 from .state import TensorShard
 
 BACKEND = "datastates"
@@ -252,6 +263,98 @@ def _read_shard(reader: CheckpointReader, sh: ShardedTensor) -> torch.Tensor:
     if out.dtype != sh.dtype:
         out = out.to(sh.dtype)
     return out.reshape(local)
+
+
+class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+    """megatron's common.pt (and per-object ``.pt`` files) read with `safe_load.torch_load`:
+    `weights_only=True` whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, a refusal naming the file
+    and the offending global, and plain pickle only with `allow_unsafe_pickle`."""
+
+    def __init__(self, allow_unsafe_pickle: bool = False):
+        super().__init__()
+        self.allow_unsafe_pickle = allow_unsafe_pickle
+
+    def load_common(self, checkpoint_dir):
+        path = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"no {COMMON_STATE_FNAME}: not a complete dist_checkpointing "
+                                  "checkpoint", file=str(checkpoint_dir))
+        return torch_load(path, file=path, allow_unsafe=self.allow_unsafe_pickle)
+
+    def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+        def load_one(sh_obj):
+            # the key comes from this run's model, not from the checkpoint
+            path = os.path.join(str(checkpoint_dir), f"{sh_obj.unique_key}.pt")
+            return torch_load(path, file=path, allow_unsafe=self.allow_unsafe_pickle)
+
+        return dict_list_map_inplace(load_one, sharded_objects_state_dict)
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
+    """megatron-core's torch_dist load without its two pickle reads: PyTorch DCP reads the
+    ``.metadata`` file with `pickle.load` and every saved object (e.g. ``rng_state``) with
+    `torch.load(weights_only=False)`. megatron looks its reader factory and planner class up as
+    module globals on each call, so for the length of a call we hand it `SafeFileSystemReader` and
+    a planner with `SafeBytesMixin` (the lock keeps two loads in one process from interleaving)."""
+
+    def __init__(self, allow_unsafe_pickle: bool = False):
+        super().__init__()
+        self.allow_unsafe_pickle = allow_unsafe_pickle
+
+    @contextlib.contextmanager
+    def _safe_readers(self, checkpoint_dir) -> Iterator[None]:
+        from megatron.core.dist_checkpointing.strategies import torch as mtorch
+
+        unsafe, directory = self.allow_unsafe_pickle, str(checkpoint_dir)
+
+        def reader(path, cache_metadata=False):
+            return SafeFileSystemReader(path, allow_unsafe=unsafe)
+
+        class Planner(SafeBytesMixin, _MCORE_PLANNER):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, directory=directory, allow_unsafe=unsafe, **kwargs)
+
+        with _PATCH_LOCK:
+            saved = mtorch._get_filesystem_reader, mtorch.MCoreLoadPlanner
+            mtorch._get_filesystem_reader, mtorch.MCoreLoadPlanner = reader, Planner
+            try:
+                yield
+            finally:
+                mtorch._get_filesystem_reader, mtorch.MCoreLoadPlanner = saved
+
+    def load(self, sharded_state_dict, checkpoint_dir):
+        with self._safe_readers(checkpoint_dir):
+            return super().load(sharded_state_dict, checkpoint_dir)
+
+    def load_tensors_metadata(self, checkpoint_dir, metadata=None):
+        with self._safe_readers(checkpoint_dir):
+            return super().load_tensors_metadata(checkpoint_dir, metadata)
+
+    def load_sharded_metadata(self, checkpoint_dir):
+        with self._safe_readers(checkpoint_dir):
+            return super().load_sharded_metadata(checkpoint_dir)
+
+
+def load_strategies(checkpoint_dir: str, allow_unsafe_pickle: bool = False):
+    """(sharded, common) load strategies for `dist_checkpointing.load` that read the checkpoint in
+    `checkpoint_dir` without running code from it (unless `allow_unsafe_pickle`). The backend is
+    the one its metadata.json names: ours or megatron's torch_dist."""
+    from megatron.core.dist_checkpointing.core import maybe_load_config
+
+    config = maybe_load_config(str(checkpoint_dir))
+    if config is None:
+        raise CheckpointError(f"no {CONFIG_FNAME}: not a dist_checkpointing checkpoint",
+                              file=str(checkpoint_dir))
+    common = SafeCommonLoadStrategy(allow_unsafe_pickle)
+    if config.sharded_backend == BACKEND:
+        return DataStatesLoadStrategy(allow_pickle=allow_unsafe_pickle), common
+    if config.sharded_backend == "torch_dist":
+        return SafeTorchDistLoadStrategy(allow_unsafe_pickle), common
+    raise CheckpointError(f"{CONFIG_FNAME} names sharded backend {config.sharded_backend!r}; "
+                          f"expected {BACKEND!r} or 'torch_dist'", file=str(checkpoint_dir))
 
 
 def register() -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
+from .safe_load import opt_in_pickle_loads
 
 TAG = "__t__"
 
@@ -169,8 +170,14 @@ def _resolve_enum(cls_path: str, name: str) -> Any:
                               f"{module!r} before loading so it can be resolved without running "
                               f"code")
     for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj[name]
+        obj = getattr(obj, part, None)
+    # Only an Enum class may be indexed: `obj[name]` on anything else could call code.
+    if not (isinstance(obj, type) and issubclass(obj, enum.Enum)):
+        raise CheckpointError(f"checkpoint names {cls_path} as an enum class, but it is not one")
+    try:
+        return obj[name]
+    except KeyError:
+        raise CheckpointError(f"enum {cls_path} has no member {name!r}") from None
 
 
 def decode_skeleton(obj: Any, tensors: Sequence[Any], allow_pickle: bool) -> Any:
@@ -205,8 +212,5 @@ def decode_skeleton(obj: Any, tensors: Sequence[Any], allow_pickle: bool) -> Any
     if tag == "namespace":
         return argparse.Namespace(**rec(obj["v"]))
     if tag == "pickle":
-        if not allow_pickle:
-            raise CheckpointError("checkpoint holds a pickled object; loading it may run arbitrary "
-                                  "code. Pass allow_pickle=True only if you trust the checkpoint")
-        return pickle.loads(base64.b64decode(obj["b64"]))
+        return opt_in_pickle_loads(base64.b64decode(obj["b64"]), allow=allow_pickle)
     raise CheckpointError(f"unknown type tag {tag!r} in the checkpoint's object skeleton")

@@ -62,7 +62,7 @@ def test_inspect_and_clear_errors(tmp_path):
     out = _tool("inspect", tmp_path / "u", "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
-    assert info["iteration"] == 5 and info["format"] == "universal v1"
+    assert info["iteration"] == 5 and info["format"] == "universal v2"
     assert info["tensors"]["decoder.layers.mlp.linear_fc1.weight"]["shape"] == [2, 32, 8]
     assert info["tensors"]["decoder.layers.mlp.linear_fc1.weight"]["bytes"] == 2 * 32 * 8 * 4
     text = _tool("inspect", src)

@@ -6,6 +6,12 @@
     python tools/convert_checkpoint.py to-torch-dist   SRC DST   # universal -> torch_dist (iter dir)
     python tools/convert_checkpoint.py to-hf           SRC DST   # universal -> HF GPT-2 safetensors
     python tools/convert_checkpoint.py inspect         PATH [--json]
+    python tools/convert_checkpoint.py upgrade-universal PATH    # format-1 universal: no pickles
+
+Reading a checkpoint never runs code from it: a file whose pickle names anything but tensors,
+containers, numbers, strings and numpy RNG states is refused, naming the file and the object.
+``--allow-unsafe-pickle`` (every subcommand) reads such files with plain pickle: only for legacy
+files you trust.
 
 SRC may be an ``iter_XXXXXXX`` directory or a --save root (its tracker picks the iteration).
 Universal outputs are committed atomically; rerunning a finished merge does nothing (--overwrite
@@ -47,7 +53,8 @@ def _merge(args, kind):
     from datastates import CheckpointError
     from datastates.universal import open_source, resolve_checkpoint_dir, write_universal
 
-    source = open_source(resolve_checkpoint_dir(args.src))
+    source = open_source(resolve_checkpoint_dir(args.src),
+                         allow_unsafe_pickle=args.allow_unsafe_pickle)
     try:
         if source.kind != kind:
             other = "merge" if source.kind == "datastates" else "from-torch-dist"
@@ -70,7 +77,8 @@ def _merge(args, kind):
 def _to_torch_dist(args):
     from megatron.training.universal import universal_to_torch_dist
 
-    it = universal_to_torch_dist(args.src, args.dst, progress=Progress("to-torch-dist", False))
+    it = universal_to_torch_dist(args.src, args.dst, progress=Progress("to-torch-dist", False),
+                                 allow_unsafe_pickle=args.allow_unsafe_pickle)
     parent, name = os.path.split(os.path.abspath(args.dst))
     if name == f"iter_{it:07d}":  # a Megatron save root: make it loadable with --load parent
         with open(os.path.join(parent, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -92,8 +100,16 @@ def _to_hf(args):
 def _inspect(args):
     from datastates.universal.inspect import describe, render
 
-    info = describe(args.path)
+    info = describe(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle)
     print(json.dumps(info, indent=1) if args.json else render(info))
+
+
+def _upgrade(args):
+    from datastates.universal import upgrade_universal
+
+    n = upgrade_universal(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle)
+    print(f"{args.path}: rewrote {n} pickled object(s) without pickles" if n else
+          f"{args.path}: holds no pickles; nothing to do")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="iteration, tensors, shapes, dtypes, sizes, layout")
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s = sub.add_parser("upgrade-universal",
+                       help="rewrite a format-1 universal checkpoint's pickled objects as JSON")
+    s.add_argument("path")
+    for s in sub.choices.values():
+        s.add_argument("--allow-unsafe-pickle", action="store_true",
+                       help="read pickles that name arbitrary code (legacy files you trust only)")
     return p
 
 
@@ -133,6 +155,8 @@ def main(argv=None) -> int:
             _to_torch_dist(args)
         elif args.command == "to-hf":
             _to_hf(args)
+        elif args.command == "upgrade-universal":
+            _upgrade(args)
         else:
             _inspect(args)
     except CheckpointError as err:

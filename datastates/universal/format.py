@@ -30,9 +30,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CheckpointError
+from .objects import decode_object, decode_value
 
 FORMAT_NAME = "datastates-universal"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: objects without pickles (objects.py); 1 is still read
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "model.safetensors.index.json"
 COMMIT_FILE = "UNIVERSAL_COMMIT.json"
@@ -103,8 +104,9 @@ class UniversalCheckpoint:
     tensor touches only the pages of that box.
     """
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, allow_unsafe_pickle: bool = False):
         self.directory = directory
+        self.allow_unsafe_pickle = allow_unsafe_pickle
         if not os.path.isdir(directory):
             raise CheckpointError("universal checkpoint directory does not exist", file=directory)
         if not is_committed(directory):
@@ -126,6 +128,28 @@ class UniversalCheckpoint:
         for name, entry in self.manifest["tensors"].items():
             self._infos[name] = TensorInfo(name, _DTYPES[entry["dtype"]], tuple(entry["shape"]),
                                            self.weight_map[name])
+
+    @property
+    def manifest_path(self) -> str:
+        return os.path.join(self.directory, MANIFEST_FILE)
+
+    def object_keys(self) -> List[str]:
+        return sorted(self.manifest.get("objects", {}))
+
+    def object(self, key: str) -> Any:
+        """A small object (megatron ShardedObject) by unique key, decoded without running code
+        (a format-1 pickle only with `allow_unsafe_pickle`)."""
+        objects = self.manifest.get("objects", {})
+        if key not in objects:
+            raise CheckpointError("object is not in the universal checkpoint (another model?)",
+                                  file=self.directory, tensor=key)
+        return decode_object(objects[key], file=self.manifest_path, key=key,
+                             allow_unsafe_pickle=self.allow_unsafe_pickle)
+
+    def megatron_common(self) -> dict:
+        """megatron's common.pt state as the source saved it."""
+        return decode_value(self.manifest["megatron_common"], file=self.manifest_path,
+                            allow_unsafe_pickle=self.allow_unsafe_pickle)
 
     @property
     def iteration(self) -> int:

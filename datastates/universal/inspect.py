@@ -10,7 +10,7 @@ from .plan import DTYPE_NAMES
 from .sources import open_source, resolve_checkpoint_dir
 
 
-def describe(path: str) -> Dict[str, Any]:
+def describe(path: str, allow_unsafe_pickle: bool = False) -> Dict[str, Any]:
     directory = resolve_checkpoint_dir(path)
     if is_universal(directory):
         with UniversalCheckpoint(directory) as u:
@@ -26,7 +26,7 @@ def describe(path: str) -> Dict[str, Any]:
                     "optimizer": None if opt is None else {"flavor": opt["flavor"],
                                                            "step": opt["step"]},
                     "files": len(set(u.weight_map.values())), "tensors": tensors}
-    source = open_source(directory)
+    source = open_source(directory, allow_unsafe_pickle=allow_unsafe_pickle)
     try:
         common = source.common()
         run = json.loads(common["run_config"]) if "run_config" in common else {}

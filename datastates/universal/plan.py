@@ -8,8 +8,6 @@ universal format has one spelling (see format.py) and records which one the sour
 """
 from __future__ import annotations
 
-import base64
-import io
 import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -18,13 +16,11 @@ import torch
 
 from ..errors import CheckpointError
 from .format import FORMAT_NAME, FORMAT_VERSION, OPTIM_PREFIX, Role, tensor_name
+from .objects import DTYPE_NAMES, encode_object, encode_value
 from .sources import Source
 
 _SOURCE_ROLES = {"param": Role.FP32_PARAM, "fp32_param": Role.FP32_PARAM,
                  "exp_avg": Role.EXP_AVG, "exp_avg_sq": Role.EXP_AVG_SQ}
-DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 class OptimizerFlavor:
@@ -124,57 +120,6 @@ def optimizer_manifest(common: dict, flavor: str, directory: str) -> Optional[di
             "sharding_type": (common.get("optimizer") or {}).get("param_state_sharding_type")}
 
 
-def encode_object(value: Any) -> dict:
-    """JSON when possible; anything else (e.g. Transformer Engine extra state) as torch.save
-    bytes in base64, so nothing is lost."""
-    try:
-        json.dumps(value)
-        return {"json": value}
-    except (TypeError, ValueError):
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        return {"torch_b64": base64.b64encode(buf.getvalue()).decode("ascii")}
-
-
-def decode_object(doc: dict) -> Any:
-    if "json" in doc:
-        return doc["json"]
-    return torch.load(io.BytesIO(base64.b64decode(doc["torch_b64"])), weights_only=False)
-
-
-def encode_value(value: Any) -> Any:
-    """Lossless, readable JSON for megatron's common state: tuples and small tensors are tagged,
-    anything else falls back to `encode_object`."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {k: encode_value(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [encode_value(v) for v in value]
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode_value(v) for v in value]}
-    if isinstance(value, torch.Tensor) and value.numel() <= 16 and value.dtype in DTYPE_NAMES:
-        return {"__tensor__": {"dtype": DTYPE_NAMES[value.dtype], "shape": list(value.shape),
-                               "data": value.flatten().tolist()}}
-    return {"__object__": encode_object(value)}
-
-
-def decode_value(value: Any) -> Any:
-    if isinstance(value, list):
-        return [decode_value(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if "__tuple__" in value:
-        return tuple(decode_value(v) for v in value["__tuple__"])
-    if "__tensor__" in value:
-        t = value["__tensor__"]
-        dtype = {v: k for k, v in DTYPE_NAMES.items()}[t["dtype"]]
-        return torch.tensor(t["data"], dtype=dtype).reshape(t["shape"])
-    if "__object__" in value:
-        return decode_object(value["__object__"])
-    return {k: decode_value(v) for k, v in value.items()}
-
-
 def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: str,
                    weight_map: Dict[str, str]) -> dict:
     run_config = json.loads(common["run_config"]) if "run_config" in common else {}
@@ -204,11 +149,19 @@ def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: s
         "run_config": run_config,
         # megatron's common.pt as saved, so universal -> torch_dist restores it exactly.
         "megatron_common": encode_value(common),
-        "objects": {k: encode_object(v) for k, v in sorted(source.objects().items())},
+        "objects": {k: _encode_named(k, v) for k, v in sorted(source.objects().items())},
         "tensors": {e.name: {"role": e.role.value, "param": e.key, "source_key": e.source_key,
                              "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
                              "file": weight_map[e.name]} for e in entries},
     }
+
+
+def _encode_named(key: str, value: Any) -> dict:
+    try:
+        return encode_object(value)
+    except CheckpointError as err:
+        raise CheckpointError(f"object {key!r} cannot be stored in a universal checkpoint: "
+                              f"{err.args[0]}", tensor=key) from None
 
 
 _MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..reader import CheckpointReader
+from ..safe_load import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata, torch_load
 
 COMMON_FILE = "common.pt"
 RNG_OBJECT = "rng_state/"  # per-rank RNG streams: meaningless at another layout, never merged
@@ -26,8 +27,9 @@ class Source:
 
     kind = "abstract"
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, allow_unsafe_pickle: bool = False):
         self.directory = directory
+        self.allow_unsafe_pickle = allow_unsafe_pickle
 
     def common(self) -> dict:
         """megatron's common state (iteration, counters, scheduler, optimizer param groups)."""
@@ -35,8 +37,8 @@ class Source:
         if not os.path.isfile(path):
             raise CheckpointError(f"no {COMMON_FILE}: not a megatron dist_checkpointing checkpoint",
                                   file=self.directory)
-        # Our own trainer's file of plain dicts, numbers and a few tensors.
-        return torch.load(path, map_location="cpu", weights_only=False)
+        # Plain dicts, numbers, strings and a few tensors (Megatron-LM adds its argparse args).
+        return torch_load(path, file=path, allow_unsafe=self.allow_unsafe_pickle)
 
     def keys(self) -> List[str]:
         raise NotImplementedError
@@ -59,11 +61,13 @@ class DataStatesSource(Source):
 
     kind = "datastates"
 
-    def __init__(self, directory: str, verify: bool = True, threads: int = 1):
-        super().__init__(directory)
+    def __init__(self, directory: str, verify: bool = True, threads: int = 1,
+                 allow_unsafe_pickle: bool = False):
+        super().__init__(directory, allow_unsafe_pickle)
         # One reader thread by default: a background merge should take as little CPU from
         # training as it can (and a thread pool per read costs more than it saves here).
-        self.reader = CheckpointReader(directory, verify=verify, threads=threads)
+        self.reader = CheckpointReader(directory, verify=verify, threads=threads,
+                                       allow_pickle=allow_unsafe_pickle)
 
     def keys(self) -> List[str]:
         return self.reader.tensor_keys(shards_only=True)
@@ -92,9 +96,8 @@ class TorchDistSource(Source):
 
     kind = "torch_dist"
 
-    def __init__(self, directory: str):
-        super().__init__(directory)
-        from torch.distributed.checkpoint import FileSystemReader
+    def __init__(self, directory: str, allow_unsafe_pickle: bool = False):
+        super().__init__(directory, allow_unsafe_pickle)
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         meta_path = os.path.join(directory, "metadata.json")
@@ -106,15 +109,17 @@ class TorchDistSource(Source):
         if backend != "torch_dist":
             raise CheckpointError(f"sharded backend is {backend!r}, expected 'torch_dist'",
                                   file=directory)
-        md = FileSystemReader(directory).read_metadata()
+        md = read_dcp_metadata(directory, allow_unsafe=allow_unsafe_pickle)
         self._tensors = {k: v for k, v in md.state_dict_metadata.items()
                          if isinstance(v, TensorStorageMetadata)}
         self._bytes = [k for k in md.state_dict_metadata if k not in self._tensors]
 
     def _load(self, state: dict) -> dict:
-        from torch.distributed.checkpoint import FileSystemReader, load
+        from torch.distributed.checkpoint import load
 
-        load(state, storage_reader=FileSystemReader(self.directory), no_dist=True)
+        unsafe = self.allow_unsafe_pickle
+        load(state, storage_reader=SafeFileSystemReader(self.directory, allow_unsafe=unsafe),
+             planner=SafeLoadPlanner(directory=self.directory, allow_unsafe=unsafe), no_dist=True)
         return state
 
     def keys(self):
@@ -135,17 +140,16 @@ class TorchDistSource(Source):
         loaded = self._load({k: io.BytesIO() for k in keys})
         out = {}
         for k in keys:
-            v = loaded[k]
-            if isinstance(v, io.BytesIO):
-                v.seek(0)
-                v = torch.load(v, map_location="cpu", weights_only=False)
+            v = loaded[k]  # SafeLoadPlanner has unpickled it without running code
             # megatron's torch_dist saves each object as the list of its local shards' data.
             out[k] = v[0] if isinstance(v, list) and len(v) == 1 else v
         return out
 
 
-def open_source(directory: str) -> Source:
-    """The right `Source` for a megatron-layout checkpoint directory (``iter_XXXXXXX``)."""
+def open_source(directory: str, allow_unsafe_pickle: bool = False) -> Source:
+    """The right `Source` for a megatron-layout checkpoint directory (``iter_XXXXXXX``).
+    `allow_unsafe_pickle` (the tools' --allow-unsafe-pickle) reads pickles that name arbitrary
+    code; without it such a file is refused (`datastates.safe_load`)."""
     meta_path = os.path.join(directory, "metadata.json")
     if not os.path.isfile(meta_path):
         raise CheckpointError("expected a checkpoint directory with metadata.json (an "
@@ -153,9 +157,9 @@ def open_source(directory: str) -> Source:
     with open(meta_path) as f:
         backend = json.load(f).get("sharded_backend")
     if backend == "datastates":
-        return DataStatesSource(directory)
+        return DataStatesSource(directory, allow_unsafe_pickle=allow_unsafe_pickle)
     if backend == "torch_dist":
-        return TorchDistSource(directory)
+        return TorchDistSource(directory, allow_unsafe_pickle=allow_unsafe_pickle)
     raise CheckpointError(f"sharded backend {backend!r} is not supported; expected 'datastates' or "
                           "'torch_dist'", file=directory)
 

@@ -27,7 +27,7 @@ from ..errors import CheckpointError
 from ..faults import fault_point
 from ..layout import fsync_dir
 from .format import COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, \
-    is_committed, shard_file_name
+    UniversalCheckpoint, is_committed, shard_file_name
 from .plan import Entry, build_manifest, plan_entries
 from .sources import Source
 
@@ -150,3 +150,36 @@ def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_M
     os.rename(tmp, dst)
     fsync_dir(parent)
     return MergeResult(dst, iteration, total, time.perf_counter() - t0, skipped=False)
+
+
+def upgrade_universal(directory: str, allow_unsafe_pickle: bool = False) -> int:
+    """Rewrite a format-1 universal checkpoint's manifest so that its objects hold no pickles
+    (format 2); tensors are untouched. Pickles `weights_only=True` can read are converted without
+    the opt-in; any other needs `allow_unsafe_pickle` (the file is then trusted, its code runs).
+    The manifest is replaced atomically, then the commit marker's version: a crash in between
+    leaves a checkpoint that loads. Returns how many objects were rewritten (0: nothing to do)."""
+    from ..layout import atomic_write
+    from .objects import decode_object, decode_value, encode_object, encode_value
+
+    manifest_path = os.path.join(directory, MANIFEST_FILE)
+    with UniversalCheckpoint(directory, allow_unsafe_pickle=allow_unsafe_pickle) as u:
+        m = dict(u.manifest)
+    pickled = [k for k, v in m.get("objects", {}).items() if "torch_b64" in v]
+    in_common = '"torch_b64"' in json.dumps(m.get("megatron_common"))
+    if not pickled and not in_common:
+        return 0
+    opts = dict(file=manifest_path, allow_unsafe_pickle=allow_unsafe_pickle)
+    objects = dict(m["objects"])
+    for key in pickled:
+        objects[key] = encode_object(decode_object(objects[key], key=key, **opts))
+    m["objects"] = objects
+    if in_common:
+        m["megatron_common"] = encode_value(decode_value(m["megatron_common"], **opts))
+    m["format_version"] = FORMAT_VERSION
+    atomic_write(manifest_path, json.dumps(m, indent=1, sort_keys=True).encode())
+    commit_path = os.path.join(directory, COMMIT_FILE)
+    with open(commit_path) as f:
+        commit = json.load(f)
+    commit["format_version"] = FORMAT_VERSION
+    atomic_write(commit_path, json.dumps(commit, indent=1, sort_keys=True).encode())
+    return len(pickled) + int(in_common)

@@ -114,6 +114,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-fallback-to-previous", action="store_true",
                    help="if the newest complete checkpoint is damaged, verify and load the newest "
                         "older intact one instead of failing")
+    g.add_argument("--allow-unsafe-pickle", action="store_true",
+                   help="load checkpoint files whose pickles name arbitrary code (only for legacy "
+                        "files you trust; by default such a file is refused and nothing in it runs)")
     g.add_argument("--ckpt-drain-timeout", type=float, default=1800.0,
                    help="seconds a wait on the background checkpoint writers may take before it "
                         "is reported as a hung writer (with --async-lazy-save)")
@@ -318,6 +321,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
         ckpt_failure_policy=CkptFailurePolicy(a.ckpt_failure_policy),
         ckpt_fallback_to_previous=a.ckpt_fallback_to_previous,
+        allow_unsafe_pickle=a.allow_unsafe_pickle,
         ckpt_drain_timeout=a.ckpt_drain_timeout,
         universal_checkpoint_interval=a.universal_checkpoint_interval,
         universal_save=a.universal_save)

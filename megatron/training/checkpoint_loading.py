@@ -14,6 +14,7 @@ import torch
 # Importing datastates registers its dist_checkpointing load strategy, so megatron-core reads
 # --async-lazy-save checkpoints (metadata.json names the "datastates" backend) like any other.
 import datastates
+from datastates.safe_load import torch_load
 
 from megatron.training.checkpoint_state import (
     CheckpointError,
@@ -44,46 +45,48 @@ def detect_format(directory: str) -> CkptFormat:
                           "mp_rank_* (torch)", path=directory)
 
 
-def _saved_config(directory: str, fmt: CkptFormat) -> str:
+def _saved_config(directory: str, fmt: CkptFormat, allow_unsafe_pickle: bool = False) -> str:
     if fmt is CkptFormat.TORCH_DIST:
-        from megatron.core import dist_checkpointing
+        from datastates.megatron_adapter import SafeCommonLoadStrategy
 
         try:
-            # torch.load with weights_only=True (torch >= 2.6 default, which megatron-core
-            # keeps): common.pt cannot run code, a forged one fails here.
-            return dist_checkpointing.load_common_state_dict(directory)["run_config"]
-        except Exception as err:  # noqa: BLE001 - any unreadable common.pt is reported as such
-            raise CheckpointError(f"cannot read common.pt (the checkpoint's common state): "
-                                  f"{type(err).__name__}: {str(err)[:300]}"
+            common = SafeCommonLoadStrategy(allow_unsafe_pickle).load_common(directory)
+        except datastates.safe_load.UnsafePickleError as err:
+            # Forged, or written by code we do not trust: an older checkpoint may still be good.
+            raise datastates.safe_load.UnsafePickleError(
+                err.args[0] + damage_hint(*_split(directory))) from None
+        except datastates.CheckpointError as err:
+            raise CheckpointError(f"cannot read common.pt (the checkpoint's common state): {err}"
                                   + damage_hint(*_split(directory)), path=directory) from err
+        if not isinstance(common, dict) or "run_config" not in common:
+            raise CheckpointError("common.pt holds no run_config: not a checkpoint of this trainer "
+                                  "(a Megatron-LM one? convert it with "
+                                  "tools/convert_checkpoint.py)", path=directory)
+        return common["run_config"]
     path = os.path.join(torch_rank_dir(directory), TORCH_FILENAME)
     if not os.path.isfile(path):
         raise CheckpointError("torch-format checkpoint has no file for this rank's TP/PP "
                               "position; it was saved with another layout (the torch format "
                               "cannot be resharded: save with --ckpt-format torch_dist)", path=path)
-    return safe_torch_load(path)["run_config"]
+    return safe_torch_load(path, allow_unsafe_pickle)["run_config"]
 
 
-def _numpy_rng_globals() -> list:
-    """What np.random.get_state() needs to unpickle: array reconstruction, ndarray, dtypes."""
-    import numpy as np
-
-    core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+def safe_torch_load(path: str, allow_unsafe_pickle: bool = False):
+    """A torch-format file read without running code from it (`datastates.safe_load.torch_load`:
+    weights_only=True plus numpy RNG states); plain pickle only with --allow-unsafe-pickle."""
+    return torch_load(path, file=path, allow_unsafe=allow_unsafe_pickle)
 
 
-def safe_torch_load(path: str):
-    """torch.load that never runs code from the file: weights_only=True with the few numpy
-    globals that RNG states need. A file that holds anything else is refused, not executed."""
-    try:
-        with torch.serialization.safe_globals(_numpy_rng_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - unreadable or forged: both refused with the reason
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"cannot load {os.path.basename(path)} safely ({type(err).__name__}: "
-                              f"{first[:300]}); torch-format files are read with "
-                              "weights_only=True and may hold only tensors, containers, numbers, "
-                              "strings and numpy RNG states", path=path) from err
+def _load_distrib_optim(optimizer, path: str, allow_unsafe_pickle: bool) -> None:
+    """megatron's `load_parameter_state` without its bare `torch.load`: data-parallel rank 0 of
+    each optimizer reads the file safely and scatters it (`load_parameter_state_from_dp_zero`)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        state_dict = None
+        if opt.data_parallel_group.rank() == 0:
+            state_dict = safe_torch_load(path, allow_unsafe_pickle)
+        opt.load_parameter_state_from_dp_zero(state_dict)
 
 
 def _init_distributed_optimizer_state(optimizer) -> None:
@@ -123,7 +126,8 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
         return True
     fmt = detect_format(directory)
-    saved_json = _saved_config(directory, fmt)
+    unsafe = ckpt.allow_unsafe_pickle
+    saved_json = _saved_config(directory, fmt, unsafe)
     check_model_shape(saved_json, config, directory)
     saved = json.loads(saved_json)
     saved_layout = _layout_of(saved)
@@ -148,15 +152,15 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     if fmt is CkptFormat.TORCH_DIST:
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=load_rng)
-        loaded = _load_torch_dist(sd, directory, loader)
+        loaded = _load_torch_dist(sd, directory, loader, unsafe)
     else:
-        loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), TORCH_FILENAME))
+        loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), TORCH_FILENAME), unsafe)
     apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                             finetune=ckpt.finetune)
     if fmt is CkptFormat.TORCH and load_optim and config.parallel.use_distributed_optimizer:
         # After load_state_dict (param groups, step), as Megatron does: the sharded Adam state.
-        state.optimizer.load_parameter_state(
-            os.path.join(torch_rank_dir(directory), "distrib_optim.pt"))
+        _load_distrib_optim(state.optimizer,
+                            os.path.join(torch_rank_dir(directory), "distrib_optim.pt"), unsafe)
     print_rank_0(f"loaded checkpoint {directory} (format {fmt.value}, iteration {iteration}; "
                  f"optimizer {'restored' if load_optim else 'not restored'}, rng "
                  f"{'restored' if load_rng else 'not restored'})")
@@ -187,15 +191,21 @@ def _layout_of(saved: dict) -> dict:
             "dp": p["world_size"] // (tp * pp)}
 
 
-def _load_torch_dist(sd: dict, directory: str, loader) -> dict:
+def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool = False) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException as DcpException
 
+    from datastates.megatron_adapter import load_strategies
+
     try:
         if loader is not None:
             return loader(sd, directory)
-        return dist_checkpointing.load(sd, directory)
+        sharded, common = load_strategies(directory, allow_unsafe_pickle)
+        return dist_checkpointing.load(sd, directory, sharded_strategy=sharded,
+                                       common_strategy=common)
+    except datastates.safe_load.UnsafePickleError:
+        raise  # already names the file and the offending global
     except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
         raise CheckpointError(f"could not load the checkpoint: {err}"
                               + damage_hint(*_split(directory)), path=directory) from err

@@ -189,6 +189,9 @@ class CheckpointConfig:
     ckpt_fallback_to_previous: bool = False
     """When the newest complete checkpoint is damaged, verify and load the newest older one that
     is intact instead of failing (every checksum of each candidate is read first)."""
+    allow_unsafe_pickle: bool = False
+    """Read pickles in a checkpoint that name arbitrary code (legacy files you trust). Off: --load
+    reads every file without running code and refuses such a pickle, naming file and object."""
     ckpt_drain_timeout: float = 1800.0
     """Seconds any single wait on the background checkpoint writers may take (snapshot wait before
     the optimizer step, durability wait, drain at exit) before it is reported as a hung writer."""

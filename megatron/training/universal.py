@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from datastates import CheckpointError as DataStatesError
-from datastates.universal import (OptimizerFlavor, Role, UniversalCheckpoint, decode_object,
-                                  decode_value, split_name, tensor_name)
+from datastates.safe_load import UnsafePickleError
+from datastates.universal import OptimizerFlavor, Role, UniversalCheckpoint, split_name, tensor_name
 
 from megatron.training.checkpoint_state import (
     CheckpointError,
@@ -66,21 +66,18 @@ def _read_box(u: UniversalCheckpoint, sh) -> torch.Tensor:
     return out.to(sh.dtype).reshape(sh.local_shape)
 
 
-def _fill(sd: Any, u: UniversalCheckpoint, objects: dict) -> Any:
+def _fill(sd: Any, u: UniversalCheckpoint) -> Any:
     from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedObject,
                                                           ShardedTensor, ShardedTensorFactory)
 
     if isinstance(sd, dict):
-        return {k: _fill(v, u, objects) for k, v in sd.items()}
+        return {k: _fill(v, u) for k, v in sd.items()}
     if isinstance(sd, list):
-        return [_fill(v, u, objects) for v in sd]
+        return [_fill(v, u) for v in sd]
     if isinstance(sd, ShardedTensor):
         return _read_box(u, sd)
     if isinstance(sd, ShardedObject):
-        if sd.unique_key not in objects:
-            raise DataStatesError("object is not in the universal checkpoint (another model?)",
-                                  file=u.directory, tensor=sd.unique_key)
-        return decode_object(objects[sd.unique_key])
+        return u.object(sd.unique_key)  # decoded without running code
     if isinstance(sd, LocalNonpersistentObject):
         return sd.unwrap()
     if isinstance(sd, ShardedTensorFactory):
@@ -124,7 +121,7 @@ def load_universal(state: TrainState, config: RunConfig, directory: str) -> None
 
     ckpt = config.checkpoint
     try:
-        u = UniversalCheckpoint(directory)
+        u = UniversalCheckpoint(directory, allow_unsafe_pickle=ckpt.allow_unsafe_pickle)
     except DataStatesError as err:
         raise CheckpointError(str(err), path=directory) from err
     with u:
@@ -137,7 +134,9 @@ def load_universal(state: TrainState, config: RunConfig, directory: str) -> None
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=False)
         try:
-            loaded = _fill(sd, u, m["objects"])
+            loaded = _fill(sd, u)
+        except UnsafePickleError:
+            raise  # names the manifest, the object and the command that rewrites it
         except DataStatesError as err:
             raise CheckpointError(f"could not load the universal checkpoint: {err}",
                                   path=directory) from err
@@ -162,7 +161,8 @@ def _single_process_group() -> None:
 
 
 def universal_to_torch_dist(universal_dir: str, out_dir: str,
-                            progress: Optional[Callable[[int, int, str], None]] = None) -> int:
+                            progress: Optional[Callable[[int, int, str], None]] = None,
+                            allow_unsafe_pickle: bool = False) -> int:
     """Write the universal checkpoint as a megatron ``torch_dist`` checkpoint in `out_dir` (an
     ``iter_XXXXXXX`` directory), with the source's own key spelling and common state, so that
     a round trip reproduces the source. Returns the iteration."""
@@ -171,9 +171,9 @@ def universal_to_torch_dist(universal_dir: str, out_dir: str,
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     _single_process_group()
-    with UniversalCheckpoint(universal_dir) as u:
+    with UniversalCheckpoint(universal_dir, allow_unsafe_pickle=allow_unsafe_pickle) as u:
         m = u.manifest
-        sd: dict = decode_value(m["megatron_common"])
+        sd: dict = u.megatron_common()
         content_metadata = sd.pop("content_metadata", None)
         names = u.names()
         for i, name in enumerate(names):
@@ -185,9 +185,9 @@ def universal_to_torch_dist(universal_dir: str, out_dir: str,
                 entry["source_key"], u.read(name), replica_id=0)
             if progress is not None:
                 progress(i + 1, len(names), name)
-        for unique_key, enc in m["objects"].items():
+        for unique_key in u.object_keys():
             empty = ShardedObject.empty_from_unique_key(unique_key)
-            sd[unique_key] = ShardedObject(empty.key, decode_object(enc), empty.global_shape,
+            sd[unique_key] = ShardedObject(empty.key, u.object(unique_key), empty.global_shape,
                                            empty.global_offset, replica_id=0)
         os.makedirs(out_dir, exist_ok=True)
         dist_checkpointing.save(sd, out_dir, sharded_strategy=TorchDistSaveShardedStrategy(

@@ -1,0 +1,301 @@
+"""Reading a checkpoint never runs code: the one module of ours that deserializes pickles.
+
+A checkpoint is untrusted input (downloaded, shared on a cluster file system, converted by someone
+else). Pickle runs whatever callable a file names, so every pickle a read path meets goes through
+one of these, and nothing else in the code base may call `pickle.load(s)` or `torch.load` without
+`weights_only=True` (tests/test_security_source.py enforces it):
+
+- `torch_load`: `torch.load(weights_only=True)` with a small explicit allowlist (numpy RNG states,
+  argparse.Namespace). What the allowlist refuses raises `UnsafePickleError` naming the file and the
+  offending global, and the one opt-in that reads it anyway (`allow_unsafe=True`, the tools' and
+  trainer's `--allow-unsafe-pickle`).
+- `read_dcp_metadata`: PyTorch DCP's `.metadata` file is a plain pickle (DCP reads it with
+  `pickle.load`); ours is a restricted unpickler that builds only DCP's metadata dataclasses,
+  torch dtypes/sizes/layouts and paths, then checks that every storage file it names stays inside
+  the checkpoint directory.
+- `SafeFileSystemReader` / `SafeLoadPlanner`: DCP's reader and planner with those two reads swapped
+  in (DCP's default planner unpickles every saved object with `weights_only=False`).
+- `opt_in_pickle_loads`: the engine's own `allow_pickle` objects, read only when the caller opted in.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pathlib
+import pickle
+import pickletools
+import re
+import zipfile
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = ["UNSAFE_PICKLE_FLAG", "SafeBytesMixin", "SafeFileSystemReader", "SafeLoadPlanner", "UnsafePickleError",
+           "opt_in_pickle_loads", "read_dcp_metadata", "safe_globals", "torch_load"]
+
+UNSAFE_PICKLE_FLAG = "--allow-unsafe-pickle"
+
+
+class UnsafePickleError(CheckpointError):
+    """A checkpoint file holds a pickle that would run code (or build an object we do not allow)
+    when loaded. Names the file and the offending global; nothing from the file was executed."""
+
+
+def _opt_in_hint(way_forward: Optional[str] = None) -> str:
+    return ("nothing in it was executed. " + (way_forward or (
+        f"If you trust this file, rerun with {UNSAFE_PICKLE_FLAG} (loads it with plain pickle, "
+        "which runs any code it names)")))
+
+
+def safe_globals() -> list:
+    """What `weights_only` loading may build besides tensors and containers: numpy RNG states
+    (`np.random.get_state()`, saved with every RNG checkpoint) and argparse.Namespace (Megatron-LM's
+    `args` in common.pt). Classes only: none of them runs code when unpickled."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+            argparse.Namespace]
+
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def torch_load(source: Union[str, io.BytesIO, bytes], *, file: str, what: str = "",
+               allow_unsafe: bool = False, extra_globals: Iterable[Any] = (),
+               way_forward: Optional[str] = None) -> Any:
+    """`torch.load` of `source` (a path, a buffer or bytes) that never runs code from it unless
+    `allow_unsafe`. `file` names the file in errors; `what` says which object inside it (e.g. a
+    manifest entry) when the pickle is embedded; `way_forward` replaces the refusal's default
+    advice (rerun with the opt-in flag)."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(bytes(source))
+    where = f"{what} in {os.path.basename(file)}" if what else os.path.basename(file)
+    if allow_unsafe:
+        # The one opt-in path: the caller passed --allow-unsafe-pickle for a file it trusts.
+        return torch.load(source, map_location="cpu", weights_only=False)
+    try:
+        with torch.serialization.safe_globals(safe_globals() + list(extra_globals)):
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = _GLOBAL_RE.search(str(err))
+        named = [found.group(1)] if found else _refused_globals(source)
+        obj = (", ".join(named[:3]) if named
+               else f"something weights_only loading refuses ({_why(err)})")
+        raise UnsafePickleError(f"{where} holds a pickle that names {obj}, which a checkpoint may "
+                                f"not contain (tensors, containers, numbers, strings, numpy RNG "
+                                f"states and argparse.Namespace are allowed); "
+                                f"{_opt_in_hint(way_forward)}", file=file) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        raise CheckpointError(f"cannot read {where}: {type(err).__name__}: {_first_line(err)}",
+                              file=file) from err
+
+
+def _pickle_bytes(source: Union[str, io.BytesIO]) -> bytes:
+    """The pickle stream of a torch file: `data.pkl` of the zip format, or the file itself."""
+    if isinstance(source, io.BytesIO):
+        raw = source.getvalue()
+    else:
+        with open(source, "rb") as f:
+            raw = f.read()
+    if zipfile.is_zipfile(io.BytesIO(raw)):
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            names = [n for n in z.namelist() if n.endswith("data.pkl")]
+            return z.read(names[0]) if names else b""
+    return raw
+
+
+def _refused_globals(source: Union[str, io.BytesIO]) -> List[str]:
+    """Names of the globals a pickle would import that weights_only loading does not allow,
+    found by reading its opcodes (`pickletools.genops` parses, it never executes)."""
+    try:
+        data = _pickle_bytes(source)
+        allowed = set(torch._weights_only_unpickler._get_allowed_globals())
+    except Exception:  # noqa: BLE001 - only used to word an error better
+        return []
+    allowed |= {f"{g.__module__}.{g.__qualname__}" for g in safe_globals()}
+    named, strings, memo = [], [], {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                strings.append(arg)
+            elif op.name == "MEMOIZE" and strings:
+                memo[len(memo)] = strings[-1]
+            elif op.name in ("BINGET", "LONG_BINGET", "GET") and arg in memo:
+                strings.append(memo[arg])
+            elif op.name == "GLOBAL":
+                named.append(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                named.append(f"{strings[-2]}.{strings[-1]}")
+    except Exception:  # noqa: BLE001 - a truncated stream: report what was found so far
+        pass
+    return [n for n in dict.fromkeys(named) if n not in allowed]
+
+
+def _why(err: BaseException) -> str:
+    """The line of torch's weights_only error that says what it refused (not its preamble)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    picked = [ln for ln in lines if "WeightsUnpickler error" in ln or "Unsupported" in ln]
+    return (picked or lines or [type(err).__name__])[0][:300]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+def opt_in_pickle_loads(data: bytes, *, allow: bool, file: Optional[str] = None,
+                        what: str = "object") -> Any:
+    """The engine's pickled small objects (saved only with EngineConfig(allow_pickle=True))."""
+    if not allow:
+        raise UnsafePickleError(f"checkpoint holds a pickled {what}; loading it may run arbitrary "
+                                "code. Pass allow_pickle=True (the tools' and trainer's "
+                                f"{UNSAFE_PICKLE_FLAG}) only if you trust the checkpoint",
+                                file=file)
+    return pickle.loads(data)  # opt-in: the caller trusts this checkpoint
+
+
+# --------------------------------------------------------------------------- DCP .metadata
+
+def _dcp_allowed() -> Dict[Tuple[str, str], Any]:
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    allowed: Dict[Tuple[str, str], Any] = {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("pathlib", "PosixPath"): pathlib.PosixPath,
+        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+        ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # a path string, never opened
+        ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+        ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    }
+    # DCP's dataclasses and enums (Metadata, ChunkStorageMetadata...; megatron also stores the
+    # save plans: SavePlan, WriteItem, WriteItemType, TensorWriteData). Building one runs no code.
+    for name in dir(metadata):
+        obj = getattr(metadata, name)
+        if isinstance(obj, type) and obj.__module__ == metadata.__name__:
+            allowed[(metadata.__name__, name)] = obj
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData",
+                 "LoadPlan", "ReadItem", "LoadItemType"):
+        if hasattr(planner, name):
+            allowed[(planner.__name__, name)] = getattr(planner, name)
+    for name in dir(torch):
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            allowed[("torch", name)] = getattr(torch, name)
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f, allowed, path):
+        super().__init__(f)
+        self._allowed, self._path = allowed, path
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = self._allowed.get((module, name))
+        if obj is None:
+            raise UnsafePickleError(f"DCP metadata names {module}.{name}, which a checkpoint's "
+                                    ".metadata may not contain (only PyTorch DCP's metadata "
+                                    f"classes, dtypes and sizes); {_opt_in_hint()}",
+                                    file=self._path)
+        return obj
+
+
+def read_dcp_metadata(directory: str, *, allow_unsafe: bool = False, name: str = ".metadata"):
+    """The `Metadata` of a PyTorch DCP checkpoint (torch_dist), read without running code, with
+    every storage file it names checked to lie inside `directory`."""
+    path = os.path.join(directory, name)
+    try:
+        with open(path, "rb") as f:
+            if allow_unsafe:
+                md = pickle.load(f)  # opt-in: the caller trusts this checkpoint
+            else:
+                md = _MetadataUnpickler(f, _dcp_allowed(), path).load()
+    except UnsafePickleError:
+        raise
+    except OSError as err:
+        raise CheckpointError(f"cannot read the torch_dist metadata: {err.strerror or err}",
+                              file=path) from err
+    except Exception as err:  # noqa: BLE001 - truncated or forged pickles fail in many ways
+        raise CheckpointError(f"torch_dist metadata is not a readable DCP .metadata file "
+                              f"({type(err).__name__}: {_first_line(err)})", file=path) from err
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"torch_dist metadata holds a {type(md).__name__}, expected "
+                              "torch.distributed.checkpoint.metadata.Metadata", file=path)
+    _check_storage_paths(md, directory, path)
+    return md
+
+
+def _check_storage_paths(md, directory: str, path: str) -> None:
+    root = os.path.realpath(directory)
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\x00" in rel \
+                or ".." in rel.replace("\\", "/").split("/"):
+            raise CheckpointError(f"torch_dist metadata names storage file {rel!r}; expected a "
+                                  "file name inside the checkpoint directory", file=path)
+        full = os.path.realpath(os.path.join(directory, rel))
+        if os.path.commonpath([root, full]) != root:
+            raise CheckpointError(f"torch_dist metadata names storage file {rel!r}, which resolves "
+                                  f"to {full}, outside the checkpoint directory", file=path)
+
+
+def _dcp_classes():
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    return FileSystemReader, DefaultLoadPlanner
+
+
+FileSystemReader, DefaultLoadPlanner = _dcp_classes()
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader whose `.metadata` is read by `read_dcp_metadata`."""
+
+    def __init__(self, path, *args, allow_unsafe: bool = False, **kwargs):
+        super().__init__(path, *args, **kwargs)
+        self._directory = str(path)
+        self._allow_unsafe = allow_unsafe
+        self._metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:
+            md = read_dcp_metadata(self._directory, allow_unsafe=self._allow_unsafe)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            self._metadata = md
+        return self._metadata
+
+
+class SafeBytesMixin:
+    """Mix into any DCP `LoadPlanner` (DCP's default one, megatron-core's `MCoreLoadPlanner`):
+    saved objects (`BytesStorageMetadata`) are unpickled with `torch_load` instead of
+    `torch.load(weights_only=False)`. Takes `directory=` (for errors) and `allow_unsafe=`."""
+
+    def __init__(self, *args, directory: str = "", allow_unsafe: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._safe_directory = directory
+        self._allow_unsafe = allow_unsafe
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = torch_load(value, file=self._safe_directory, what=f"object {fqn!r}",
+                         allow_unsafe=self._allow_unsafe)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class SafeLoadPlanner(SafeBytesMixin, DefaultLoadPlanner):
+    """DCP's default planner with `SafeBytesMixin`."""
