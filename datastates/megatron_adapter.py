@@ -55,7 +55,7 @@ from . import layout
 from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointError
 from .reader import CheckpointReader
-from .safe_load import SafeBytesMixin, SafeFileSystemReader, torch_load
+from .safe_load import SafeBytesMixin, SafeFileSystemReader, reraise_dcp_failure, torch_load
 from .state import TensorShard
 
 BACKEND = "datastates"
@@ -327,7 +327,11 @@ class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
 
     def load(self, sharded_state_dict, checkpoint_dir):
         with self._safe_readers(checkpoint_dir):
-            return super().load(sharded_state_dict, checkpoint_dir)
+            try:
+                return super().load(sharded_state_dict, checkpoint_dir)
+            except BaseException as err:  # DCP's CheckpointException is a BaseException
+                reraise_dcp_failure(err)
+                raise
 
     def load_tensors_metadata(self, checkpoint_dir, metadata=None):
         with self._safe_readers(checkpoint_dir):

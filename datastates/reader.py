@@ -72,6 +72,7 @@ class CheckpointReader:
         self._fd_lock = threading.Lock()
         self._by_rank: Dict[int, List[ShardMeta]] = {}
         self._objects: Dict[int, Any] = {}
+        self._index_paths: Dict[int, str] = {}
         self._checksum: Dict[int, Optional[checksum.ChecksumFn]] = {}  # None: not verified
         self._by_key: Dict[str, List[ShardMeta]] = {}
         for r in ranks:
@@ -101,6 +102,7 @@ class CheckpointReader:
         metas = parse_index(doc, rank, directory, index_path)
         self._by_rank[rank] = metas
         self._objects[rank] = doc.get("objects")
+        self._index_paths[rank] = index_path
         kind = checksum.from_name(doc["checksum"], rank=rank, file=index_path)
         self._checksum[rank] = (checksum.function(kind)
                                 if self.verify and kind is not Checksum.NONE else None)
@@ -281,7 +283,7 @@ class CheckpointReader:
         metas = self._by_rank[rank]
         leaves = [None if m.is_shard else self._read_local_box(m, (0,) * len(m.shape), m.shape)
                   for m in metas]
-        return decode_skeleton(self._objects[rank], leaves, self.allow_pickle)
+        return self._decode(rank, leaves)
 
     def load_state(self, rank: int = 0) -> Any:
         """The nested state as `rank` saved it. Plain tensors come back as tensors, TensorShard
@@ -294,7 +296,15 @@ class CheckpointReader:
                                  metas)
         leaves = [TensorShard(t, m.key, m.global_shape, m.global_offset) if m.is_shard else t
                   for t, m in zip(tensors, metas)]
-        return decode_skeleton(self._objects[rank], leaves, self.allow_pickle)
+        return self._decode(rank, leaves)
+
+    def _decode(self, rank: int, leaves: List[Any]) -> Any:
+        try:
+            return decode_skeleton(self._objects[rank], leaves, self.allow_pickle)
+        except CheckpointError as err:  # name the index the object came from
+            if err.file is not None:
+                raise
+            raise type(err)(err.args[0], rank=rank, file=self._index_paths[rank]) from None
 
 
 def math_prod(xs: Sequence[int]) -> int:

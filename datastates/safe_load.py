@@ -34,7 +34,7 @@ import torch
 from .errors import CheckpointError
 
 __all__ = ["UNSAFE_PICKLE_FLAG", "SafeBytesMixin", "SafeFileSystemReader", "SafeLoadPlanner", "UnsafePickleError",
-           "opt_in_pickle_loads", "read_dcp_metadata", "safe_globals", "torch_load"]
+           "opt_in_pickle_loads", "read_dcp_metadata", "reraise_dcp_failure", "safe_globals", "torch_load"]
 
 UNSAFE_PICKLE_FLAG = "--allow-unsafe-pickle"
 
@@ -287,7 +287,9 @@ class SafeBytesMixin:
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        obj = torch_load(value, file=self._safe_directory, what=f"object {fqn!r}",
+        info = (getattr(self.metadata, "storage_data", None) or {}).get(read_item.storage_index)
+        file = os.path.join(self._safe_directory, getattr(info, "relative_path", ""))
+        obj = torch_load(value, file=file, what=f"saved object {fqn!r}",
                          allow_unsafe=self._allow_unsafe)
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
@@ -295,6 +297,18 @@ class SafeBytesMixin:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def reraise_dcp_failure(err: BaseException) -> None:
+    """PyTorch DCP reports a failure on any rank as `CheckpointException` (a BaseException whose
+    text is every rank's traceback). Re-raise the first of our own errors inside it, so a refused
+    pickle or a forged path reaches the user as one line naming the file; else return."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, CheckpointException):
+        for _, (exc, _trace) in sorted(err.failures.items()):
+            if isinstance(exc, CheckpointError):
+                raise exc from None
 
 
 class SafeLoadPlanner(SafeBytesMixin, DefaultLoadPlanner):

@@ -180,18 +180,23 @@ def _resolve_enum(cls_path: str, name: str) -> Any:
         raise CheckpointError(f"enum {cls_path} has no member {name!r}") from None
 
 
-def decode_skeleton(obj: Any, tensors: Sequence[Any], allow_pickle: bool) -> Any:
+def decode_skeleton(obj: Any, tensors: Sequence[Any], allow_pickle: bool,
+                    _path: Tuple[Any, ...] = ()) -> Any:
     """Inverse of flatten_state: `tensors[i]` replaces the i-th tensor entry."""
     if isinstance(obj, list):
-        return [decode_skeleton(v, tensors, allow_pickle) for v in obj]
+        return [decode_skeleton(v, tensors, allow_pickle, _path + (i,)) for i, v in enumerate(obj)]
     if not isinstance(obj, dict):
         return obj
     tag = obj.get(TAG)
-    rec = lambda v: decode_skeleton(v, tensors, allow_pickle)  # noqa: E731
+    rec = lambda v, *sub: decode_skeleton(v, tensors, allow_pickle, _path + sub)  # noqa: E731
     if tag == "tensor":
         return tensors[obj["id"]]
     if tag == "dict":
-        return {rec(k): rec(v) for k, v in obj["items"]}
+        out = {}
+        for k, v in obj["items"]:
+            key = rec(k)
+            out[key] = rec(v, key)
+        return out
     if tag == "tuple":
         return tuple(rec(v) for v in obj["items"])
     if tag == "float":
@@ -212,5 +217,6 @@ def decode_skeleton(obj: Any, tensors: Sequence[Any], allow_pickle: bool) -> Any
     if tag == "namespace":
         return argparse.Namespace(**rec(obj["v"]))
     if tag == "pickle":
-        return opt_in_pickle_loads(base64.b64decode(obj["b64"]), allow=allow_pickle)
+        return opt_in_pickle_loads(base64.b64decode(obj["b64"]), allow=allow_pickle,
+                                   what=f"object at {_path_str(_path)!r}")
     raise CheckpointError(f"unknown type tag {tag!r} in the checkpoint's object skeleton")

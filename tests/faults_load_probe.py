@@ -2,7 +2,7 @@
 corruption tests pay megatron-core's start-up once instead of once per case.
 
 Usage: python tests/faults_load_probe.py CASES.json -- [pretrain_gpt.py model flags]
-CASES.json: [{"name": ..., "load": DIR, "fallback": bool}, ...]
+CASES.json: [{"name": ..., "load": DIR, "fallback": bool, "allow_unsafe_pickle": bool}, ...]
 Prints one JSON line per case: {"name", "ok", "iteration", "error"} (error: the message the
 entry point would print).
 """
@@ -27,7 +27,8 @@ def main(argv) -> int:
     trainer = setup(build_run_config(parse_args(flags)))
     for case in cases:
         ckpt = dataclasses.replace(trainer.config.checkpoint, load=case["load"],
-                                   ckpt_fallback_to_previous=bool(case.get("fallback")))
+                                   ckpt_fallback_to_previous=bool(case.get("fallback")),
+                                   allow_unsafe_pickle=bool(case.get("allow_unsafe_pickle")))
         config = dataclasses.replace(trainer.config, checkpoint=ckpt)
         trainer.state.iteration = 0
         out = {"name": case["name"], "ok": False, "iteration": None, "error": None}

@@ -121,6 +121,7 @@ class UniversalCheckpoint:
             raise CheckpointError(f"format version {self.manifest['format_version']} is newer than "
                                   f"this reader ({FORMAT_VERSION}); upgrade datastates",
                                   file=directory)
+        self._refuse_unsafe_objects()
         index = _read_json(os.path.join(directory, INDEX_FILE))
         self.weight_map: Dict[str, str] = index["weight_map"]
         self._handles: Dict[str, Any] = {}
@@ -128,6 +129,18 @@ class UniversalCheckpoint:
         for name, entry in self.manifest["tensors"].items():
             self._infos[name] = TensorInfo(name, _DTYPES[entry["dtype"]], tuple(entry["shape"]),
                                            self.weight_map[name])
+
+    def _refuse_unsafe_objects(self) -> None:
+        """Format 1 stored objects as pickles: one that `weights_only` loading refuses makes the
+        whole checkpoint refused at open (naming the object and the command that rewrites it),
+        whichever of its objects a caller would have asked for."""
+        if self.allow_unsafe_pickle:
+            return
+        for key, doc in self.manifest.get("objects", {}).items():
+            if isinstance(doc, dict) and "torch_b64" in doc:
+                decode_object(doc, file=self.manifest_path, key=key)
+        if '"torch_b64"' in json.dumps(self.manifest.get("megatron_common")):
+            self.megatron_common()
 
     @property
     def manifest_path(self) -> str:

@@ -121,7 +121,7 @@ def optimizer_manifest(common: dict, flavor: str, directory: str) -> Optional[di
 
 
 def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: str,
-                   weight_map: Dict[str, str]) -> dict:
+                   weight_map: Dict[str, str], objects: Dict[str, Any]) -> dict:
     run_config = json.loads(common["run_config"]) if "run_config" in common else {}
     data = run_config.get("data", {})
     model = run_config.get("model") or _model_from_megatron_args(common.get("args"))
@@ -149,7 +149,7 @@ def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: s
         "run_config": run_config,
         # megatron's common.pt as saved, so universal -> torch_dist restores it exactly.
         "megatron_common": encode_value(common),
-        "objects": {k: _encode_named(k, v) for k, v in sorted(source.objects().items())},
+        "objects": {k: _encode_named(k, v) for k, v in sorted(objects.items())},
         "tensors": {e.name: {"role": e.role.value, "param": e.key, "source_key": e.source_key,
                              "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
                              "file": weight_map[e.name]} for e in entries},

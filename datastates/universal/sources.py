@@ -15,7 +15,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..reader import CheckpointReader
-from ..safe_load import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata, torch_load
+from ..safe_load import (SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata,
+                         reraise_dcp_failure, torch_load)
 
 COMMON_FILE = "common.pt"
 RNG_OBJECT = "rng_state/"  # per-rank RNG streams: meaningless at another layout, never merged
@@ -118,8 +119,13 @@ class TorchDistSource(Source):
         from torch.distributed.checkpoint import load
 
         unsafe = self.allow_unsafe_pickle
-        load(state, storage_reader=SafeFileSystemReader(self.directory, allow_unsafe=unsafe),
-             planner=SafeLoadPlanner(directory=self.directory, allow_unsafe=unsafe), no_dist=True)
+        try:
+            load(state, storage_reader=SafeFileSystemReader(self.directory, allow_unsafe=unsafe),
+                 planner=SafeLoadPlanner(directory=self.directory, allow_unsafe=unsafe),
+                 no_dist=True)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            reraise_dcp_failure(err)
+            raise
         return state
 
     def keys(self):

@@ -102,6 +102,8 @@ def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_M
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     remove_stale_temporaries(dst)
+    # Small objects first: a forged or unreadable one fails the merge before any tensor is read.
+    objects = source.objects()
     entries, flavor = plan_entries(source)
     groups = group_files(entries, max_file_bytes)
     weight_map = {e.name: shard_file_name(i + 1, len(groups))
@@ -140,7 +142,7 @@ def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_M
                 {"metadata": {"total_size": total, "format": FORMAT_NAME,
                               "format_version": FORMAT_VERSION}, "weight_map": weight_map})
     _write_json(os.path.join(tmp, MANIFEST_FILE),
-                build_manifest(source, common, entries, flavor, weight_map))
+                build_manifest(source, common, entries, flavor, weight_map, objects))
     _write_json(os.path.join(tmp, COMMIT_FILE),
                 {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "iteration": iteration,
                  "files": len(groups), "total_size": total, "time": time.time()})
