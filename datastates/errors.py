@@ -17,6 +17,7 @@ class CheckpointError(RuntimeError):
         self.rank = rank
         self.file = file
         self.tensor = tensor
+        self.reason = message  # without the [rank, file, tensor] prefix, for wrapping
         where = []
         if rank is not None:
             where.append(f"rank {rank}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,7 +73,10 @@ def _ints(v: Any, what: str, rank: int, key: str, path: str) -> Tuple[int, ...]:
     return tuple(v)
 
 
-def parse_tensor(doc: dict, rank: int, directory: str, index_path: str) -> ShardMeta:
+def parse_tensor(doc: dict, rank: int, directory: str, index_path: str,
+                 checked: Optional[Dict[str, str]] = None) -> ShardMeta:
+    """One index entry, validated. `checked` caches file name -> path across the entries of an
+    index, so that each distinct file is resolved (an lstat per path component) once."""
     key = doc.get("key")
     if not isinstance(key, str):
         raise CheckpointError(f"index entry without a string key: {str(doc)[:80]}", rank=rank,
@@ -82,7 +85,12 @@ def parse_tensor(doc: dict, rank: int, directory: str, index_path: str) -> Shard
     if dtype is None:
         raise CheckpointError(f"unknown dtype {doc.get('dtype')!r}", rank=rank, file=index_path,
                               tensor=key)
-    path = layout.safe_join(directory, doc.get("file"), rank=rank)
+    name = doc.get("file")
+    path = checked.get(name) if checked is not None and isinstance(name, str) else None
+    if path is None:
+        path = layout.safe_join(directory, name, rank=rank)
+        if checked is not None:
+            checked[name] = path
     shape = _ints(doc.get("shape"), "shape", rank, key, index_path)
     gshape = _ints(doc.get("global_shape"), "global_shape", rank, key, index_path)
     goff = _ints(doc.get("global_offset"), "global_offset", rank, key, index_path)
@@ -118,4 +126,5 @@ def parse_index(doc: Any, rank: int, directory: str, index_path: str) -> List[Sh
     tensors: Sequence[Any] = doc.get("tensors")
     if not isinstance(tensors, list):
         raise CheckpointError("index has no tensor list", rank=rank, file=index_path)
-    return [parse_tensor(t, rank, directory, index_path) for t in tensors]
+    checked: Dict[str, str] = {}
+    return [parse_tensor(t, rank, directory, index_path, checked) for t in tensors]

@@ -7,6 +7,11 @@ A version directory (one per checkpoint step) holds, per rank r:
   done_r{r:05d}.json   rank marker: written last by rank r, after its shard and index are fsync'd
 and, once every rank's marker is present, the version's commit marker COMMIT.json. The format
 version lives in FORMAT.json (apart from content) and is repeated in every marker.
+
+A checkpoint is untrusted input. Every file name a reader takes from a checkpoint's own files
+(index entries, rank markers, manifests, trackers) goes through `safe_join`, and every file it
+opens through `open_confined`: no '..', no absolute path, no symlink resolving out of the
+checkpoint directory.
 """
 from __future__ import annotations
 
@@ -59,24 +64,88 @@ def latest_committed(root: str) -> Optional[Tuple[int, str]]:
         return None
     for name in names:
         m = _STEP_DIR.match(name)
+        if not m:
+            continue
         path = os.path.join(root, name)
-        if m and is_committed(path) and (best is None or int(m.group(1)) > best[0]):
+        try:
+            confined_path(root, path)
+        except CheckpointError:
+            continue  # a link out of the root is not one of its versions
+        if is_committed(path) and (best is None or int(m.group(1)) > best[0]):
             best = (int(m.group(1)), path)
     return best
 
 
-def safe_join(directory: str, name: Any, *, rank: Optional[int] = None) -> str:
-    """Join a file name read from an index to its directory, refusing names that could point
-    outside it (absolute paths, separators, '..', odd characters)."""
+def confined_path(directory: str, path: str, *, rank: Optional[int] = None,
+                  what: str = "file") -> str:
+    """The real path of `path` (symlinks resolved), refusing one that lies outside `directory`
+    (its real path too, so a checkpoint directory that is itself a symlink is fine). A symlink to
+    another file of the same directory stays allowed; `path` need not exist."""
+    real_dir, real = os.path.realpath(directory), os.path.realpath(path)
+    if real == real_dir or os.path.commonpath([real_dir, real]) != real_dir:
+        raise CheckpointError(f"{what} resolves through a symlink to {real}, not inside the "
+                              f"checkpoint directory {real_dir}; expected a path inside it (a "
+                              f"checkpoint holds its files, not links out of it)",
+                              rank=rank, file=path)
+    return real
+
+
+def safe_join(directory: str, name: Any, *, rank: Optional[int] = None,
+              what: str = "index") -> str:
+    """Join a file name read from a checkpoint's own metadata (`what` names that metadata, e.g.
+    "index", "manifest", "tracker") to `directory`, refusing names that could point outside it
+    (absolute paths, separators, '..', odd characters) and files that resolve outside it through
+    a symlink (`confined_path`). Returns the joined path, unresolved."""
     if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
-        raise CheckpointError(f"index names file {name!r}; expected a plain file name inside the "
+        raise CheckpointError(f"{what} names file {name!r}; expected a plain file name inside the "
                               f"checkpoint directory (letters, digits, '_', '.', '-')",
                               rank=rank, file=directory)
     path = os.path.join(directory, name)
-    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(directory):
-        raise CheckpointError(f"index names file {name!r} outside the checkpoint directory",
-                              rank=rank, file=directory)
+    confined_path(directory, path, rank=rank, what=f"{what} names file {name!r}, which")
     return path
+
+
+def open_confined(path: str, *, directory: Optional[str] = None, rank: Optional[int] = None,
+                  what: str = "file") -> int:
+    """A read-only descriptor of `path`, a file of `directory` (default: its parent), refused
+    with CheckpointError if it resolves outside it. The resolved path is opened with O_NOFOLLOW,
+    so a symlink put in its place after the check is refused rather than followed. Other
+    failures raise OSError, for the caller to word."""
+    real = confined_path(os.path.dirname(path) if directory is None else directory, path,
+                         rank=rank, what=what)
+    return os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+
+
+def read_confined(path: str, *, directory: Optional[str] = None, rank: Optional[int] = None,
+                  what: str = "file", limit: Optional[int] = None) -> bytes:
+    """The bytes of `path` (at most `limit`), read through `open_confined`."""
+    with os.fdopen(open_confined(path, directory=directory, rank=rank, what=what), "rb") as f:
+        return f.read() if limit is None else f.read(limit)
+
+
+_DECIMAL = re.compile(r"[0-9]+")
+#: Longest tracker file read; an iteration number is a few bytes.
+TRACKER_MAX_BYTES = 64
+
+
+def read_iteration(path: str, *, what: str = "tracker") -> int:
+    """The iteration a tracker file (Megatron's latest_checkpointed_iteration.txt) names: a
+    non-negative plain ASCII decimal, surrounding whitespace allowed. `int()` alone would also
+    take '-5', '1_000' and non-ASCII digits. Join the iteration's directory to the tracker's
+    with `safe_join(..., what="tracker")`, so that a symlink out of it is refused too."""
+    try:
+        raw = read_confined(path, what=what, limit=TRACKER_MAX_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what}: {e}", file=path) from e
+    text = raw.decode("ascii", errors="replace").strip()
+    if text == "release":
+        raise CheckpointError(f"expected an iteration number in {what}, found 'release' (a "
+                              "Megatron-LM release checkpoint): release checkpoints are not "
+                              "supported", file=path)
+    if len(raw) > TRACKER_MAX_BYTES or not _DECIMAL.fullmatch(text):
+        raise CheckpointError(f"expected a non-negative decimal iteration number in {what}, "
+                              f"found {raw[:40]!r}", file=path)
+    return int(text)
 
 
 def fsync_dir(directory: str) -> None:
@@ -210,9 +279,9 @@ def format_header() -> Dict[str, Any]:
 
 
 def read_json(path: str, *, rank: Optional[int] = None, what: str = "file") -> Any:
+    """A JSON file of a checkpoint directory; refused if it is a symlink to a file outside it."""
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
+        return json.loads(read_confined(path, rank=rank, what=what))
     except FileNotFoundError:
         raise CheckpointError(f"{what} is missing", rank=rank, file=path) from None
     except (OSError, ValueError) as e:
@@ -266,10 +335,9 @@ def _valid_rank_marker(directory: str, rank: int, world_size: int) -> Optional[D
         raise CheckpointError(f"rank marker says rank {doc.get('rank')} of world size "
                               f"{doc.get('world_size')}, expected rank {rank} of {world_size}",
                               rank=rank, file=path)
-    idx_path = safe_join(directory, doc.get("index"), rank=rank)
+    idx_path = safe_join(directory, doc.get("index"), rank=rank, what="rank marker")
     try:
-        with open(idx_path, "rb") as f:
-            crc = zlib.crc32(f.read())
+        crc = zlib.crc32(read_confined(idx_path, rank=rank, what="index"))
     except OSError as e:
         raise CheckpointError(f"index named by the rank marker cannot be read: {e}",
                               rank=rank, file=idx_path) from e

@@ -85,10 +85,10 @@ class CheckpointReader:
         layout.check_format(marker, marker_path, rank)
         directory = self._local_copy(rank, marker) or self.directory
         self._sources[rank] = directory
-        index_path = layout.safe_join(directory, marker.get("index"), rank=rank)
+        index_path = layout.safe_join(directory, marker.get("index"), rank=rank,
+                                      what="rank marker")
         try:
-            with open(index_path, "rb") as f:
-                raw = f.read()
+            raw = layout.read_confined(index_path, rank=rank, what="index")
         except OSError as e:
             raise CheckpointError(f"cannot read index: {e}", rank=rank, file=index_path) from e
         if self.verify and zlib.crc32(raw) != marker.get("index_crc32"):
@@ -173,8 +173,8 @@ class CheckpointReader:
         with self._fd_lock:
             fd = self._fds.get(path)
             if fd is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
+                try:  # checked when the index was parsed; again here, as it is opened
+                    fd = layout.open_confined(path, rank=m.rank, what="shard file")
                 except OSError as e:
                     raise CheckpointError(f"cannot open shard file: {e}", rank=m.rank, file=path,
                                           tensor=m.key) from e

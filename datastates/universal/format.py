@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CheckpointError
+from ..layout import confined_path, read_confined, safe_join
 from .objects import decode_object, decode_value
 
 FORMAT_NAME = "datastates-universal"
@@ -90,11 +91,10 @@ def is_universal(directory: str) -> bool:
 def is_committed(directory: str) -> bool:
     path = os.path.join(directory, COMMIT_FILE)
     try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
+        doc = json.loads(read_confined(path, what="commit marker"))
+    except (OSError, ValueError, CheckpointError):
         return False
-    return doc.get("format") == FORMAT_NAME
+    return isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
 
 
 class UniversalCheckpoint:
@@ -123,7 +123,8 @@ class UniversalCheckpoint:
                                   file=directory)
         self._refuse_unsafe_objects()
         index = _read_json(os.path.join(directory, INDEX_FILE))
-        self.weight_map: Dict[str, str] = index["weight_map"]
+        self.weight_map: Dict[str, str] = _checked_weight_map(directory, index,
+                                                              self.manifest["tensors"])
         self._handles: Dict[str, Any] = {}
         self._infos: Dict[str, TensorInfo] = {}
         for name, entry in self.manifest["tensors"].items():
@@ -184,7 +185,11 @@ class UniversalCheckpoint:
         from safetensors import safe_open
 
         if file not in self._handles:
-            self._handles[file] = safe_open(os.path.join(self.directory, file), framework="pt")
+            # Names were checked in __init__; symlinks again here, and safetensors gets the
+            # resolved path.
+            real = confined_path(self.directory, os.path.join(self.directory, file),
+                                 what=f"manifest names file {file!r}, which")
+            self._handles[file] = safe_open(real, framework="pt")
         return self._handles[file]
 
     def read(self, name: str, offset: Optional[Sequence[int]] = None,
@@ -214,10 +219,32 @@ class UniversalCheckpoint:
         self.close()
 
 
+def _checked_weight_map(directory: str, index: Any, tensors: Any) -> Dict[str, str]:
+    """The index's weight_map, refused unless it names, for exactly the manifest's tensors, the
+    file the manifest names, and every file is a plain name inside `directory` (`safe_join`)."""
+    path = os.path.join(directory, INDEX_FILE)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not isinstance(tensors, dict):
+        raise CheckpointError(f"expected a weight_map object in {INDEX_FILE} and a tensors object "
+                              f"in {MANIFEST_FILE}, found {type(weight_map).__name__} and "
+                              f"{type(tensors).__name__}", file=path)
+    checked = set()
+    for name in sorted(set(weight_map) | set(tensors)):
+        entry = tensors.get(name)
+        file = entry.get("file") if isinstance(entry, dict) else None
+        if weight_map.get(name) != file:
+            raise CheckpointError(f"{INDEX_FILE} puts the tensor in file {weight_map.get(name)!r}, "
+                                  f"{MANIFEST_FILE} in {file!r}; expected both to name the same "
+                                  "file (one of them was edited)", file=path, tensor=name)
+        if not isinstance(file, str) or file not in checked:  # safe_join refuses a non-string
+            safe_join(directory, file, what="manifest")
+            checked.add(file)
+    return weight_map
+
+
 def _read_json(path: str) -> Any:
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(read_confined(path, what=os.path.basename(path)))
     except OSError as e:
         raise CheckpointError(f"cannot read: {e}", file=path) from e
     except ValueError as e:

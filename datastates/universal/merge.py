@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Optional
 
-from ..layout import atomic_write
+from ..errors import CheckpointError
+from ..layout import atomic_write, read_iteration
 from .sources import TRACKER_FILE, open_source
 from .writer import MergeResult, write_universal
 
@@ -27,9 +28,8 @@ TELEMETRY_FILE = "universal_merges.jsonl"
 def advance_tracker(root: str, iteration: int) -> None:
     path = os.path.join(root, TRACKER_FILE)
     try:
-        with open(path) as f:
-            current = int(f.read().strip())
-    except (OSError, ValueError):
+        current = read_iteration(path)
+    except CheckpointError:  # missing, unreadable or not a plain number: ours to rewrite
         current = -1
     if iteration > current:
         atomic_write(path, str(iteration).encode())
@@ -63,8 +63,6 @@ def main(argv=None) -> int:
     p.add_argument("--max-file-bytes", type=int, default=2 << 30)
     p.add_argument("--max-bytes-per-s", type=float, default=None)
     a = p.parse_args(argv)
-    from ..errors import CheckpointError
-
     try:
         r = run_merge(a.source, a.output, a.root, a.max_file_bytes, a.max_bytes_per_s)
     except CheckpointError as err:

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..errors import CheckpointError
+from ..layout import read_iteration, safe_join
 from ..reader import CheckpointReader
 from ..safe_load import (SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata,
                          reraise_dcp_failure, torch_load)
@@ -176,11 +177,6 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 def resolve_checkpoint_dir(path: str) -> str:
     """`path` itself, or for a Megatron save root the ``iter_XXXXXXX`` its tracker names."""
     tracker = os.path.join(path, TRACKER_FILE)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            text = f.read().strip()
-        if not text.isdigit():
-            raise CheckpointError(f"tracker holds {text!r}, expected an iteration number",
-                                  file=tracker)
-        return os.path.join(path, f"iter_{int(text):07d}")
+    if os.path.isfile(tracker):  # untrusted: a plain number, and no link out of `path`
+        return safe_join(path, f"iter_{read_iteration(tracker):07d}", what="tracker")
     return path

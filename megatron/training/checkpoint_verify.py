@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import List, Optional
 
 import torch
@@ -22,18 +23,23 @@ from megatron.training.checkpoint_state import CheckpointError
 from megatron.training.log import print_rank_0
 
 _ITER_PREFIX = "iter_"
+_ITER_DIR = re.compile(r"iter_[0-9]+")  # str.isdigit() would take non-ASCII digits too
 
 
 def complete_iterations(root: str) -> List[int]:
     """Iterations under `root` whose save finished: metadata.json present and, for DataStates
     checkpoints, the commit marker too. Ascending."""
-    from datastates import is_committed
+    from datastates import CheckpointError as DataStatesError, is_committed
+    from datastates.layout import safe_join
 
     out = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        if not name.startswith(_ITER_PREFIX) or not name[len(_ITER_PREFIX):].isdigit():
+        if not _ITER_DIR.fullmatch(name):
             continue
-        path = os.path.join(root, name)
+        try:
+            path = safe_join(root, name, what="--load directory")
+        except DataStatesError:
+            continue  # a link out of the root is not one of its checkpoints
         meta = os.path.join(path, "metadata.json")
         if not os.path.isfile(meta):
             continue

@@ -20,7 +20,9 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from datastates.layout import atomic_write, make_spare, replace_from_spare
+from datastates import CheckpointError as DataStatesError
+from datastates.layout import (atomic_write, make_spare, read_iteration, replace_from_spare,
+                               safe_join)
 from megatron.training.checkpoint_state import (
     CheckpointError,
     OPTIMIZER_METADATA,
@@ -72,12 +74,13 @@ def read_tracker(root: str) -> int:
     if not os.path.isfile(path):
         raise CheckpointError(f"no {TRACKER_FILENAME} in the --load directory (no complete "
                               f"checkpoint was ever written there)", path=root)
-    text = open(path).read().strip()
+    # Untrusted: a plain non-negative number, naming a directory that is no link out of root.
     try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"expected an iteration number in {TRACKER_FILENAME}, found "
-                              f"{text[:40]!r}", path=path) from None
+        iteration = read_iteration(path, what=TRACKER_FILENAME)
+        safe_join(root, os.path.basename(checkpoint_dir(root, iteration)), what=TRACKER_FILENAME)
+    except DataStatesError as err:
+        raise CheckpointError(err.reason, path=err.file) from err
+    return iteration
 
 
 class CheckpointManager:

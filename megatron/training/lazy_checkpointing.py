@@ -41,7 +41,7 @@ from megatron.core.dist_checkpointing.core import CONFIG_FNAME as METADATA_FILE 
 from megatron.training.config import CkptFailurePolicy, RunConfig
 from datastates import CheckpointError as DataStatesError
 from datastates import is_committed
-from datastates.layout import COMMIT_FILE, make_spare, release_spare
+from datastates.layout import COMMIT_FILE, make_spare, read_iteration, release_spare
 from megatron.training.log import print_rank_0
 from megatron.training.universal import make_background_merger
 
@@ -355,9 +355,8 @@ def _fsync_files(directory: str, names: List[str]) -> None:
 def _tracked_iteration(root: Optional[str]) -> Optional[int]:
     """The iteration the tracker names, or None (used in error messages only)."""
     try:
-        with open(os.path.join(root, TRACKER_FILENAME)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError, TypeError):
+        return read_iteration(os.path.join(root, TRACKER_FILENAME))
+    except (DataStatesError, TypeError):
         return None
 
 
