@@ -136,7 +136,7 @@ def test_hf_export_computes_what_megatron_computes(saved, tmp_path):
                          TINY_MODEL + NO_DROPOUT + FOUR + ["--load", str(merged)],
                          cwd=str(REPO), env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    ref = torch.load(str(tmp_path / "logits.pt"))
+    ref = torch.load(str(tmp_path / "logits.pt"), weights_only=True)
     ours = _gpt2_logits(weights, cfg, ref["tokens"])
     assert ours.shape == ref["logits"].shape
     torch.testing.assert_close(ours, ref["logits"], rtol=1e-4, atol=1e-4)
