@@ -12,9 +12,8 @@ import sys
 
 def main(argv=None) -> int:
     from megatron.training.arguments import ArgumentError, build_run_config, parse_args
-    from megatron.training.checkpoint_state import CheckpointError
 
-    from datastates import CheckpointError as EngineCheckpointError
+    from datastates import CheckpointError  # the trainer's checkpoint errors subclass it
 
     try:
         config = build_run_config(parse_args(argv))
@@ -31,7 +30,7 @@ def main(argv=None) -> int:
         if config.checkpoint.save and int(os.environ.get("RANK", "0")) == 0:
             os.makedirs(config.checkpoint.save, exist_ok=True)
         train(trainer)
-    except (CheckpointError, EngineCheckpointError) as err:
+    except CheckpointError as err:
         _report(err)
         return 2
     except Exception as err:  # noqa: BLE001 - the entry point reports, the library raises

@@ -66,7 +66,7 @@ def merge_alone(save: str) -> dict:
     it = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
     out_dir = os.path.join(save, "alone")
     shutil.rmtree(out_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "datastates.universal.merge", "--source",
+    cmd = [sys.executable, "-m", "datastates.megatron_adapter.merge", "--source",
            os.path.join(save, f"iter_{it:07d}"), "--output", out_dir]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,

@@ -17,7 +17,7 @@ from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointError
 from .layout import FORMAT_VERSION, is_committed, latest_committed, step_dir, try_commit
 from .reader import CheckpointReader, TensorMeta
-from .state import TensorShard
+from .flatten import TensorShard
 from .telemetry import SaveRecord
 
 __all__ = ["Checksum", "CheckpointEngine", "CheckpointError", "CheckpointReader", "CommitPolicy",

@@ -30,7 +30,7 @@ from .errors import CheckpointError
 from .faults import fault_point
 from .flush import migrate_version_files, write_block, write_version_files
 from .job import FILE_ALIGN, SaveHandle, SaveJob, Segment, is_small, plan_layout
-from .state import TensorEntry, flatten_state
+from .flatten import TensorEntry, flatten_state
 from .telemetry import SaveRecord, append_record
 from .transfer import Copier, iter_pieces
 

@@ -8,7 +8,7 @@ import threading
 import zlib
 from typing import Callable, List
 
-from . import layout
+from . import fileio, layout
 from .cache import HostCache
 from .checksum import ChecksumFn
 from .config import EngineConfig
@@ -41,7 +41,7 @@ def write_block(cfg: EngineConfig, crc: ChecksumFn, cache: HostCache, sv: SaveJo
         # the next page-aligned block (the cache block is page-rounded too).
         padded = -(-total // DIRECT_ALIGN) * DIRECT_ALIGN
         try:
-            layout.pwrite_all(sv.dfd, cache.memview(start, padded), file_off)
+            fileio.pwrite_all(sv.dfd, cache.memview(start, padded), file_off)
             return crcs
         except OSError as e:
             if e.errno != errno.EINVAL:
@@ -53,7 +53,7 @@ def write_block(cfg: EngineConfig, crc: ChecksumFn, cache: HostCache, sv: SaveJo
                 if sv.dfd >= 0:
                     os.close(sv.dfd)
                     sv.dfd = -1
-    layout.pwrite_all(sv.fd, cache.memview(start, total), file_off)
+    fileio.pwrite_all(sv.fd, cache.memview(start, total), file_off)
     if cfg.early_writeback:
         start_writeback(sv.fd, file_off, total)
     return crcs
@@ -74,14 +74,14 @@ def write_version_files(cfg: EngineConfig, sv: SaveJob, lock: threading.Conditio
     directory = sv.write_dir
     index = build_index(cfg, sv.handle.step, sv.entries, sv.file_offsets, sv.chunks, sv.skeleton)
     index_bytes = layout.dumps(index)
-    layout.atomic_write(os.path.join(directory, layout.index_file(cfg.rank)), index_bytes,
+    fileio.atomic_write(os.path.join(directory, layout.index_file(cfg.rank)), index_bytes,
                         durable=cfg.fsync)
-    layout.atomic_write(os.path.join(directory, layout.FORMAT_FILE),
+    fileio.atomic_write(os.path.join(directory, layout.FORMAT_FILE),
                         layout.dumps(layout.format_header()), durable=cfg.fsync)
     marker = dict(layout.format_header(), rank=cfg.rank, world_size=cfg.world_size,
                   step=sv.handle.step, index=layout.index_file(cfg.rank),
                   index_crc32=zlib.crc32(index_bytes), bytes=sv.total_bytes)
-    layout.atomic_write(os.path.join(directory, layout.rank_marker_file(cfg.rank)),
+    fileio.atomic_write(os.path.join(directory, layout.rank_marker_file(cfg.rank)),
                         layout.dumps(marker), durable=cfg.fsync)
 
 
@@ -121,4 +121,4 @@ def migrate_version_files(cfg: EngineConfig, sv: SaveJob) -> None:
     for name in (layout.index_file(cfg.rank), layout.FORMAT_FILE,
                  layout.rank_marker_file(cfg.rank)):
         with open(os.path.join(src, name), "rb") as f:
-            layout.atomic_write(os.path.join(dst, name), f.read(), durable=cfg.fsync)
+            fileio.atomic_write(os.path.join(dst, name), f.read(), durable=cfg.fsync)

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import checksum, layout
+from . import checksum, fileio, layout
 from .errors import CheckpointError
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
@@ -88,7 +88,7 @@ def parse_tensor(doc: dict, rank: int, directory: str, index_path: str,
     name = doc.get("file")
     path = checked.get(name) if checked is not None and isinstance(name, str) else None
     if path is None:
-        path = layout.safe_join(directory, name, rank=rank)
+        path = fileio.safe_join(directory, name, rank=rank)
         if checked is not None:
             checked[name] = path
     shape = _ints(doc.get("shape"), "shape", rank, key, index_path)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from .errors import CheckpointError
-from .state import TensorEntry
+from .flatten import TensorEntry
 from .telemetry import SaveRecord
 
 

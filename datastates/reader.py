@@ -13,11 +13,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import checksum, layout
+from . import checksum, fileio, layout
 from .config import Checksum
 from .errors import CheckpointError
 from .index import ShardMeta, parse_index
-from .state import TensorShard, decode_skeleton
+from .flatten import TensorShard, decode_skeleton
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,10 @@ class CheckpointReader:
         layout.check_format(marker, marker_path, rank)
         directory = self._local_copy(rank, marker) or self.directory
         self._sources[rank] = directory
-        index_path = layout.safe_join(directory, marker.get("index"), rank=rank,
+        index_path = fileio.safe_join(directory, marker.get("index"), rank=rank,
                                       what="rank marker")
         try:
-            raw = layout.read_confined(index_path, rank=rank, what="index")
+            raw = fileio.read_confined(index_path, rank=rank, what="index")
         except OSError as e:
             raise CheckpointError(f"cannot read index: {e}", rank=rank, file=index_path) from e
         if self.verify and zlib.crc32(raw) != marker.get("index_crc32"):
@@ -174,7 +174,7 @@ class CheckpointReader:
             fd = self._fds.get(path)
             if fd is None:
                 try:  # checked when the index was parsed; again here, as it is opened
-                    fd = layout.open_confined(path, rank=m.rank, what="shard file")
+                    fd = fileio.open_confined(path, rank=m.rank, what="shard file")
                 except OSError as e:
                     raise CheckpointError(f"cannot open shard file: {e}", rank=m.rank, file=path,
                                           tensor=m.key) from e

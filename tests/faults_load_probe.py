@@ -21,7 +21,7 @@ def main(argv) -> int:
     from datastates import CheckpointError as EngineError
     from megatron.training.arguments import build_run_config, parse_args
     from megatron.training.checkpoint_loading import load_checkpoint
-    from megatron.training.checkpoint_state import CheckpointError
+    from megatron.training.checkpoint_contents import CheckpointError
     from megatron.training.training import setup
 
     trainer = setup(build_run_config(parse_args(flags)))

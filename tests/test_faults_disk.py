@@ -137,15 +137,19 @@ def test_tracker_moves_on_a_full_disk_through_its_spare(tmp_path, one_rank_group
     """After a commit marker is written the disk may fill up (the next save's shards): the
     tracker must still move, so it is rewritten in blocks allocated beforehand; a plain atomic
     write (temp file + rename) gets ENOSPC in the same state."""
-    from datastates.layout import atomic_write, make_spare, spare_path
-    from megatron.training.checkpointing import TRACKER_FILENAME, write_tracker
+    from datastates.fileio import atomic_write, make_spare, spare_path
+    from datastates.megatron_adapter.paths import TRACKER_FILENAME
+    from datastates.megatron_adapter.paths import write_tracker as write
+
+    def write_tracker(root, iteration, config):  # what every format does once a save is complete
+        write(root, iteration, config.to_json())
 
     with mounted_tmpfs(tmp_path / "fs", "1m") as mnt:
         root = mnt / "ckpt"
         root.mkdir()
         config = _run_config(root)
         tracker = root / TRACKER_FILENAME
-        assert make_spare(str(tracker))  # what the first save does, before any shard
+        assert make_spare(str(tracker))  # what start-up does (paths.prepare_root), before any save
         write_tracker(str(root), 1, config)
         assert tracker.read_text() == "1" and os.path.isfile(spare_path(str(tracker)))
         run_config = os.stat(root / "run_config.json").st_ino
@@ -201,7 +205,8 @@ def test_commit_marker_goes_into_space_set_aside_at_save_time(tmp_path):
     import torch
 
     from datastates import CheckpointEngine, CommitPolicy, EngineConfig, is_committed, try_commit
-    from datastates.layout import COMMIT_FILE, make_spare, spare_path
+    from datastates.fileio import make_spare, spare_path
+    from datastates.layout import COMMIT_FILE
 
     with mounted_tmpfs(tmp_path / "fs", "2m") as mnt:
         state = {"w": torch.arange(4096.0)}

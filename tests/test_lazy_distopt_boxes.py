@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from megatron.training.distopt_lazy_state import flat_range_boxes
+from megatron.training.distopt_shards import flat_range_boxes
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (1, 6, 5), (4, 1, 3, 2), ()])

@@ -159,7 +159,8 @@ def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):
     assert int(check.stdout.split("MATCH")[1].split()[0]) > 20  # model and optimizer tensors
 
 
-@pytest.mark.parametrize("imports", ["import datastates.megatron_adapter",
+@pytest.mark.parametrize("imports", ["import datastates.megatron_adapter.strategies",
+                                     "import datastates.megatron_adapter",
                                      "import datastates; import megatron.core",
                                      "import megatron.core; import datastates"])
 def test_load_strategy_registered_in_any_import_order(imports):

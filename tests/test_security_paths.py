@@ -14,10 +14,11 @@ import torch
 
 from datastates import (CheckpointEngine, CheckpointError, CheckpointReader, EngineConfig,
                         is_committed, latest_committed, step_dir, try_commit)
-from datastates.layout import COMMIT_FILE, read_iteration
-from datastates.universal import (INDEX_FILE, MANIFEST_FILE, UniversalCheckpoint,
-                                  open_source, resolve_checkpoint_dir, write_universal)
-from datastates.universal.merge import advance_tracker
+from datastates.fileio import read_iteration
+from datastates.layout import COMMIT_FILE
+from datastates.megatron_adapter import advance_tracker, open_source
+from datastates.megatron_adapter.paths import resolve_checkpoint_dir
+from datastates.universal import INDEX_FILE, MANIFEST_FILE, UniversalCheckpoint, write_universal
 from universal_fixtures import global_tensors, write_datastates_checkpoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -336,8 +337,8 @@ def test_merge_tracker_is_not_held_back_by_a_forged_number(tmp_path):
 # The trainer's readers (megatron-core is imported: a few seconds, once).
 @pytest.mark.parametrize("text", BAD_TRACKERS)
 def test_trainer_read_tracker_refuses_forged_numbers(tmp_path, text):
-    from megatron.training.checkpoint_state import CheckpointError as TrainerError
-    from megatron.training.checkpointing import read_tracker
+    from megatron.training.checkpoint_contents import CheckpointError as TrainerError
+    from megatron.training.checkpoint_loading import _read_tracker as read_tracker
 
     root = root_with(tmp_path, text)
     with pytest.raises(TrainerError) as err:
@@ -346,8 +347,8 @@ def test_trainer_read_tracker_refuses_forged_numbers(tmp_path, text):
 
 
 def test_trainer_read_tracker_refuses_an_iteration_linked_from_outside(tmp_path):
-    from megatron.training.checkpoint_state import CheckpointError as TrainerError
-    from megatron.training.checkpointing import read_tracker
+    from megatron.training.checkpoint_contents import CheckpointError as TrainerError
+    from megatron.training.checkpoint_loading import _read_tracker as read_tracker
 
     root = root_with(tmp_path, "5", iteration=1)
     outside = tmp_path / "outside" / "iter_0000005"
@@ -361,7 +362,7 @@ def test_trainer_read_tracker_refuses_an_iteration_linked_from_outside(tmp_path)
 
 
 def test_fallback_candidates_skip_links_outside_and_non_ascii_names(tmp_path):
-    from megatron.training.checkpoint_verify import complete_iterations
+    from datastates.megatron_adapter.paths import complete_iterations
 
     root = tmp_path / "root"
     for d in (root / "iter_0000001", root / "iter_\u0663", tmp_path / "outside" / "iter_0000009"):

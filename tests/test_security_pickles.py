@@ -55,7 +55,8 @@ def runs(tmp_path_factory):
                    timeout=180)
         assert r.returncode == 0, r.describe()
         out[name] = root / name
-    from datastates.universal import open_source, write_universal
+    from datastates.megatron_adapter import open_source
+    from datastates.universal import write_universal
 
     src = open_source(str(out["datastates"] / ITER))
     try:
@@ -296,7 +297,7 @@ def test_trainer_load_refuses_planted_pickles_in_every_format(runs, tmp_path):
 # ----------------------------------------------------------------- background merge
 
 def test_background_merge_refuses_a_planted_pickle(runs, tmp_path):
-    from datastates.universal import BackgroundMerger, MergerConfig
+    from datastates.megatron_adapter import BackgroundMerger, MergerConfig
 
     marker = tmp_path / "MARKER"
     ds = _copy_root(runs["datastates"], tmp_path / "ds")

@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from datastates.universal import (TorchDistSource, UniversalCheckpoint, decode_value, open_source,
-                                  write_universal)
+from datastates.megatron_adapter import TorchDistSource, open_source
+from datastates.universal import UniversalCheckpoint, decode_value, write_universal
 from universal_fixtures import global_tensors, write_datastates_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,10 +12,9 @@ import torch
 from safetensors import safe_open
 
 from datastates import CheckpointError, CheckpointReader
-from datastates.universal import (INDEX_FILE, MANIFEST_FILE, BackgroundMerger, MergerConfig,
-                                  UniversalCheckpoint, decode_value, is_committed, open_source,
-                                  write_universal)
-from datastates.universal.hf import export_hf
+from datastates.megatron_adapter import BackgroundMerger, MergerConfig, export_hf, open_source
+from datastates.universal import (INDEX_FILE, MANIFEST_FILE, UniversalCheckpoint, decode_value,
+                                  is_committed, write_universal)
 from universal_fixtures import H, L, common_state, global_tensors, write_datastates_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,7 +118,7 @@ def test_killed_merge_leaves_previous_universal_and_source_intact(source, tmp_pa
         f.write("4")
     dst = os.path.join(root, "iter_0000005")
     total = sum(t.numel() * 4 for t in tensors.values())
-    cmd = [sys.executable, "-m", "datastates.universal.merge", "--source", d, "--output", dst,
+    cmd = [sys.executable, "-m", "datastates.megatron_adapter.merge", "--source", d, "--output", dst,
            "--root", root, "--max-file-bytes", "4096", "--max-bytes-per-s", str(total / 20)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     tmp = f"{dst}.tmp-{proc.pid}"

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from datastates import CheckpointReader
-from datastates.universal import UniversalCheckpoint, open_source, write_universal
+from datastates.megatron_adapter import open_source
+from datastates.universal import UniversalCheckpoint, write_universal
 from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, Run, _kill_tree, assert_close, launch
 
 FOUR = ["--train-iters", "4", "--eval-interval", "0"]
@@ -124,7 +125,7 @@ def test_hf_export_computes_what_megatron_computes(saved, tmp_path):
     """The exported GPT-2 weights, run through a plain GPT-2 forward, give megatron's logits."""
     from safetensors.torch import load_file
 
-    from datastates.universal.hf import export_hf
+    from datastates.megatron_adapter import export_hf
 
     run, root = saved
     merged = root / "universal" / "iter_0000003"

@@ -51,9 +51,10 @@ class Progress:
 
 def _merge(args, kind):
     from datastates import CheckpointError
-    from datastates.universal import open_source, resolve_checkpoint_dir, write_universal
+    from datastates.megatron_adapter import open_source, paths
+    from datastates.universal import write_universal
 
-    source = open_source(resolve_checkpoint_dir(args.src),
+    source = open_source(paths.resolve_checkpoint_dir(args.src),
                          allow_unsafe_pickle=args.allow_unsafe_pickle)
     try:
         if source.kind != kind:
@@ -75,7 +76,7 @@ def _merge(args, kind):
 
 
 def _to_torch_dist(args):
-    from megatron.training.universal import universal_to_torch_dist
+    from megatron.training.from_universal import universal_to_torch_dist
 
     it = universal_to_torch_dist(args.src, args.dst, progress=Progress("to-torch-dist", False),
                                  allow_unsafe_pickle=args.allow_unsafe_pickle)
@@ -90,15 +91,16 @@ def _to_torch_dist(args):
 
 
 def _to_hf(args):
-    from datastates.universal.hf import export_hf
+    from datastates.megatron_adapter import export_hf
 
-    cfg = export_hf(args.src, args.dst, progress=Progress("to-hf", False))
+    cfg = export_hf(args.src, args.dst, progress=Progress("to-hf", False),
+                    allow_unsafe_pickle=args.allow_unsafe_pickle)
     print(f"Hugging Face {cfg['architectures'][0]} ({cfg['n_layer']} layers, hidden {cfg['n_embd']})"
           f" written to {args.dst}")
 
 
 def _inspect(args):
-    from datastates.universal.inspect import describe, render
+    from datastates.megatron_adapter import describe, render
 
     info = describe(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle)
     print(json.dumps(info, indent=1) if args.json else render(info))

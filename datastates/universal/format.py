@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CheckpointError
-from ..layout import confined_path, read_confined, safe_join
+from ..fileio import confined_path, read_confined, safe_join
 from .objects import decode_object, decode_value
 
 FORMAT_NAME = "datastates-universal"
@@ -68,6 +68,25 @@ def split_name(name: str) -> Tuple[Role, str]:
 
 def shard_file_name(i: int, n: int) -> str:
     return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One universal tensor: its name, role and parameter key, and the source key it comes from."""
+
+    name: str
+    role: Role
+    key: str
+    source_key: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..safe_load import UNSAFE_PICKLE_FLAG, torch_load
-from ..state import decode_skeleton, flatten_state
+from ..flatten import decode_skeleton, flatten_state
 
 DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
@@ -28,7 +28,7 @@ _DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 def encode_object(value: Any) -> dict:
     """A small object as JSON that loads without running code (format version 2):
     ``{"json": v}`` when plain JSON holds it; otherwise ``{"typed": skeleton, "tensors": [...]}``,
-    the engine's typed encoding (`datastates.state`: tuples, bytes, dtypes, enums, numpy arrays,
+    the engine's typed encoding (`datastates.flatten`: tuples, bytes, dtypes, enums, numpy arrays,
     Namespaces) with its tensors inlined as raw bytes; an ``io.BytesIO`` (what some Transformer
     Engine versions return as ``_extra_state``) as ``{"bytesio_b64": ...}``. A type none of these
     can hold is refused by name (never pickled)."""

@@ -1,4 +1,7 @@
-"""Writing a universal checkpoint atomically.
+"""Writing a universal checkpoint atomically, from any `MergeSource`.
+
+The writer knows the universal format only; what a source's keys mean (e.g. megatron's optimizer
+spelling, common.pt) is the source's business (`datastates.megatron_adapter.merge_sources`).
 
 Order (one process):
   1) plan the tensors and group them into files of at most `max_file_bytes` (a tensor larger than
@@ -13,25 +16,55 @@ so running the same merge twice is a no-op.
 """
 from __future__ import annotations
 
+import abc
 import glob
 import json
 import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from ..errors import CheckpointError
 from ..faults import fault_point
-from ..layout import fsync_dir
-from .format import COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, \
+from ..fileio import fsync_dir, fsync_file
+from .format import COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, Entry, \
     UniversalCheckpoint, is_committed, shard_file_name
-from .plan import Entry, build_manifest, plan_entries
-from .sources import Source
+from .objects import DTYPE_NAMES, encode_object
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current tensor)
+
+
+class MergeSource(abc.ABC):
+    """A checkpoint to merge into the universal format. Call order (one process):
+      1) `iteration()`; 2) `objects()` (small objects, read before any tensor so a bad one fails
+      early); 3) `entries()`; 4) `read(entry.source_key)` per entry; 5) `manifest_fields()`;
+      6) `close()`."""
+
+    directory: str
+    kind: str = "abstract"
+
+    @abc.abstractmethod
+    def iteration(self) -> int: ...
+
+    @abc.abstractmethod
+    def objects(self) -> Dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def entries(self) -> List[Entry]: ...
+
+    @abc.abstractmethod
+    def read(self, key: str) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def manifest_fields(self) -> Dict[str, Any]:
+        """Source-specific manifest fields: at least ``iteration``; the writer adds ``format``,
+        ``format_version``, ``objects`` and ``tensors``."""
+
+    def close(self) -> None:
+        pass
 DEFAULT_MAX_FILE_BYTES = 2 << 30
 
 
@@ -65,19 +98,26 @@ def group_files(entries: List[Entry], max_file_bytes: int) -> List[List[Entry]]:
     return [g for g in groups if g]
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: str, doc) -> None:
+def write_json(path: str, doc) -> None:
+    """A JSON file, fsync'd (inside a temporary directory renamed later)."""
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _encode_named(key: str, value: Any) -> dict:
+    try:
+        return encode_object(value)
+    except CheckpointError as err:
+        raise CheckpointError(f"object {key!r} cannot be stored in a universal checkpoint: "
+                              f"{err.reason}", tensor=key) from None
+
+
+def _tensor_table(entries: List[Entry], weight_map: Dict[str, str]) -> Dict[str, dict]:
+    return {e.name: {"role": e.role.value, "param": e.key, "source_key": e.source_key,
+                     "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
+                     "file": weight_map[e.name]} for e in entries}
 
 
 def remove_stale_temporaries(dst: str) -> None:
@@ -86,7 +126,7 @@ def remove_stale_temporaries(dst: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+def write_universal(source: MergeSource, dst: str, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                     progress: Optional[Progress] = None, overwrite: bool = False,
                     max_bytes_per_s: Optional[float] = None) -> MergeResult:
     """Merge `source` into the universal checkpoint `dst` and commit it (see module docstring).
@@ -94,8 +134,7 @@ def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_M
     `max_bytes_per_s` throttles a background merge so its reads and writes leave the disk to
     the training job's own checkpoints."""
     t0 = time.perf_counter()
-    common = source.common()
-    iteration = int(common.get("iteration", 0))
+    iteration = source.iteration()
     dst = os.path.abspath(dst)
     if is_committed(dst) and not overwrite:
         return MergeResult(dst, iteration, 0, time.perf_counter() - t0, skipped=True)
@@ -103,8 +142,8 @@ def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_M
     os.makedirs(parent, exist_ok=True)
     remove_stale_temporaries(dst)
     # Small objects first: a forged or unreadable one fails the merge before any tensor is read.
-    objects = source.objects()
-    entries, flavor = plan_entries(source)
+    objects = {k: _encode_named(k, v) for k, v in sorted(source.objects().items())}
+    entries = source.entries()
     groups = group_files(entries, max_file_bytes)
     weight_map = {e.name: shard_file_name(i + 1, len(groups))
                   for i, g in enumerate(groups) for e in g}
@@ -134,16 +173,17 @@ def write_universal(source: Source, dst: str, *, max_file_bytes: int = DEFAULT_M
                 progress(done, total, e.name)
         path = os.path.join(tmp, shard_file_name(i + 1, len(groups)))
         save_file(tensors, path, metadata={"format": "pt", "producer": FORMAT_NAME})
-        _fsync(path)
+        fsync_file(path)
         del tensors
         if i == 0:  # crash tests: a kill here leaves a half-written .tmp- directory
             fault_point("merge", iteration, 0)
-    _write_json(os.path.join(tmp, INDEX_FILE),
+    write_json(os.path.join(tmp, INDEX_FILE),
                 {"metadata": {"total_size": total, "format": FORMAT_NAME,
                               "format_version": FORMAT_VERSION}, "weight_map": weight_map})
-    _write_json(os.path.join(tmp, MANIFEST_FILE),
-                build_manifest(source, common, entries, flavor, weight_map, objects))
-    _write_json(os.path.join(tmp, COMMIT_FILE),
+    write_json(os.path.join(tmp, MANIFEST_FILE),
+                dict(source.manifest_fields(), format=FORMAT_NAME, format_version=FORMAT_VERSION,
+                     objects=objects, tensors=_tensor_table(entries, weight_map)))
+    write_json(os.path.join(tmp, COMMIT_FILE),
                 {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "iteration": iteration,
                  "files": len(groups), "total_size": total, "time": time.time()})
     fsync_dir(tmp)
@@ -160,7 +200,7 @@ def upgrade_universal(directory: str, allow_unsafe_pickle: bool = False) -> int:
     the opt-in; any other needs `allow_unsafe_pickle` (the file is then trusted, its code runs).
     The manifest is replaced atomically, then the commit marker's version: a crash in between
     leaves a checkpoint that loads. Returns how many objects were rewritten (0: nothing to do)."""
-    from ..layout import atomic_write
+    from ..fileio import atomic_write
     from .objects import decode_object, decode_value, encode_object, encode_value
 
     manifest_path = os.path.join(directory, MANIFEST_FILE)

@@ -9,72 +9,51 @@ import json
 import os
 from typing import Callable, Optional
 
-import torch
-
 # Importing datastates registers its dist_checkpointing load strategy, so megatron-core reads
 # --async-lazy-save checkpoints (metadata.json names the "datastates" backend) like any other.
 import datastates
-from datastates.safe_load import torch_load
+from datastates.megatron_adapter import load_strategies, paths
+from datastates.safe_load import UnsafePickleError
+from datastates.universal import is_universal
 
-from megatron.training.checkpoint_state import (
+from megatron.training.checkpoint_contents import (
     CheckpointError,
     TrainState,
     apply_loaded_state_dict,
     build_sharded_state_dict,
     check_model_shape,
-    layout,
-)
-from megatron.training.checkpointing import (
-    TORCH_FILENAME,
-    TRACKER_FILENAME,
-    checkpoint_dir,
-    read_tracker,
+    init_distributed_optimizer_state,
+    parallel_layout,
+    safe_torch_load,
+    saved_run_config,
     torch_rank_dir,
 )
-from megatron.training.config import CkptFormat, RunConfig
 from megatron.training.checkpoint_verify import damage_hint, newest_intact
+from megatron.training.config import CkptFormat, RunConfig
+from megatron.training.from_universal import load_universal
 from megatron.training.log import print_rank_0
 
 
 def detect_format(directory: str) -> CkptFormat:
-    if os.path.isfile(os.path.join(directory, "metadata.json")):
-        return CkptFormat.TORCH_DIST
-    if any(name.startswith("mp_rank_") for name in os.listdir(directory)):
-        return CkptFormat.TORCH
-    raise CheckpointError("not a checkpoint directory: expected metadata.json (torch_dist) or "
-                          "mp_rank_* (torch)", path=directory)
+    """The --ckpt-format that reads `directory` (DataStates checkpoints load through
+    dist_checkpointing like torch_dist ones)."""
+    fmt = paths.detect_format(directory)
+    return CkptFormat.TORCH if fmt is paths.Format.TORCH else CkptFormat.TORCH_DIST
 
 
-def _saved_config(directory: str, fmt: CkptFormat, allow_unsafe_pickle: bool = False) -> str:
-    if fmt is CkptFormat.TORCH_DIST:
-        from datastates.megatron_adapter import SafeCommonLoadStrategy
-
-        try:
-            common = SafeCommonLoadStrategy(allow_unsafe_pickle).load_common(directory)
-        except datastates.safe_load.UnsafePickleError as err:
-            # Forged, or written by code we do not trust: an older checkpoint may still be good.
-            raise datastates.safe_load.UnsafePickleError(
-                err.args[0] + damage_hint(*_split(directory))) from None
-        except datastates.CheckpointError as err:
-            raise CheckpointError(f"cannot read common.pt (the checkpoint's common state): {err}"
-                                  + damage_hint(*_split(directory)), path=directory) from err
-        if not isinstance(common, dict) or "run_config" not in common:
-            raise CheckpointError("common.pt holds no run_config: not a checkpoint of this trainer "
-                                  "(a Megatron-LM one? convert it with "
-                                  "tools/convert_checkpoint.py)", path=directory)
-        return common["run_config"]
-    path = os.path.join(torch_rank_dir(directory), TORCH_FILENAME)
-    if not os.path.isfile(path):
-        raise CheckpointError("torch-format checkpoint has no file for this rank's TP/PP "
-                              "position; it was saved with another layout (the torch format "
-                              "cannot be resharded: save with --ckpt-format torch_dist)", path=path)
-    return safe_torch_load(path, allow_unsafe_pickle)["run_config"]
-
-
-def safe_torch_load(path: str, allow_unsafe_pickle: bool = False):
-    """A torch-format file read without running code from it (`datastates.safe_load.torch_load`:
-    weights_only=True plus numpy RNG states); plain pickle only with --allow-unsafe-pickle."""
-    return torch_load(path, file=path, allow_unsafe=allow_unsafe_pickle)
+def _saved_config(directory: str, fmt: CkptFormat, allow_unsafe_pickle: bool) -> str:
+    """`saved_run_config`, with what to do about a damaged or forged common state."""
+    try:
+        return saved_run_config(directory, fmt, allow_unsafe_pickle)
+    except UnsafePickleError as err:
+        # Forged, or written by code we do not trust: an older checkpoint may still be good.
+        raise UnsafePickleError(err.args[0] + damage_hint(*_split(directory))) from None
+    except CheckpointError:
+        raise
+    except datastates.CheckpointError as err:
+        raise CheckpointError(f"cannot read common.pt (the checkpoint's common state): "
+                              f"{err.reason}" + damage_hint(*_split(directory)),
+                              path=err.file or directory) from err
 
 
 def _load_distrib_optim(optimizer, path: str, allow_unsafe_pickle: bool) -> None:
@@ -87,14 +66,6 @@ def _load_distrib_optim(optimizer, path: str, allow_unsafe_pickle: bool) -> None
         if opt.data_parallel_group.rank() == 0:
             state_dict = safe_torch_load(path, allow_unsafe_pickle)
         opt.load_parameter_state_from_dp_zero(state_dict)
-
-
-def _init_distributed_optimizer_state(optimizer) -> None:
-    # A fresh DistributedOptimizer has no Adam state; fully_reshardable loading copies into
-    # existing state tensors (and asserts one `step` per group), so create them first.
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
-            opt._init_optimizer_states_with_dummy_values()
 
 
 def load_checkpoint(state: TrainState, config: RunConfig,
@@ -111,15 +82,16 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         raise CheckpointError("--load directory does not exist", path=ckpt.load)
     if _load_if_universal(state, config, ckpt.load):  # --load names a universal checkpoint
         return True
-    if not os.path.isfile(os.path.join(ckpt.load, TRACKER_FILENAME)):
+    if not os.path.isfile(os.path.join(ckpt.load, paths.TRACKER_FILENAME)):
         # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
-        print_rank_0(f"no {TRACKER_FILENAME} in {ckpt.load}: no complete checkpoint there yet, "
-                     "starting from scratch")
+        print_rank_0(f"no {paths.TRACKER_FILENAME} in {ckpt.load}: no complete checkpoint there "
+                     "yet, starting from scratch")
         return False
-    iteration = read_tracker(ckpt.load)
-    if ckpt.ckpt_fallback_to_previous and not _is_universal(checkpoint_dir(ckpt.load, iteration)):
+    iteration = _read_tracker(ckpt.load)
+    if ckpt.ckpt_fallback_to_previous and \
+            not _is_universal(paths.checkpoint_dir(ckpt.load, iteration)):
         iteration = newest_intact(ckpt.load, iteration, config)
-    directory = checkpoint_dir(ckpt.load, iteration)
+    directory = paths.checkpoint_dir(ckpt.load, iteration)
     if not os.path.isdir(directory):
         raise CheckpointError(f"tracker names iteration {iteration} but {directory} is missing"
                               + damage_hint(ckpt.load, iteration), path=ckpt.load)
@@ -131,16 +103,16 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     check_model_shape(saved_json, config, directory)
     saved = json.loads(saved_json)
     saved_layout = _layout_of(saved)
-    same_layout = saved_layout == layout(config)
+    same_layout = saved_layout == parallel_layout(config)
     load_optim = ckpt.load_optim and not ckpt.finetune and saved["checkpoint"]["save_optim"]
     load_rng = ckpt.load_rng and not ckpt.finetune and saved["checkpoint"]["save_rng"]
     if load_rng and not same_layout:
-        print_rank_0(f"checkpoint layout {saved_layout} differs from this run's {layout(config)}: "
+        print_rank_0(f"checkpoint layout {saved_layout} differs from this run's {parallel_layout(config)}: "
                      "RNG states are per rank and are not restored")
         load_rng = False
     if fmt is CkptFormat.TORCH and not same_layout:
         raise CheckpointError(f"torch-format checkpoint saved at layout {saved_layout} cannot be "
-                              f"loaded at {layout(config)}; use --ckpt-format torch_dist to "
+                              f"loaded at {parallel_layout(config)}; use --ckpt-format torch_dist to "
                               "change TP/PP/DP", path=directory)
     if load_optim and config.parallel.use_distributed_optimizer != \
             saved["parallel"]["use_distributed_optimizer"]:
@@ -148,38 +120,42 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                               f"{saved['parallel']['use_distributed_optimizer']}; load it with the "
                               "same setting or pass --no-load-optim", path=directory)
     if load_optim and config.parallel.use_distributed_optimizer:
-        _init_distributed_optimizer_state(state.optimizer)
+        init_distributed_optimizer_state(state.optimizer)
     if fmt is CkptFormat.TORCH_DIST:
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=load_rng)
         loaded = _load_torch_dist(sd, directory, loader, unsafe)
     else:
-        loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), TORCH_FILENAME), unsafe)
+        loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
+                                 unsafe)
     apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                             finetune=ckpt.finetune)
     if fmt is CkptFormat.TORCH and load_optim and config.parallel.use_distributed_optimizer:
         # After load_state_dict (param groups, step), as Megatron does: the sharded Adam state.
-        _load_distrib_optim(state.optimizer,
-                            os.path.join(torch_rank_dir(directory), "distrib_optim.pt"), unsafe)
+        _load_distrib_optim(state.optimizer, os.path.join(torch_rank_dir(directory),
+                                                          paths.DISTRIB_OPTIM_FILENAME), unsafe)
     print_rank_0(f"loaded checkpoint {directory} (format {fmt.value}, iteration {iteration}; "
                  f"optimizer {'restored' if load_optim else 'not restored'}, rng "
                  f"{'restored' if load_rng else 'not restored'})")
     return True
 
 
-def _is_universal(directory: str) -> bool:
-    from datastates.universal import is_universal
+def _read_tracker(root: str) -> int:
+    try:
+        return paths.read_tracker(root)
+    except CheckpointError:
+        raise
+    except datastates.CheckpointError as err:
+        raise CheckpointError(err.reason, path=err.file) from err
 
+
+def _is_universal(directory: str) -> bool:
     return os.path.isdir(directory) and is_universal(directory)
 
 
 def _load_if_universal(state: TrainState, config: RunConfig, directory: str) -> bool:
-    from datastates.universal import is_universal
-
     if not is_universal(directory):
         return False
-    from megatron.training.universal import load_universal
-
     load_universal(state, config, directory)
     return True
 
@@ -196,15 +172,13 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException as DcpException
 
-    from datastates.megatron_adapter import load_strategies
-
     try:
         if loader is not None:
             return loader(sd, directory)
         sharded, common = load_strategies(directory, allow_unsafe_pickle)
         return dist_checkpointing.load(sd, directory, sharded_strategy=sharded,
                                        common_strategy=common)
-    except datastates.safe_load.UnsafePickleError:
+    except UnsafePickleError:
         raise  # already names the file and the offending global
     except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
         raise CheckpointError(f"could not load the checkpoint: {err}"
@@ -218,12 +192,12 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
 
 def _backend_note(directory: str) -> str:
     """A DataStates directory whose metadata.json names another backend was edited."""
-    if os.path.isfile(os.path.join(directory, datastates.layout.COMMIT_FILE)):
+    if paths.sharded_backend(directory) != paths.Format.DATASTATES.value and \
+            os.path.isfile(os.path.join(directory, paths.DATASTATES_COMMIT_FILENAME)):
         return (". The directory holds a DataStates checkpoint (COMMIT.json) but metadata.json "
                 "names another backend: metadata.json was edited or replaced")
     return ""
 
 def _split(directory: str):
     """(root, iteration) of ROOT/iter_NNNNNNN."""
-    root, name = os.path.split(os.path.normpath(directory))
-    return root, int(name.split("_")[-1])
+    return os.path.dirname(os.path.normpath(directory)), paths.iteration_of(directory)

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.checkpoint_loading import load_checkpoint
-from megatron.training.checkpoint_state import TrainState
-from megatron.training.checkpointing import CheckpointManager, make_checkpoint_manager
+from megatron.training.checkpoint_contents import TrainState
+from megatron.training.checkpoint_formats import make_checkpoint_manager
+from megatron.training.checkpoint_manager import CheckpointManager
 from megatron.training.config import RunConfig
 from megatron.training.cpu_compat import apply_torch_adam_patches
 from megatron.training.data import Datasets, MicroBatchIterator, build_datasets, get_batch

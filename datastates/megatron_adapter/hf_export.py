@@ -16,9 +16,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
-from ..layout import fsync_dir
-from .format import UniversalCheckpoint
-from .writer import _fsync, _write_json
+from ..fileio import fsync_dir, fsync_file
+from ..universal import UniversalCheckpoint, write_json
 
 HF_WEIGHTS = "model.safetensors"
 _L = "decoder.layers."
@@ -107,12 +106,13 @@ def gpt2_tensors(u: UniversalCheckpoint, cfg: dict) -> List[Tuple[str, Callable[
 
 
 def export_hf(universal_dir: str, out_dir: str,
-              progress: Optional[Callable[[int, int, str], None]] = None) -> dict:
+              progress: Optional[Callable[[int, int, str], None]] = None,
+              allow_unsafe_pickle: bool = False) -> dict:
     """Write ``config.json`` + ``model.safetensors`` (model weights in the model's dtype) into
     `out_dir` (created; refused if it holds files). Returns the config."""
     from safetensors.torch import save_file
 
-    with UniversalCheckpoint(universal_dir) as u:
+    with UniversalCheckpoint(universal_dir, allow_unsafe_pickle=allow_unsafe_pickle) as u:
         cfg = gpt2_config(u)
         plan = gpt2_tensors(u, cfg)
         if os.path.isdir(out_dir) and os.listdir(out_dir):
@@ -128,8 +128,8 @@ def export_hf(universal_dir: str, out_dir: str,
                 progress(i + 1, len(plan), name)
         path = os.path.join(tmp, HF_WEIGHTS)
         save_file(tensors, path, metadata={"format": "pt"})
-        _fsync(path)
-        _write_json(os.path.join(tmp, "config.json"), cfg)
+        fsync_file(path)
+        write_json(os.path.join(tmp, "config.json"), cfg)
         fsync_dir(tmp)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)

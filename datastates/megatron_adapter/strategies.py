@@ -1,4 +1,4 @@
-"""The one module of `datastates` that knows Megatron: dist_checkpointing save/load strategies.
+"""megatron-core dist_checkpointing save/load strategies for DataStates (and safe torch_dist loads).
 
 megatron-core describes *what* is saved (`sharded_state_dict()`: ShardedTensor shards with global
 shapes and offsets, ShardedObjects); the engine decides *how bytes move*. This module translates
@@ -23,7 +23,7 @@ import contextlib
 import io
 import os
 import threading
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
@@ -39,7 +39,6 @@ from megatron.core.dist_checkpointing.strategies.base import (
 )
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 from megatron.core.dist_checkpointing.strategies.common import (
-    COMMON_STATE_FNAME,
     TorchCommonLoadStrategy,
     TorchCommonSaveStrategy,
 )
@@ -51,12 +50,13 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
 )
 
-from . import layout
-from .engine import CheckpointEngine, SaveHandle
-from .errors import CheckpointError
-from .reader import CheckpointReader
-from .safe_load import SafeBytesMixin, SafeFileSystemReader, reraise_dcp_failure, torch_load
-from .state import TensorShard
+from .. import fileio
+from ..engine import CheckpointEngine, SaveHandle
+from ..errors import CheckpointError
+from ..reader import CheckpointReader
+from ..safe_load import SafeBytesMixin, SafeFileSystemReader, reraise_dcp_failure, torch_load
+from ..flatten import TensorShard
+from .paths import COMMON_FILENAME, saved_common
 
 BACKEND = "datastates"
 BACKEND_VERSION = 1
@@ -73,7 +73,7 @@ def _local_view(sh: ShardedTensor) -> torch.Tensor:
     return data.reshape((1,) * sh.prepend_axis_num + tuple(data.shape))
 
 
-def engine_state(sharded_state_dict, extra_shards: Sequence[TensorShard] = ()
+def engine_payload(sharded_state_dict, extra_shards: Sequence[TensorShard] = ()
                  ) -> Dict[str, Dict[str, Any]]:
     """This rank's main-replica tensor shards and objects, keyed uniquely across ranks, plus
     `extra_shards` this rank alone holds (described outside megatron's ShardedTensor, e.g. the
@@ -112,7 +112,7 @@ class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
         return True
 
     def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
-        self.handle = self.engine.save(engine_state(sharded_state_dict, self.extra_shards),
+        self.handle = self.engine.save(engine_payload(sharded_state_dict, self.extra_shards),
                                        str(checkpoint_dir), step=self.step)
         return AsyncRequest(None, (), [])
 
@@ -145,7 +145,7 @@ class DurableCommonSaveStrategy(TorchCommonSaveStrategy):
             return
         buf = io.BytesIO()
         torch.save(common_state_dict, buf)
-        layout.atomic_write(os.path.join(str(checkpoint_dir), "common.pt"), buf.getbuffer())
+        fileio.atomic_write(os.path.join(str(checkpoint_dir), COMMON_FILENAME), buf.getbuffer())
 
 
 @contextlib.contextmanager
@@ -241,28 +241,38 @@ class DataStatesLoadStrategy(LoadShardedStrategy):
                                   f"reader ({BACKEND_VERSION}); upgrade datastates")
 
 
-def _read_shard(reader: CheckpointReader, sh: ShardedTensor) -> torch.Tensor:
-    """This rank's box of `sh` from the checkpoint. With `allow_shape_mismatch` (e.g. a vocabulary
-    padded differently at another TP), the part outside the saved global shape is zero."""
-    want = tuple(sh.global_shape)
-    saved = tuple(reader.tensor_meta(sh.key).global_shape)
+def read_sharded_tensor(sh: ShardedTensor, saved_shape, saved_dtype: torch.dtype,
+                        read: Callable[[tuple, tuple], torch.Tensor], *,
+                        where: str = "", name: Optional[str] = None) -> torch.Tensor:
+    """This rank's box of `sh` from a saved global tensor of `saved_shape`, read with
+    `read(global_offset, shape)` (only that box is read). With `allow_shape_mismatch` (e.g. a
+    vocabulary padded differently at another TP), the part outside the saved shape is zero.
+    Shared by every reader of ours (DataStates shards, universal checkpoints)."""
+    want, saved = tuple(sh.global_shape), tuple(saved_shape)
     local = tuple(sh.local_shape)
     box = (1,) * sh.prepend_axis_num + local
     if saved == want:
-        out = reader.read(sh.key, sh.global_offset, box)
+        out = read(tuple(sh.global_offset), box)
     elif sh.allow_shape_mismatch and len(saved) == len(want):
-        out = torch.zeros(box, dtype=reader.tensor_meta(sh.key).dtype)
+        out = torch.zeros(box, dtype=saved_dtype)
         lo = tuple(sh.global_offset)
         hi = tuple(min(o + b, g) for o, b, g in zip(lo, box, saved))
         if all(h > o for o, h in zip(lo, hi)):
-            part = reader.read(sh.key, lo, tuple(h - o for o, h in zip(lo, hi)))
-            out[tuple(slice(0, h - o) for o, h in zip(lo, hi))] = part
+            out[tuple(slice(0, h - o) for o, h in zip(lo, hi))] = \
+                read(lo, tuple(h - o for o, h in zip(lo, hi)))
     else:
-        raise CheckpointError(f"global shape mismatch: checkpoint {list(saved)}, model {list(want)}",
-                              file=reader.directory, tensor=sh.key)
+        raise CheckpointError(f"global shape mismatch: checkpoint {list(saved)}, model "
+                              f"{list(want)}", file=where or None, tensor=name or sh.key)
     if out.dtype != sh.dtype:
         out = out.to(sh.dtype)
     return out.reshape(local)
+
+
+def _read_shard(reader: CheckpointReader, sh: ShardedTensor) -> torch.Tensor:
+    meta = reader.tensor_meta(sh.key)
+    return read_sharded_tensor(sh, meta.global_shape, meta.dtype,
+                               lambda off, shape: reader.read(sh.key, off, shape),
+                               where=reader.directory)
 
 
 class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
@@ -275,11 +285,7 @@ class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
         self.allow_unsafe_pickle = allow_unsafe_pickle
 
     def load_common(self, checkpoint_dir):
-        path = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"no {COMMON_STATE_FNAME}: not a complete dist_checkpointing "
-                                  "checkpoint", file=str(checkpoint_dir))
-        return torch_load(path, file=path, allow_unsafe=self.allow_unsafe_pickle)
+        return saved_common(str(checkpoint_dir), self.allow_unsafe_pickle)
 
     def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
         def load_one(sh_obj):

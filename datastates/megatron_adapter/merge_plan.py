@@ -1,4 +1,5 @@
-"""What a merge writes: source tensor keys mapped to universal names, and the manifest.
+"""What a merge of a Megatron checkpoint writes: source keys mapped to universal names, and the
+Megatron fields of the manifest (counters, scheduler, optimizer, model config, layout, common.pt).
 
 megatron-core names optimizer state differently per optimizer: the distributed optimizer's
 ``fully_reshardable`` format saves ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` with the step
@@ -9,15 +10,13 @@ universal format has one spelling (see format.py) and records which one the sour
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from ..errors import CheckpointError
-from .format import FORMAT_NAME, FORMAT_VERSION, OPTIM_PREFIX, Role, tensor_name
-from .objects import DTYPE_NAMES, encode_object, encode_value
-from .sources import Source
+from ..universal import Entry, Role, encode_value, tensor_name
+from ..universal.format import OPTIM_PREFIX
 
 _SOURCE_ROLES = {"param": Role.FP32_PARAM, "fp32_param": Role.FP32_PARAM,
                  "exp_avg": Role.EXP_AVG, "exp_avg_sq": Role.EXP_AVG_SQ}
@@ -31,27 +30,9 @@ class OptimizerFlavor:
     NONE = "none"                # saved without optimizer state
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One universal tensor: its name, role and parameter key, and the source key it comes from."""
-
-    name: str
-    role: Role
-    key: str
-    source_key: str
-    dtype: torch.dtype
-    shape: Tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
-
-
-def plan_entries(source: Source) -> Tuple[List[Entry], str]:
-    """Universal entries for every source tensor, and the optimizer flavor found."""
+def plan_entries(source) -> Tuple[List[Entry], str]:
+    """Universal entries for every tensor of `source` (a `merge_sources.Source`), and the optimizer
+    flavor found."""
     entries: List[Entry] = []
     flavor = OptimizerFlavor.NONE
     for key in source.keys():
@@ -120,15 +101,13 @@ def optimizer_manifest(common: dict, flavor: str, directory: str) -> Optional[di
             "sharding_type": (common.get("optimizer") or {}).get("param_state_sharding_type")}
 
 
-def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: str,
-                   weight_map: Dict[str, str], objects: Dict[str, Any]) -> dict:
+def manifest_fields(source, common: dict, flavor: str) -> dict:
+    """The manifest's Megatron fields (the writer adds format, objects and the tensor table)."""
     run_config = json.loads(common["run_config"]) if "run_config" in common else {}
     data = run_config.get("data", {})
     model = run_config.get("model") or _model_from_megatron_args(common.get("args"))
     par = run_config.get("parallel", {})
     return {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
         "iteration": int(common.get("iteration", 0)),
         "consumed_train_samples": int(common.get("consumed_train_samples", 0)),
         "consumed_valid_samples": int(common.get("consumed_valid_samples", 0)),
@@ -149,19 +128,7 @@ def build_manifest(source: Source, common: dict, entries: List[Entry], flavor: s
         "run_config": run_config,
         # megatron's common.pt as saved, so universal -> torch_dist restores it exactly.
         "megatron_common": encode_value(common),
-        "objects": {k: _encode_named(k, v) for k, v in sorted(objects.items())},
-        "tensors": {e.name: {"role": e.role.value, "param": e.key, "source_key": e.source_key,
-                             "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
-                             "file": weight_map[e.name]} for e in entries},
     }
-
-
-def _encode_named(key: str, value: Any) -> dict:
-    try:
-        return encode_object(value)
-    except CheckpointError as err:
-        raise CheckpointError(f"object {key!r} cannot be stored in a universal checkpoint: "
-                              f"{err.args[0]}", tensor=key) from None
 
 
 _MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

@@ -5,15 +5,15 @@ import json
 import os
 from typing import Any, Dict
 
-from .format import UniversalCheckpoint, is_universal
-from .plan import DTYPE_NAMES
-from .sources import open_source, resolve_checkpoint_dir
+from ..universal import DTYPE_NAMES, UniversalCheckpoint, is_universal
+from .merge_sources import open_source
+from .paths import resolve_checkpoint_dir
 
 
 def describe(path: str, allow_unsafe_pickle: bool = False) -> Dict[str, Any]:
     directory = resolve_checkpoint_dir(path)
     if is_universal(directory):
-        with UniversalCheckpoint(directory) as u:
+        with UniversalCheckpoint(directory, allow_unsafe_pickle=allow_unsafe_pickle) as u:
             m = u.manifest
             tensors = {n: {"dtype": e["dtype"], "shape": e["shape"], "role": e["role"],
                            "bytes": _nbytes(u.info(n).dtype.itemsize, e["shape"]),

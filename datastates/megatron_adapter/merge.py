@@ -1,4 +1,4 @@
-"""The background merge process: ``python -m datastates.universal.merge --source DIR --output DIR``.
+"""The background merge process: ``python -m datastates.megatron_adapter.merge --source DIR --output DIR``.
 
 Run by `BackgroundMerger` (low priority, one at a time) after a checkpoint is committed; usable by
 hand too. Order: 1) merge and commit the universal checkpoint atomically (writer.py); 2) advance
@@ -18,15 +18,16 @@ import time
 from typing import Optional
 
 from ..errors import CheckpointError
-from ..layout import atomic_write, read_iteration
-from .sources import TRACKER_FILE, open_source
-from .writer import MergeResult, write_universal
+from ..fileio import atomic_write, read_iteration
+from ..universal import MergeResult, write_universal
+from .merge_sources import open_source
+from .paths import TRACKER_FILENAME
 
 TELEMETRY_FILE = "universal_merges.jsonl"
 
 
 def advance_tracker(root: str, iteration: int) -> None:
-    path = os.path.join(root, TRACKER_FILE)
+    path = os.path.join(root, TRACKER_FILENAME)
     try:
         current = read_iteration(path)
     except CheckpointError:  # missing, unreadable or not a plain number: ours to rewrite

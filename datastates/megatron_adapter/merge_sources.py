@@ -1,61 +1,65 @@
 """Where a merge reads from: a committed DataStates checkpoint or a Megatron torch_dist one.
 
-Both expose the same small interface (`Source`), so the writer never knows which format it merges.
-Neither needs megatron: DataStates shards are read with `CheckpointReader` (any global box,
-assembled from every rank's shards), torch_dist with PyTorch DCP's `FileSystemReader`.
+Both are `datastates.universal.MergeSource`s, so the universal writer never knows which format it
+merges nor what megatron's keys mean (`merge_plan` maps them). Neither needs megatron itself:
+DataStates shards are read with `CheckpointReader` (any global box, assembled from every rank's
+shards), torch_dist with PyTorch DCP through `safe_load` (no pickle runs).
 """
 from __future__ import annotations
 
 import io
-import json
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..errors import CheckpointError
-from ..layout import read_iteration, safe_join
 from ..reader import CheckpointReader
 from ..safe_load import (SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata,
-                         reraise_dcp_failure, torch_load)
+                         reraise_dcp_failure)
+from ..universal import Entry, MergeSource
+from . import merge_plan
+from .paths import METADATA_FILENAME, Format, saved_common, sharded_backend
 
-COMMON_FILE = "common.pt"
 RNG_OBJECT = "rng_state/"  # per-rank RNG streams: meaningless at another layout, never merged
 
 
-class Source:
-    """A checkpoint to merge. Call order: `common()`, `keys()`/`meta()`, `read()` per key,
-    `objects()`, `close()`."""
+class Source(MergeSource):
+    """A Megatron dist_checkpointing checkpoint to merge; subclasses list and read its tensors
+    (`keys`, `meta`, `read`) and objects."""
 
     kind = "abstract"
 
     def __init__(self, directory: str, allow_unsafe_pickle: bool = False):
         self.directory = directory
         self.allow_unsafe_pickle = allow_unsafe_pickle
+        self._common: Optional[dict] = None
+        self._flavor: Optional[str] = None
 
     def common(self) -> dict:
-        """megatron's common state (iteration, counters, scheduler, optimizer param groups)."""
-        path = os.path.join(self.directory, COMMON_FILE)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"no {COMMON_FILE}: not a megatron dist_checkpointing checkpoint",
-                                  file=self.directory)
-        # Plain dicts, numbers, strings and a few tensors (Megatron-LM adds its argparse args).
-        return torch_load(path, file=path, allow_unsafe=self.allow_unsafe_pickle)
+        """megatron's common state (iteration, counters, scheduler, optimizer param groups), read
+        without running code (Megatron-LM adds its argparse args)."""
+        if self._common is None:
+            self._common = saved_common(self.directory, self.allow_unsafe_pickle)
+        return self._common
+
+    def iteration(self) -> int:
+        return int(self.common().get("iteration", 0))
+
+    def entries(self) -> List[Entry]:
+        entries, self._flavor = merge_plan.plan_entries(self)
+        return entries
+
+    def manifest_fields(self) -> Dict[str, Any]:
+        if self._flavor is None:
+            self.entries()
+        return merge_plan.manifest_fields(self, self.common(), self._flavor)
 
     def keys(self) -> List[str]:
         raise NotImplementedError
 
     def meta(self, key: str) -> Tuple[torch.dtype, Tuple[int, ...]]:
         raise NotImplementedError
-
-    def read(self, key: str) -> torch.Tensor:
-        raise NotImplementedError
-
-    def objects(self) -> Dict[str, Any]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
 
 
 class DataStatesSource(Source):
@@ -102,13 +106,11 @@ class TorchDistSource(Source):
         super().__init__(directory, allow_unsafe_pickle)
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        meta_path = os.path.join(directory, "metadata.json")
-        if not os.path.isfile(meta_path):
-            raise CheckpointError("no metadata.json: not a megatron dist_checkpointing checkpoint",
-                                  file=directory)
-        with open(meta_path) as f:
-            backend = json.load(f).get("sharded_backend")
-        if backend != "torch_dist":
+        backend = sharded_backend(directory)
+        if backend is None:
+            raise CheckpointError(f"no readable {METADATA_FILENAME}: not a megatron "
+                                  "dist_checkpointing checkpoint", file=directory)
+        if backend != Format.TORCH_DIST.value:
             raise CheckpointError(f"sharded backend is {backend!r}, expected 'torch_dist'",
                                   file=directory)
         md = read_dcp_metadata(directory, allow_unsafe=allow_unsafe_pickle)
@@ -157,26 +159,13 @@ def open_source(directory: str, allow_unsafe_pickle: bool = False) -> Source:
     """The right `Source` for a megatron-layout checkpoint directory (``iter_XXXXXXX``).
     `allow_unsafe_pickle` (the tools' --allow-unsafe-pickle) reads pickles that name arbitrary
     code; without it such a file is refused (`datastates.safe_load`)."""
-    meta_path = os.path.join(directory, "metadata.json")
-    if not os.path.isfile(meta_path):
-        raise CheckpointError("expected a checkpoint directory with metadata.json (an "
+    if not os.path.isfile(os.path.join(directory, METADATA_FILENAME)):
+        raise CheckpointError(f"expected a checkpoint directory with {METADATA_FILENAME} (an "
                               "iter_XXXXXXX directory of --save)", file=directory)
-    with open(meta_path) as f:
-        backend = json.load(f).get("sharded_backend")
-    if backend == "datastates":
+    backend = sharded_backend(directory)
+    if backend == Format.DATASTATES.value:
         return DataStatesSource(directory, allow_unsafe_pickle=allow_unsafe_pickle)
-    if backend == "torch_dist":
+    if backend == Format.TORCH_DIST.value:
         return TorchDistSource(directory, allow_unsafe_pickle=allow_unsafe_pickle)
     raise CheckpointError(f"sharded backend {backend!r} is not supported; expected 'datastates' or "
                           "'torch_dist'", file=directory)
-
-
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-
-
-def resolve_checkpoint_dir(path: str) -> str:
-    """`path` itself, or for a Megatron save root the ``iter_XXXXXXX`` its tracker names."""
-    tracker = os.path.join(path, TRACKER_FILE)
-    if os.path.isfile(tracker):  # untrusted: a plain number, and no link out of `path`
-        return safe_join(path, f"iter_{read_iteration(tracker):07d}", what="tracker")
-    return path

@@ -1,13 +1,16 @@
-"""What a checkpoint holds: building the state dict to save and applying a loaded one.
+"""What a checkpoint holds: building the state dict to save, reading what a saved one says about
+itself, and applying a loaded one.
 
-Kept apart from *how* it is written (checkpointing.py) so another dist_checkpointing strategy can
-reuse exactly the dict torch_dist saves: ``build_sharded_state_dict`` gives the model's and
-optimizer's ``sharded_state_dict()`` plus the common state; ``apply_loaded_state_dict`` takes what a
+Kept apart from *how* it is written (checkpointing.py, lazy_checkpointing.py) so every format saves
+exactly the dict torch_dist saves: ``build_sharded_state_dict`` gives the model's and optimizer's
+``sharded_state_dict()`` plus the common state; ``saved_run_config`` reads the configuration a
+checkpoint was saved with (without running code from it); ``apply_loaded_state_dict`` takes what a
 loader returned.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -15,7 +18,11 @@ from typing import Any, List, Optional
 import numpy as np
 import torch
 
-from megatron.training.config import RunConfig
+import datastates
+from datastates.megatron_adapter import paths
+from datastates.safe_load import torch_load
+
+from megatron.training.config import CkptFormat, RunConfig
 from megatron.training.model import unwrap
 
 CHECKPOINT_VERSION = 3.0
@@ -30,15 +37,15 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "untie_embeddings_and_output_weights")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded; names the rank and the path."""
+class CheckpointError(datastates.CheckpointError):
+    """A checkpoint the trainer cannot save or load: `datastates.CheckpointError` (one error type
+    for every checkpoint failure), naming this process's rank by default and the path."""
 
     def __init__(self, message: str, path: Optional[str] = None, rank: Optional[int] = None):
         if rank is None and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
-        where = f"rank {rank}" + (f", {path}" if path else "")
-        super().__init__(f"[{where}] {message}")
-        self.path, self.rank = path, rank
+        super().__init__(message, rank=rank, file=path)
+        self.path = path
 
 
 @dataclass
@@ -54,7 +61,7 @@ class TrainState:
     extra: dict = field(default_factory=dict)
 
 
-def layout(config: RunConfig) -> dict:
+def parallel_layout(config: RunConfig) -> dict:
     p = config.parallel
     return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
             "vpp": p.virtual_pipeline_model_parallel_size, "dp": p.data_parallel_size}
@@ -165,3 +172,44 @@ def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool
         state.iteration = int(loaded["iteration"])
         state.consumed_train_samples = int(loaded["consumed_train_samples"])
         state.consumed_valid_samples = int(loaded["consumed_valid_samples"])
+
+
+def torch_rank_dir(directory: str) -> str:
+    """This rank's directory of a legacy torch-format checkpoint (by its TP/PP position)."""
+    from megatron.core import parallel_state as ps
+
+    return paths.torch_rank_dir(directory, ps.get_tensor_model_parallel_rank(),
+                                ps.get_pipeline_model_parallel_rank(),
+                                ps.get_pipeline_model_parallel_world_size())
+
+
+def safe_torch_load(path: str, allow_unsafe_pickle: bool = False):
+    """A torch-format file read without running code from it (`datastates.safe_load.torch_load`:
+    weights_only=True plus numpy RNG states); plain pickle only with --allow-unsafe-pickle."""
+    return torch_load(path, file=path, allow_unsafe=allow_unsafe_pickle)
+
+
+def saved_run_config(directory: str, fmt: CkptFormat, allow_unsafe_pickle: bool = False) -> str:
+    """The run configuration (JSON) the checkpoint in `directory` was saved with: from common.pt
+    (torch_dist, DataStates) or this rank's torch file, read without running code."""
+    if fmt is CkptFormat.TORCH_DIST:
+        common = paths.saved_common(directory, allow_unsafe_pickle)
+        if not isinstance(common, dict) or "run_config" not in common:
+            raise CheckpointError("common.pt holds no run_config: not a checkpoint of this trainer "
+                                  "(a Megatron-LM one? convert it with "
+                                  "tools/convert_checkpoint.py)", path=directory)
+        return common["run_config"]
+    path = os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME)
+    if not os.path.isfile(path):
+        raise CheckpointError("torch-format checkpoint has no file for this rank's TP/PP "
+                              "position; it was saved with another layout (the torch format "
+                              "cannot be resharded: save with --ckpt-format torch_dist)", path=path)
+    return safe_torch_load(path, allow_unsafe_pickle)["run_config"]
+
+
+def init_distributed_optimizer_state(optimizer) -> None:
+    """A fresh DistributedOptimizer has no Adam state; fully_reshardable loading copies into
+    existing state tensors (and asserts one `step` per group), so create them first."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()

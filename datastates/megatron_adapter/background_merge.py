@@ -8,7 +8,7 @@ Call order (one process, e.g. rank 0 of the trainer):
   1) `on_commit(iteration, directory)` after each checkpoint is committed (every N-th is merged);
   2) `poll()` now and then (e.g. every iteration): reaps a finished merge, starts the pending one;
   3) `wait()` before exiting: lets the running and the pending merge finish.
-The merge runs as ``nice -n <nice> [ionice -c 3] python -m datastates.universal.merge``: a process,
+The merge runs as ``nice -n <nice> [ionice -c 3] python -m datastates.megatron_adapter.merge``: a process,
 not a thread, so its reads, copies and writes never hold the trainer's GIL, and the scheduler
 gives it only the CPU and disk time training leaves idle.
 """
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 from .merge import TELEMETRY_FILE
+from .paths import checkpoint_dir
 
 
 def _die_with_parent() -> None:
@@ -85,7 +86,7 @@ class BackgroundMerger:
         os.makedirs(config.root, exist_ok=True)
 
     def output_dir(self, iteration: int) -> str:
-        return os.path.join(self.config.root, f"iter_{iteration:07d}")
+        return checkpoint_dir(self.config.root, iteration)
 
     # 1) ---------------------------------------------------------------------------------------
     def on_commit(self, iteration: int, directory: str) -> None:
@@ -119,7 +120,7 @@ class BackgroundMerger:
 
     def _command(self, job: _Job) -> List[str]:
         c = self.config
-        cmd = [sys.executable, "-m", "datastates.universal.merge", "--source", job.source,
+        cmd = [sys.executable, "-m", "datastates.megatron_adapter.merge", "--source", job.source,
                "--output", job.output, "--root", c.root, "--max-file-bytes", str(c.max_file_bytes)]
         if c.max_bytes_per_s:
             cmd += ["--max-bytes-per-s", str(c.max_bytes_per_s)]
@@ -131,7 +132,8 @@ class BackgroundMerger:
     def _start(self, job: _Job) -> None:
         logs = os.path.join(self.config.root, "merge_logs")
         os.makedirs(logs, exist_ok=True)
-        job.log_path = os.path.join(logs, f"iter_{job.iteration:07d}.log")
+        job.log_path = os.path.join(logs, os.path.basename(checkpoint_dir(logs, job.iteration))
+                                    + ".log")
         # One thread of each math library: the merge copies bytes, it must not compete with
         # training for both cores.
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -1,7 +1,8 @@
 """Universal checkpoints in the trainer: load one at any TP/PP/DP, write one back as torch_dist.
 
-The format and the merge live in `datastates.universal` (no megatron there). This module maps it
-onto megatron-core's sharded state dict:
+The format lives in `datastates.universal`, the merge of Megatron checkpoints into it in
+`datastates.megatron_adapter`. This module maps a universal checkpoint onto megatron-core's
+sharded state dict:
 
   1) every rank builds the sharded state dict it would load (`build_sharded_state_dict`), which
      names each of its shards by global key, offset and shape;
@@ -21,16 +22,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from datastates import CheckpointError as DataStatesError
+import datastates
+from datastates.megatron_adapter import read_sharded_tensor
 from datastates.safe_load import UnsafePickleError
-from datastates.universal import OptimizerFlavor, Role, UniversalCheckpoint, split_name, tensor_name
+from datastates.universal import Role, UniversalCheckpoint, split_name, tensor_name
 
-from megatron.training.checkpoint_state import (
+from megatron.training.checkpoint_contents import (
     CheckpointError,
     TrainState,
     apply_loaded_state_dict,
     build_sharded_state_dict,
     check_model_shape,
+    init_distributed_optimizer_state,
 )
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
@@ -47,23 +50,10 @@ def universal_name(sharded_key: str) -> str:
 
 def _read_box(u: UniversalCheckpoint, sh) -> torch.Tensor:
     name = universal_name(sh.key)
-    saved = u.info(name).shape
-    want = tuple(sh.global_shape)
-    box = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-    if saved == want:
-        out = u.read(name, sh.global_offset, box)
-    elif sh.allow_shape_mismatch and len(saved) == len(want):
-        # e.g. a vocabulary padded for another TP size: rows past the saved shape stay zero
-        out = torch.zeros(box, dtype=u.info(name).dtype)
-        lo = tuple(sh.global_offset)
-        hi = tuple(min(o + b, g) for o, b, g in zip(lo, box, saved))
-        if all(h > o for o, h in zip(lo, hi)):
-            out[tuple(slice(0, h - o) for o, h in zip(lo, hi))] = \
-                u.read(name, lo, tuple(h - o for o, h in zip(lo, hi)))
-    else:
-        raise DataStatesError(f"global shape mismatch: universal {list(saved)}, model {list(want)}",
-                              file=u.directory, tensor=name)
-    return out.to(sh.dtype).reshape(sh.local_shape)
+    info = u.info(name)
+    return read_sharded_tensor(sh, info.shape, info.dtype,
+                               lambda off, shape: u.read(name, off, shape),
+                               where=u.directory, name=name)
 
 
 def _fill(sd: Any, u: UniversalCheckpoint) -> Any:
@@ -81,8 +71,9 @@ def _fill(sd: Any, u: UniversalCheckpoint) -> Any:
     if isinstance(sd, LocalNonpersistentObject):
         return sd.unwrap()
     if isinstance(sd, ShardedTensorFactory):
-        raise DataStatesError("ShardedTensorFactory (e.g. gated MLP) is not supported by the "
-                              "universal loader", file=u.directory, tensor=sd.key)
+        raise datastates.CheckpointError("ShardedTensorFactory (e.g. gated MLP) is not supported "
+                                         "by the universal loader", file=u.directory,
+                                         tensor=sd.key)
     return sd
 
 
@@ -117,12 +108,10 @@ def _apply_common(loaded: dict, m: dict, load_optim: bool, distributed: bool) ->
 def load_universal(state: TrainState, config: RunConfig, directory: str) -> None:
     """Every rank: restore `state` from the universal checkpoint `directory` at this run's
     layout (see the module docstring for the order)."""
-    from megatron.training.checkpoint_loading import _init_distributed_optimizer_state
-
     ckpt = config.checkpoint
     try:
         u = UniversalCheckpoint(directory, allow_unsafe_pickle=ckpt.allow_unsafe_pickle)
-    except DataStatesError as err:
+    except datastates.CheckpointError as err:
         raise CheckpointError(str(err), path=directory) from err
     with u:
         m = u.manifest
@@ -130,14 +119,14 @@ def load_universal(state: TrainState, config: RunConfig, directory: str) -> None
         load_optim = ckpt.load_optim and not ckpt.finetune and m["optimizer"] is not None
         distributed = config.parallel.use_distributed_optimizer
         if load_optim and distributed:
-            _init_distributed_optimizer_state(state.optimizer)
+            init_distributed_optimizer_state(state.optimizer)
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=False)
         try:
             loaded = _fill(sd, u)
         except UnsafePickleError:
             raise  # names the manifest, the object and the command that rewrites it
-        except DataStatesError as err:
+        except datastates.CheckpointError as err:
             raise CheckpointError(f"could not load the universal checkpoint: {err}",
                                   path=directory) from err
         _apply_common(loaded, m, load_optim, distributed)
@@ -193,16 +182,3 @@ def universal_to_torch_dist(universal_dir: str, out_dir: str,
         dist_checkpointing.save(sd, out_dir, sharded_strategy=TorchDistSaveShardedStrategy(
             "torch_dist", 1), content_metadata=content_metadata)
         return u.iteration
-
-
-def make_background_merger(config: RunConfig):
-    """The background merger `--universal-checkpoint-interval` asks for, or None."""
-    ckpt = config.checkpoint
-    if not ckpt.universal_checkpoint_interval:
-        return None
-    from datastates.universal import BackgroundMerger, MergerConfig
-
-    root = ckpt.universal_save or os.path.join(ckpt.save, "universal")
-    return BackgroundMerger(MergerConfig(root=root, every_n=ckpt.universal_checkpoint_interval),
-                            log=print_rank_0)
-

@@ -1,0 +1,61 @@
+"""The Megatron side of DataStates: the only part of `datastates` that knows Megatron.
+
+The trainer (`megatron.training`) and the tools import this package's names and `datastates`'
+public API, nothing else. What lives here:
+
+  checkpointer.py      `LazyCheckpointer`: save / before_optimizer_step / poll / finish: the engine,
+                       the save strategy, agreement across ranks, spare files, the commit marker,
+                       the tracker move, fault points, telemetry, the background merge
+  strategies.py        megatron-core dist_checkpointing strategies: our save/load strategy (backend
+                       "datastates", registered when megatron-core is imported), torch_dist and
+                       common.pt loads that never run code, common.pt written durably
+  paths.py             Megatron checkpoint paths: iter_XXXXXXX naming, tracker, format detection,
+                       run_config.json, complete iterations (no megatron import)
+  merge_sources.py, merge_plan.py, merge.py, background_merge.py
+                       Megatron checkpoints -> universal checkpoints (`datastates.universal`),
+                       by hand or in a low-priority background process
+  inspect.py, hf_export.py   what a checkpoint holds; universal -> Hugging Face GPT-2
+
+Names are resolved lazily (PEP 562), so `paths`, the merge process and the tools do not pay for
+importing megatron-core unless they use a strategy.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    # checkpointer
+    "COMMIT_RESERVE_BYTES": "checkpointer", "FailurePolicy": "checkpointer",
+    "LazyCheckpointer": "checkpointer", "LazySaveConfig": "checkpointer",
+    "TELEMETRY_FILENAME": "checkpointer",
+    # strategies
+    "BACKEND": "strategies", "DataStatesLoadStrategy": "strategies",
+    "DataStatesSaveStrategy": "strategies", "DurableCommonSaveStrategy": "strategies",
+    "SafeCommonLoadStrategy": "strategies", "SafeTorchDistLoadStrategy": "strategies",
+    "durable_common_save": "strategies", "engine_payload": "strategies",
+    "load_strategies": "strategies", "read_sharded_tensor": "strategies",
+    "save_strategy": "strategies",
+    # merge
+    "DataStatesSource": "merge_sources", "Source": "merge_sources",
+    "TorchDistSource": "merge_sources", "open_source": "merge_sources",
+    "OptimizerFlavor": "merge_plan", "advance_tracker": "merge", "run_merge": "merge",
+    "UNIVERSAL_TELEMETRY_FILE": "merge",
+    "BackgroundMerger": "background_merge", "MergeQueue": "background_merge",
+    "MergerConfig": "background_merge",
+    "describe": "inspect", "render": "inspect", "export_hf": "hf_export",
+}
+_RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE"}
+
+__all__ = sorted(_EXPORTS) + ["paths"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "paths":
+        return importlib.import_module(f"{__name__}.paths")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+    value = getattr(module, _RENAMED.get(name, name))
+    globals()[name] = value
+    return value

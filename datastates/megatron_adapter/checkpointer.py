@@ -1,0 +1,376 @@
+"""`LazyCheckpointer`: everything DataStates does inside a Megatron training run, behind four calls.
+
+It owns the engine, the dist_checkpointing save strategy, the agreement across ranks, the space set
+aside for small files, the commit marker, the tracker move, the fault points, the telemetry and
+the background universal merge. The trainer hands it megatron-core sharded state dicts.
+
+Call order, every rank (a collective call on all ranks unless said otherwise):
+  0) `LazyCheckpointer(config, log=...)` after the process group exists; rank 0 prepares the root.
+  1) `save(iteration, sharded_state_dict, extra_shards, content_metadata)` right after optimizer
+     step i: megatron-core's `dist_checkpointing.save` with our strategy. It returns without
+     copying a tensor (small objects are serialized at once); not collective beyond megatron's own.
+  2) forward/backward of iteration i+1 run while the engine copies the snapshot to its host cache
+     and its writers drain the cache to storage.
+  3) `before_optimizer_step()` before step i+1 waits for the snapshot only if it is not done.
+  4) `poll(iteration)` at the end of every iteration: a non-blocking local poll plus one
+     all-reduce (MIN of "durable here") while a save is pending. Once every rank is durable:
+     every rank runs megatron's finalize (rank 0 writes metadata.json, barrier); rank 0 fsyncs
+     it, writes the commit marker (`try_commit`), moves the tracker (`paths.write_tracker`),
+     calls `after_commit(iteration)` (e.g. retention), logs, and starts the background merge.
+  5) `finish()` before the process exits: drain and commit everything, close the engine, wait for
+     the merge. A version is reported and loadable only after step 4; a crash before leaves the
+     previous one as "latest".
+A failure on any rank is agreed on at the next step 4 and raised as the same `CheckpointError` on
+every rank (`FailurePolicy.STOP`), or switches saving off for the rest of the run (`CONTINUE`).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..config import Checksum, CommitPolicy, EngineConfig
+from ..engine import CheckpointEngine
+from ..errors import CheckpointError
+from ..faults import fault_point
+from ..fileio import fsync_file, make_spare, release_spare
+from ..flatten import TensorShard
+from ..layout import COMMIT_FILE, is_committed, try_commit
+from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
+    tracked_iteration, write_tracker
+
+__all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySaveConfig",
+           "TELEMETRY_FILENAME"]
+
+TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
+#: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.
+COMMIT_RESERVE_BYTES = 64 * 1024
+
+
+class FailurePolicy(str, enum.Enum):
+    """What a failed save (full disk, I/O error, hung writer) does to the run."""
+
+    STOP = "stop"          # raise the agreed error on every rank
+    CONTINUE = "continue"  # warn, and train on without further checkpoints
+
+
+@dataclass(frozen=True)
+class LazySaveConfig:
+    root: str
+    """The --save directory (Megatron layout: iter_XXXXXXX/ and the tracker)."""
+    cache_bytes: int = 1 << 30
+    """Host cache per rank (the engine's bounded buffer)."""
+    checksum: Checksum = Checksum.CRC32C
+    """Per-chunk checksum, verified on every load."""
+    drain_timeout_s: float = 1800.0
+    """Longest single wait on the writers before it is reported as a hung writer."""
+    failure_policy: FailurePolicy = FailurePolicy.STOP
+    """What an agreed save failure does (see FailurePolicy)."""
+    run_config_json: Optional[str] = None
+    """Written to ROOT/run_config.json beside the tracker when it changed (None: not written)."""
+    universal_every_n: Optional[int] = None
+    """Merge every N-th committed checkpoint into a universal one, in the background (None: off)."""
+    universal_root: Optional[str] = None
+    """Root of the universal checkpoints (None: ROOT/universal)."""
+    background_nice: int = 5
+    """Niceness of the engine's copy/flush threads."""
+
+    def __post_init__(self) -> None:
+        if self.cache_bytes <= 0:
+            raise ValueError(f"cache_bytes must be positive, found {self.cache_bytes}")
+        if self.universal_every_n is not None and self.universal_every_n <= 0:
+            raise ValueError(f"universal_every_n must be positive, found {self.universal_every_n}")
+
+
+@dataclass
+class _Pending:
+    iteration: int
+    directory: str
+    request: object  # megatron AsyncRequest: its finalize functions write metadata.json
+    handle: object  # datastates SaveHandle
+    stall_s: float  # time the training loop was blocked by this save
+    t_start: float  # wall clock at the save call (for the timeline)
+    t_returned: float  # wall clock when the save call returned
+
+
+class LazyCheckpointer:
+    """Keeps a deque of saves in flight, oldest first; commits them in order (see module doc)."""
+
+    def __init__(self, config: LazySaveConfig, log: Callable[[str], None] = print,
+                 after_commit: Optional[Callable[[int], None]] = None):
+        self.config = config
+        self.log = log
+        self.after_commit = after_commit
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.engine = CheckpointEngine(EngineConfig(
+            rank=self.rank, world_size=self.world, host_cache_bytes=config.cache_bytes,
+            commit_policy=CommitPolicy.MANUAL,  # committed in poll(), after every rank agrees
+            checksum=config.checksum, background_nice=config.background_nice))
+        self.pending: Deque[_Pending] = deque()
+        self.durable: Dict[int, object] = {}  # save id -> this rank's SaveRecord
+        self._wrapper = None
+        self._dp_group = None
+        # Errors this rank hit since the last agreement, in order (a full disk can fail both
+        # common.pt of the next save and the flush of the previous one: all are reported).
+        self._local_errors: List[BaseException] = []
+        self._telemetry_off = False
+        self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
+        self.disabled = False  # FailurePolicy.CONTINUE after a failure: no more saves
+        self.universal = None  # rank 0 runs the background universal merges, when asked for
+        if self.rank == 0:
+            prepare_root(config.root)
+            if config.universal_every_n:
+                from .background_merge import BackgroundMerger, MergerConfig
+
+                self.universal = BackgroundMerger(MergerConfig(
+                    root=config.universal_root or os.path.join(config.root, "universal"),
+                    every_n=config.universal_every_n), log=log)
+
+    def in_flight(self, iteration: int) -> bool:
+        """True when the newest save in flight is of `iteration` (e.g. the end-of-training save
+        right after an interval save)."""
+        return bool(self.pending) and self.pending[-1].iteration == iteration
+
+    # -- 1) after optimizer step i ------------------------------------------------------------
+    def save(self, iteration: int, sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = (),
+             content_metadata: Optional[dict] = None) -> None:
+        from megatron.core import dist_checkpointing, parallel_state
+
+        from .strategies import durable_common_save, save_strategy
+
+        t0, wall0 = time.perf_counter(), time.time()
+        directory = checkpoint_dir(self.config.root, iteration)
+        if self._dp_group is None:
+            self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        strategy, base = save_strategy(self.engine, iteration, self._dp_group, self._wrapper,
+                                       extra_shards=extra_shards)
+        if strategy is not base:
+            self._wrapper = strategy
+        request = None
+        try:
+            if self.rank == 0:
+                os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
+                # Room for COMMIT.json (written into it) and metadata.json (megatron writes it:
+                # released right before), taken before any shard byte of this save or a later
+                # one, so a disk that the next save fills up rarely keeps this save, once
+                # durable, from committing.
+                make_spare(os.path.join(directory, COMMIT_FILE), COMMIT_RESERVE_BYTES)
+                make_spare(os.path.join(directory, METADATA_FILENAME), COMMIT_RESERVE_BYTES)
+            # After megatron's collectives, rank 0 writes common.pt and every rank opens its
+            # shard: a full disk fails here on some ranks only, so the failure is recorded and
+            # agreed on in poll() instead of raised (the others would wait for us).
+            with durable_common_save():  # common.pt fsync'd; a full disk is an ENOSPC OSError
+                request = dist_checkpointing.save(sharded_state_dict, directory,
+                                                  sharded_strategy=strategy,
+                                                  async_sharded_save=True,
+                                                  content_metadata=content_metadata)
+        except (OSError, RuntimeError, CheckpointError) as err:
+            self._local_errors.append(err)
+        self.pending.append(_Pending(iteration, directory, request, base.handle,
+                                     time.perf_counter() - t0, wall0, time.time()))
+
+    # -- 3) before optimizer step i+1 --------------------------------------------------------
+    def before_optimizer_step(self) -> None:
+        if not self.pending:
+            return
+        t0 = time.perf_counter()
+        self._guard(lambda: self.engine.wait_for_snapshot(timeout=self.config.drain_timeout_s))
+        self.pending[-1].stall_s += time.perf_counter() - t0
+
+    # -- 4) every iteration ------------------------------------------------------------------
+    def poll(self, iteration: int) -> None:
+        if self.rank == 0:
+            self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
+        if self.pending:
+            self._apply_policy(lambda: self._commit_ready(blocking=False))
+        if self.universal is not None:
+            self.universal.poll()
+
+    # -- 5) at exit --------------------------------------------------------------------------
+    def finish(self) -> None:
+        try:
+            if self._failed is None:
+                self._apply_policy(lambda: self._commit_ready(blocking=True))
+        finally:
+            try:
+                self._close_engine()
+            finally:
+                if self.universal is not None:
+                    self.universal.wait()  # no merge process outlives the run
+
+    # -- internals -----------------------------------------------------------------------------
+    def _apply_policy(self, fn) -> None:
+        """Run `fn`; an agreed save failure either propagates (STOP) or switches checkpointing
+        off for the rest of the run (CONTINUE). Every rank decides the same way because the
+        failure was agreed on collectively."""
+        try:
+            fn()
+        except CheckpointError as err:
+            if self.config.failure_policy is not FailurePolicy.CONTINUE:
+                self._failed = err
+                raise
+            self.disabled = True
+            self._local_errors.clear()
+            self.pending.clear()  # never committed: they stay partial and unloadable
+            self.log(f"WARNING: {err}. Continuing WITHOUT checkpointing for the rest of this "
+                     "run (--ckpt-failure-policy continue): no further saves, no retry.")
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close(timeout=self.config.drain_timeout_s)
+        except CheckpointError as err:
+            if self._failed is None and not self.disabled:
+                raise
+            # A failure was already reported (or tolerated by policy); the saves still in flight
+            # at that point fail the same way. Say so, do not hide the first error behind them.
+            self.log(f"WARNING: while closing the checkpoint engine after an earlier failure: "
+                     f"{err}")
+
+    def _guard(self, fn):
+        """Run an engine call; a failure on any rank becomes a CheckpointError on every rank at
+        the next agreement, so no rank hangs in a collective the others skipped."""
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - recorded and re-raised below
+            self._local_errors.append(err)
+            return None
+
+    def _agree(self, p: _Pending, local_done: bool) -> bool:
+        """All ranks: True when every rank has `p` durable (or committed); raises the same
+        CheckpointError on every rank if any rank recorded an error."""
+        err = self._local_errors[0] if self._local_errors else None
+        code = -1 if err is not None else int(local_done)
+        flags = torch.tensor([code], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if int(flags.item()) >= 0:
+            return bool(flags.item())
+        failed = torch.tensor([1 if err is not None else 0], dtype=torch.int64)
+        gathered = [torch.zeros_like(failed) for _ in range(self.world)]
+        dist.all_gather(gathered, failed)
+        ranks = [r for r, f in enumerate(gathered) if int(f.item())]
+        root = self.config.root
+        msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
+               + (": " + "; then: ".join(dict.fromkeys(str(e) for e in self._local_errors))
+                  if err is not None else "") + _free_space(root)
+               + f"; {_state_of(p, root)}. Free space or fix --save storage; "
+               "--ckpt-failure-policy continue keeps training without checkpoints")
+        raise CheckpointError(msg, rank=self.rank, file=p.directory) from err
+
+    def _commit_ready(self, blocking: bool) -> None:
+        for record in self._guard(self.engine.poll) or []:
+            self.durable[record.step] = record
+        while self.pending:
+            head = self.pending[0]
+            if (blocking and head.iteration not in self.durable and head.handle is not None
+                    and not self._local_errors):
+                wait = lambda: self.engine.wait_for_durable(  # noqa: E731
+                    head.handle, timeout=self.config.drain_timeout_s)
+                for record in self._guard(wait) or []:
+                    self.durable[record.step] = record
+            if not self._agree(head, head.iteration in self.durable):
+                return
+            self.pending.popleft()
+            self._commit(head, self.durable.pop(head.iteration))
+
+    def _commit(self, p: _Pending, record) -> None:
+        if self.rank == 0:
+            release_spare(os.path.join(p.directory, METADATA_FILENAME))
+        try:
+            for fn in p.request.finalize_fns:  # rank 0 writes metadata.json; barrier
+                fn()
+        except OSError as err:  # rank 0 failed before megatron's barrier: meet the others there
+            if err.filename is None:  # megatron's json.dump into metadata.json names no file
+                err = OSError(err.errno, err.strerror,
+                              os.path.join(p.directory, METADATA_FILENAME))
+            self._local_errors.append(err)
+            dist.barrier()
+        stats = self._gather_stats(p, record)
+        if self.rank == 0 and not self._local_errors:
+            try:
+                self._publish(p, stats)
+            except (OSError, CheckpointError) as err:
+                self._local_errors.append(err)
+        self._agree(p, True)  # a failed commit raises on every rank, like a failed flush
+
+    def _publish(self, p: _Pending, stats: Dict[str, float]) -> None:
+        """Rank 0: commit marker, then tracker (then `after_commit`), then the report."""
+        fault_point("commit", p.iteration, self.rank)
+        # megatron's finalize writes metadata.json without fsync (common.pt is written durably
+        # by `durable_common_save`); the commit marker must not reach the disk before it.
+        metadata = os.path.join(p.directory, METADATA_FILENAME)
+        if os.path.exists(metadata):
+            fsync_file(metadata)
+        if not try_commit(p.directory, self.world):
+            raise CheckpointError("every rank reported its shards durable but the rank markers "
+                                  "are not all valid", rank=0, file=p.directory)
+        fault_point("tracker", p.iteration, self.rank)
+        write_tracker(self.config.root, p.iteration, self.config.run_config_json)
+        if self.after_commit is not None:
+            self.after_commit(p.iteration)
+        self._log(p, stats)
+        if self.universal is not None:  # a failure to start the merge is agreed on like others
+            self.universal.on_commit(p.iteration, p.directory)
+
+    def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
+        sums = torch.tensor([float(record.bytes)], dtype=torch.float64)
+        maxes = torch.tensor([p.stall_s, record.copy_s, record.durable_s], dtype=torch.float64)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        total, (stall, copy, durable) = sums.item(), maxes.tolist()
+        return {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
+                "stall_ms": stall * 1e3, "copy_ms": copy * 1e3, "durable_s": durable,
+                "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,
+                "t_start": p.t_start, "t_returned": p.t_returned, "time": time.time()}
+
+    def _log(self, p: _Pending, s: Dict[str, float]) -> None:
+        self.log(f" checkpoint iteration {s['iteration']:8d} | bytes: {s['bytes']} | "
+                 f"stall (ms): {s['stall_ms']:.1f} | copy (ms): {s['copy_ms']:.1f} | "
+                 f"durable (s): {s['durable_s']:.3f} | throughput (GB/s): {s['gbps']:.3f} | "
+                 f"committed: {p.directory}")
+        self._event(s)
+
+    def _event(self, record: Dict[str, float]) -> None:
+        """Rank 0: one JSON line per iteration end and per committed checkpoint (the timeline
+        tool draws both)."""
+        if self._telemetry_off:
+            return
+        path = os.path.join(self.config.root, TELEMETRY_FILENAME)
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:  # e.g. the disk that just filled up: telemetry never stops training
+            self._telemetry_off = True
+            self.log(f"WARNING: cannot append to {path} ({err}); checkpoint telemetry is off for "
+                     "the rest of this run")
+
+
+def _state_of(p: _Pending, root: str) -> str:
+    """What a failed save left behind, for the agreed error message."""
+    latest = tracked_iteration(root)
+    committed = is_committed(p.directory)
+    if committed and latest == p.iteration:  # failed after the tracker moved
+        return f"this one is complete and {TRACKER_FILENAME} names it"
+    if committed:  # the marker was written, then the tracker failed
+        return (f"this one is complete ({p.directory} has its commit marker) but "
+                f"{TRACKER_FILENAME} could not be moved to it: it still names "
+                f"{'no iteration' if latest is None else f'iteration {latest}'}, which --load "
+                "will use")
+    intact = ("no earlier checkpoint was completed" if latest is None else
+              f"earlier checkpoints are intact (newest complete: iteration {latest})")
+    return f"{intact}, and this one is not marked complete"
+
+
+def _free_space(root: Optional[str]) -> str:
+    """' (free space under --save: N MiB)' for error messages; '' if unknown."""
+    try:
+        return f" (free space under --save: {shutil.disk_usage(root).free / 2**20:.1f} MiB)"
+    except (OSError, TypeError):
+        return ""

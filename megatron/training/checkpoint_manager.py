@@ -1,0 +1,100 @@
+"""When checkpoints are written, for every format: the one base class the training loop drives.
+
+Layout on disk (`datastates.megatron_adapter.paths`): ``SAVE/iter_0000010/`` holds one checkpoint;
+``SAVE/latest_checkpointed_iteration.txt`` names the newest complete one and is written (rank 0,
+into space set aside at start-up) only after every rank's part is durable, so a loader never trusts
+a partial directory.
+
+Call order, every rank:
+  0) `start()` once before training (`make_checkpoint_manager` calls it): rank 0 creates --save
+     and the tracker's spare, for every format;
+  1) `before_optimizer_step()` each step, after forward/backward, before ``optimizer.step()``;
+  2) `maybe_save(state, force=False)` right after the optimizer step of the iteration;
+  3) `after_iteration(iteration)` at the end of each iteration (non-blocking);
+  4) `finalize()` once at the end (or exit interval / SIGTERM): drain in-flight saves.
+A format is one subclass implementing `_save` (and the hooks it needs), registered in
+`checkpoint_formats.MANAGERS`; the public methods here keep the shared policy (interval, start-up,
+tracker, retention) in one place so no format can skip it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from datastates.megatron_adapter import paths
+
+from megatron.training.checkpoint_contents import TrainState
+from megatron.training.config import RunConfig
+from megatron.training.log import print_rank_0
+from megatron.training.retention import apply_retention
+
+
+class CheckpointManager:
+    """Saving policy for one format; subclasses implement `_save`."""
+
+    #: A synchronous save logs its duration when the call returns; a lazy one logs at commit.
+    log_save_calls = True
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.ckpt = config.checkpoint
+
+    # 0) every rank, once
+    def start(self) -> None:
+        if self.ckpt.save and dist.get_rank() == 0:
+            paths.prepare_root(self.ckpt.save)
+
+    # 1) hook point for lazy snapshots; stock formats copy nothing and need not wait.
+    def before_optimizer_step(self) -> None:
+        pass
+
+    def should_save(self, iteration: int) -> bool:
+        interval = self.ckpt.save_interval
+        return bool(self.ckpt.save and interval and iteration % interval == 0)
+
+    # 2) every rank, after optimizer.step()
+    def maybe_save(self, state: TrainState, force: bool = False) -> bool:
+        if not self.ckpt.save or not (force or self.should_save(state.iteration)):
+            return False
+        decided = self._decided(state.iteration)
+        if decided is not None:
+            return decided
+        start = time.time()
+        self._save(state)
+        if self.log_save_calls:
+            print_rank_0(f"saved checkpoint at iteration {state.iteration:7d} to {self.ckpt.save} "
+                         f"in {(time.time() - start) * 1000:.1f} ms (format "
+                         f"{self.ckpt.ckpt_format.value}{', async' if self.ckpt.async_save else ''})")
+        return True
+
+    # 3) every rank, end of each iteration
+    def after_iteration(self, iteration: int) -> None:
+        pass
+
+    # 4) every rank, once
+    def finalize(self) -> None:
+        pass
+
+    # -- for subclasses ------------------------------------------------------------------------
+    def _save(self, state: TrainState) -> None:
+        raise NotImplementedError
+
+    def _decided(self, iteration: int) -> Optional[bool]:
+        """None to save `iteration` now; True/False to report it saved/not saved without a new
+        save (e.g. saving switched off by a failure policy, or this iteration already in flight)."""
+        return None
+
+    def _complete(self, iteration: int) -> None:
+        """Rank 0 only, once `iteration` is durable on every rank: move the tracker, then apply
+        retention. Stock formats call it; the lazy format's adapter moves the tracker itself and
+        calls `_after_commit`."""
+        if dist.get_rank() == 0:
+            paths.write_tracker(self.ckpt.save, iteration, self.config.to_json())
+            self._after_commit(iteration)
+
+    def _after_commit(self, iteration: int) -> None:
+        """Rank 0, right after the tracker moved to `iteration`: retention. Saves still in
+        flight are newer than `iteration`, so retention never reaches them."""
+        apply_retention(self.ckpt.save, self.ckpt.keep_last_n_checkpoints, iteration)
