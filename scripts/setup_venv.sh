@@ -11,7 +11,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 # Install only what is missing so a reused venv costs a second, not a minute.
-if ! "$PY" -c "import torch, megatron.core, psutil, pytest, safetensors, crc32c, matplotlib" >/dev/null 2>&1; then
+if ! "$PY" -c "import torch, megatron.core, psutil, pytest, safetensors, crc32c, matplotlib, importlinter" >/dev/null 2>&1; then
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$PY" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements.txt"
 fi

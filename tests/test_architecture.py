@@ -1,0 +1,70 @@
+"""Layer rules (.importlinter), checked with import-linter on the real tree, and shown to fail on a
+copy of it that breaks each rule once.
+
+1. `datastates` outside `datastates.megatron_adapter` imports no `megatron`;
+2. `megatron.training` imports only datastates' public modules (`datastates`, `fileio`,
+   `safe_load`, `universal`, `megatron_adapter`, `megatron_adapter.paths`);
+3. no import cycles among the modules of either package.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(root), PYTHONWARNINGS="ignore")
+    return subprocess.run([str(LINT), str(root / ".importlinter")], cwd=str(root), env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed "
+                                "(pip install -r requirements.txt)")
+
+
+def test_layer_contracts_hold():
+    out = _lint(REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "3 kept, 0 broken" in out.stdout, out.stdout[-2000:]
+
+
+def test_each_contract_fails_when_broken(tmp_path):
+    """A copy of the two packages with one violation of each rule: all three contracts break."""
+    for name in ("datastates", os.path.join("megatron", "training")):
+        shutil.copytree(REPO / name, tmp_path / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / ".importlinter", tmp_path)
+
+    def append(rel, line):
+        with open(tmp_path / rel, "a") as f:
+            f.write("\n" + line + "\n")
+
+    append("datastates/cache.py", "import megatron.core  # engine -> megatron")
+    append("megatron/training/log.py", "from datastates.engine import CheckpointEngine  # private")
+    append("megatron/training/log.py", "import megatron.training.training  # cycle")
+    out = _lint(tmp_path)
+    assert out.returncode != 0, out.stdout[-3000:]
+    assert "0 kept, 3 broken" in out.stdout, out.stdout[-3000:]
+    for needle in ("datastates.cache -> megatron.core", "megatron.training.log -> datastates.engine",
+                   "megatron.training.log"):
+        assert needle in out.stdout, (needle, out.stdout[-3000:])
+
+
+def test_readme_layout_table_names_every_module():
+    """README's layout table lists every module of the packages (a new one must be placed)."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Layout"):text.index("## Layout") + 8000]
+    missing = []
+    for package in ("datastates", "datastates/universal", "datastates/megatron_adapter",
+                    "megatron/training", "tools"):
+        for path in sorted((REPO / package).glob("*.py")):
+            if path.name != "__init__.py" and f"`{path.name}`" not in table \
+                    and f"/`{path.name}`" not in table and f"`{path.stem}" not in table:
+                missing.append(f"{package}/{path.name}")
+    assert not missing, f"README's layout table does not mention: {missing}"
