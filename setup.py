@@ -8,7 +8,8 @@ setup(
     python_requires=">=3.10",
     # `megatron` has no __init__.py of ours: it is a namespace package shared with the installed
     # megatron-core wheel, so only our `megatron.training` subpackage is ours to ship.
-    packages=find_namespace_packages(include=["megatron.training*", "datastates*"]),
+    # `tools` ships too, so `python tools/X.py` and `python -m tools.X` both find `tools.*`.
+    packages=find_namespace_packages(include=["megatron.training*", "datastates*", "tools*"]),
     install_requires=["torch>=2.4", "megatron-core==0.16.1", "psutil", "numpy", "safetensors",
                       "crc32c"],
     extras_require={

@@ -15,7 +15,8 @@ if ! "$PY" -c "import torch, megatron.core, psutil, pytest, safetensors, crc32c,
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$PY" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements.txt"
 fi
-if ! "$PY" -c "import datastates, megatron.training" >/dev/null 2>&1 \
+# From / so that the repository's own directory on sys.path cannot hide a missing install.
+if ! (cd / && "$PY" -c "import datastates, megatron.training, tools.errors") >/dev/null 2>&1 \
    || ! "$PY" -m pip show -q datastates-llm >/dev/null 2>&1; then
   "$PY" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT"
 fi

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-
-if __package__ in (None, ""):  # run as a script: make `tools.` importable from the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GB = 1e9
 

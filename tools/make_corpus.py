@@ -9,14 +9,10 @@ Each line is {"source": "<where>", "text": "<document>"}; feed it to tools/prepr
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: make `tools.` importable from the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.corpus import CorpusConfig, CorpusSource, build_corpus  # noqa: E402
-from tools.errors import ToolInputError  # noqa: E402
+from tools.corpus import CorpusConfig, CorpusSource, build_corpus
+from tools.errors import ToolInputError
 
 
 def build_parser() -> argparse.ArgumentParser:

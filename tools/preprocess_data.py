@@ -10,14 +10,10 @@ Writes ``data/corpus_text_document.{bin,idx}`` (one pair per ``--json-keys`` ent
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: make `tools.` importable from the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.errors import ToolInputError  # noqa: E402
-from tools.jsonl_to_indexed import PreprocessConfig, Progress, preprocess_jsonl  # noqa: E402
+from tools.errors import ToolInputError
+from tools.jsonl_to_indexed import PreprocessConfig, Progress, preprocess_jsonl
 
 
 def build_parser() -> argparse.ArgumentParser:

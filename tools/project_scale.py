@@ -18,15 +18,12 @@ import json
 import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: make `tools.` importable from the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.errors import ToolInputError  # noqa: E402
-from tools.scale.architecture import PAPER_MODELS, WeightsWriter, paper_model  # noqa: E402
-from tools.scale.compare import dp_scaling_row, end_to_end_checks, format_checks, throughput_checks  # noqa: E402
-from tools.scale.inputs import load_inputs  # noqa: E402
-from tools.scale.paper import paper_case  # noqa: E402
-from tools.scale.projection import Phases, Platform, ScaleCase, Variant, predict  # noqa: E402
+from tools.errors import ToolInputError
+from tools.scale.architecture import PAPER_MODELS, WeightsWriter, paper_model
+from tools.scale.compare import dp_scaling_row, end_to_end_checks, format_checks, throughput_checks
+from tools.scale.inputs import load_inputs
+from tools.scale.paper import paper_case
+from tools.scale.projection import Phases, Platform, ScaleCase, Variant, predict
 
 DEFAULT_INPUTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale", "paper_polaris.json")
 _PLATFORM_FLAGS = [f.name for f in dataclasses.fields(Platform)]

@@ -14,10 +14,7 @@ import fcntl
 import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: make `tools.` importable from the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.runlog import CSV_COLUMNS, csv_row, parse_log  # noqa: E402
+from tools.runlog import CSV_COLUMNS, csv_row, parse_log
 
 
 def build_parser() -> argparse.ArgumentParser:
