@@ -5,7 +5,7 @@ import re
 import pytest
 
 from megatron.training.arguments import ArgumentError, build_run_config, parse_args
-from megatron.training.cpu_compat import batch_p2p_comm_for
+from megatron.training.mcore_fixes import batch_p2p_comm_for
 from megatron.training.log import training_log_line, validation_lines
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "

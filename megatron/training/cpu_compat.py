@@ -1,9 +1,11 @@
 """Every patch megatron-core 0.16.1 needs to train on a machine without CUDA, in one place.
 
 ``apply_cpu_patches()`` is a no-op when CUDA is available. On CPU it is called once, before the
-model is built; each patch says which megatron-core call needs it (see docs/MEGATRON_CPU.md of
-the project for how each was found). The patches only redirect CUDA-specific calls to their CPU
-equivalents; they change no numerics.
+model is built; each patch says which megatron-core call needs it (docs/TRAINER.md, "CPU
+compatibility", lists them and how they were found). The patches only redirect CUDA-specific
+calls to their CPU equivalents (and build the torch LayerNorm that sequence parallelism needs
+without apex/TE); they change no numerics. Fixes of megatron-core bugs that are not about the CPU
+live in `mcore_fixes.py`.
 """
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import Optional
 
 import torch
 
@@ -173,67 +174,4 @@ def apply_cpu_patches() -> bool:
             _patch_type_checks()
             _patch_sequence_parallel_norm()
             _APPLIED = True
-    return True
-
-
-def batch_p2p_comm_for(pipeline_parallel_size: int, virtual_pipeline_size: Optional[int],
-                       backend: str) -> bool:
-    """Whether the pipeline schedule may batch its send/recv pairs (`batch_isend_irecv`).
-
-    Trap found on gloo: the interleaved schedule (VPP) with exactly 2 pipeline stages and batched
-    p2p trains with silently wrong gradients (grad norm ~800 instead of ~1, flat loss), because
-    each rank posts a send and a receive to the same peer inside one batch. Unbatched p2p is
-    correct, so use it there; every other layout keeps megatron-core's default.
-    """
-    if virtual_pipeline_size is not None and pipeline_parallel_size == 2 and backend == "gloo":
-        return False
-    return True
-
-
-def apply_torch_adam_patches() -> bool:
-    """Needed whenever megatron-core falls back to torch.optim.Adam(W) (no apex/TE FusedAdam,
-    so always on CPU). Returns True when applied.
-
-    `DistributedOptimizer._set_main_param_and_optimizer_states` (fully_reshardable load) copies
-    every key of the torch optimizer's per-param state from the checkpoint; torch Adam keeps a
-    per-param `step` there that the checkpoint stores in `param_groups` instead, so the copy hits
-    `KeyError: 'step'`. `step` is restored from `param_groups` by `load_state_dict`; skip it here.
-    """
-    from megatron.core import optimizer as mcore_optimizer
-    from megatron.core.optimizer import distrib_optimizer
-
-    if not getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", False):
-        return False
-    cls = distrib_optimizer.DistributedOptimizer
-    if getattr(cls._set_main_param_and_optimizer_states, "__torch_adam_patch__", False):
-        return True
-    original = cls._set_main_param_and_optimizer_states
-
-    def set_states(self, model_param, tensors):
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        main_param.detach().copy_(tensors["param"])
-        for key, value in self.optimizer.state[main_param].items():
-            if key != "step":
-                value.copy_(tensors[key])
-
-    set_states.__torch_adam_patch__ = True
-    cls._set_main_param_and_optimizer_states = set_states
-
-    # `DistributedOptimizer.load_state_dict` gives every param's state the *same* `step` tensor;
-    # torch Adam's foreach path increments each param's `step` in place, so after one step the
-    # shared counter has advanced once per parameter and bias correction is wrong from then on
-    # (a resumed run silently diverges from the uninterrupted one). Give each param its own copy.
-    original_load = cls.load_state_dict
-
-    def load_state_dict(self, state_dict):
-        original_load(self, state_dict)
-        for param_state in self.optimizer.state.values():
-            step = param_state.get("step")
-            if isinstance(step, torch.Tensor):
-                param_state["step"] = step.detach().clone()
-
-    cls.load_state_dict = load_state_dict
     return True

@@ -7,7 +7,8 @@ from typing import List
 import torch
 
 from megatron.training.config import ModelConfig, ParallelConfig
-from megatron.training.cpu_compat import batch_p2p_comm_for, cuda_available
+from megatron.training.cpu_compat import cuda_available
+from megatron.training.mcore_fixes import batch_p2p_comm_for
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: str):

@@ -15,7 +15,7 @@ from megatron.training.checkpoint_contents import TrainState
 from megatron.training.checkpoint_formats import make_checkpoint_manager
 from megatron.training.checkpoint_manager import CheckpointManager
 from megatron.training.config import RunConfig
-from megatron.training.cpu_compat import apply_torch_adam_patches
+from megatron.training.mcore_fixes import apply_torch_adam_patches
 from megatron.training.data import Datasets, MicroBatchIterator, build_datasets, get_batch
 from megatron.training.initialize import backend_name, initialize_distributed, set_random_seeds
 from megatron.training.log import print_rank_0, print_rank_last, training_log_line, validation_lines
