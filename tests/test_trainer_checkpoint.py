@@ -4,11 +4,15 @@ One uninterrupted run per scenario saves every 3 iterations; the resumed run loa
 iteration-3 checkpoint, so the reference and the checkpoint come from a single launch.
 """
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
-from trainer_launch import (NO_DROPOUT, TINY_MODEL, after, assert_close, copy_checkpoints, launch,
-                            send_sigterm_to_tree)
+from trainer_launch import (NO_DROPOUT, REPO, TINY_MODEL, after, assert_close, copy_checkpoints,
+                            launch, send_sigterm_to_tree)
 
 SIX = ["--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1"]
 
@@ -118,8 +122,34 @@ def test_entry_point_reports_bad_layout_and_missing_load_in_one_line(tmp_path):
     assert contradictory.stderr.count(
         "pretrain_gpt.py: error: world size 2 is not divisible by TP*PP = 2*2 = 4") == 1
     assert "megatron/training/" not in contradictory.stderr
+    # As Megatron-LM: a --load directory that does not exist yet is a warning, and the run starts
+    # from scratch (so a launch line with --save D --load D works the first time).
     missing = launch(1, TINY_MODEL + SIX + ["--load", str(tmp_path / "nope")])
-    assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines() == [
-        f"pretrain_gpt.py: error: --load directory '{tmp_path / 'nope'}' does not exist "
-        "(expected a directory holding latest_checkpointed_iteration.txt and iter_NNNNNNN/)"]
+    assert missing.returncode == 0, missing.describe()
+    assert f"WARNING: --load directory {tmp_path / 'nope'} does not exist: no checkpoint to " \
+           "load, starting from scratch" in missing.stdout
+    assert sorted(missing.losses()) == list(range(1, 7))
+
+
+def test_readme_launch_line_runs_in_a_fresh_directory(tmp_path):
+    """The README's Megatron-LM launch line, taken from README.md itself, runs as written in an
+    empty directory (its --load names a directory that does not exist yet); only --train-iters
+    is shortened."""
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("A Megatron-LM launch line runs unchanged"):]
+    start = block.index("```bash") + len("```bash")
+    block = block[start:block.index("```", start)]
+    line = " ".join(part.strip().rstrip("\\") for part in block.strip().splitlines())
+    args = line.split()
+    assert args[:3] == ["torchrun", "--nproc_per_node", "2"] and args[3] == "pretrain_gpt.py", args
+    iters = args.index("--train-iters")
+    args[iters + 1] = "3"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"] + args[1:3] + \
+        [str(REPO / "pretrain_gpt.py")] + args[4:]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    save = tmp_path / args[args.index("--save") + 1]
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert re.search(r"checkpoint iteration\s+3 \|.*committed", out.stdout), out.stdout[-2000:]

@@ -25,7 +25,10 @@ def config(extra="", world_size=1):
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 2,
      "not divisible by --num-layers-per-virtual-pipeline-stage 3"),
     ("--sequence-parallel", 1, "--sequence-parallel needs"),
-    ("--load /nonexistent/ckpt", 1, "--load directory '/nonexistent/ckpt' does not exist"),
+    ("--lazy-save-cache-mb 64", 1, "--lazy-save-cache-mb configure --async-lazy-save, which is "
+     "not on"),
+    ("--lazy-save-checksum none --ckpt-drain-timeout 5", 1,
+     "--lazy-save-checksum, --ckpt-drain-timeout configure --async-lazy-save"),
     ("--async-lazy-save --async-save", 1, "two different asynchronous savers"),
     ("--async-lazy-save --ckpt-format torch", 1, "it needs --ckpt-format torch_dist"),
     ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist"),

@@ -100,9 +100,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-lazy-save", action="store_true",
                    help="DataStates lazy asynchronous checkpointing: copy the snapshot while the "
                         "next forward/backward runs, write it in the background")
-    g.add_argument("--lazy-save-cache-mb", type=int, default=1024,
-                   help="DataStates host cache per rank in MiB (with --async-lazy-save)")
-    g.add_argument("--lazy-save-checksum", choices=["crc32c", "crc32", "none"], default="crc32c",
+    g.add_argument("--lazy-save-cache-mb", type=int, default=None,
+                   help="DataStates host cache per rank in MiB (with --async-lazy-save; default 1024)")
+    g.add_argument("--lazy-save-checksum", choices=["crc32c", "crc32", "none"], default=None,
                    help="per-chunk checksum of --async-lazy-save shards, verified on every load: "
                         "crc32c (CPU instruction; default), crc32 (zlib), none")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
@@ -117,9 +117,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-unsafe-pickle", action="store_true",
                    help="load checkpoint files whose pickles name arbitrary code (only for legacy "
                         "files you trust; by default such a file is refused and nothing in it runs)")
-    g.add_argument("--ckpt-drain-timeout", type=float, default=1800.0,
+    g.add_argument("--ckpt-drain-timeout", type=float, default=None,
                    help="seconds a wait on the background checkpoint writers may take before it "
-                        "is reported as a hung writer (with --async-lazy-save)")
+                        "is reported as a hung writer (with --async-lazy-save; default 1800)")
     g.add_argument("--universal-checkpoint-interval", type=int, default=None,
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")
@@ -220,7 +220,18 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
     return gbs
 
 
+#: Flags that only --async-lazy-save reads, and their defaults (applied after the check below).
+LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": 1024, "lazy_save_checksum": "crc32c",
+                      "ckpt_drain_timeout": 1800.0}
+
+
 def _check_checkpointing(a: argparse.Namespace) -> None:
+    given = [f"--{k.replace('_', '-')}" for k in LAZY_SAVE_DEFAULTS if getattr(a, k) is not None]
+    _require(a.async_lazy_save or not given, f"{', '.join(given)} configure --async-lazy-save, "
+             "which is not on: add --async-lazy-save, or drop the flag (it would be ignored)")
+    for key, default in LAZY_SAVE_DEFAULTS.items():
+        if getattr(a, key) is None:
+            setattr(a, key, default)
     if a.async_lazy_save:
         _require(not a.async_save, "--async-lazy-save and --async-save are two different "
                  "asynchronous savers; pass one of them")
@@ -244,10 +255,8 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     _require(a.save_interval is None or a.save_interval > 0,
              f"--save-interval must be > 0, got {a.save_interval}")
     _require(a.save_interval is None or a.save is not None, "--save-interval needs --save DIR")
-    if a.load is not None:
-        _require(os.path.isdir(a.load),
-                 f"--load directory {a.load!r} does not exist (expected a directory holding "
-                 f"latest_checkpointed_iteration.txt and iter_NNNNNNN/)")
+    # A --load directory that does not exist yet is not an error: as Megatron-LM, the run starts
+    # from scratch with a warning (checkpoint_loading), so `--save D --load D` restarts.
 
 
 def _check_data(a: argparse.Namespace) -> None:

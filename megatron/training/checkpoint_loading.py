@@ -79,7 +79,10 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     if ckpt.load is None:
         return False
     if not os.path.isdir(ckpt.load):
-        raise CheckpointError("--load directory does not exist", path=ckpt.load)
+        # Megatron-LM's behaviour: nothing to load is a warning, not an error.
+        print_rank_0(f"WARNING: --load directory {ckpt.load} does not exist: no checkpoint to "
+                     "load, starting from scratch")
+        return False
     if _load_if_universal(state, config, ckpt.load):  # --load names a universal checkpoint
         return True
     if not os.path.isfile(os.path.join(ckpt.load, paths.TRACKER_FILENAME)):
@@ -134,7 +137,8 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         # After load_state_dict (param groups, step), as Megatron does: the sharded Adam state.
         _load_distrib_optim(state.optimizer, os.path.join(torch_rank_dir(directory),
                                                           paths.DISTRIB_OPTIM_FILENAME), unsafe)
-    print_rank_0(f"loaded checkpoint {directory} (format {fmt.value}, iteration {iteration}; "
+    print_rank_0(f"loaded checkpoint {directory} (format {paths.detect_format(directory).value}, "
+                 f"iteration {iteration}; "
                  f"optimizer {'restored' if load_optim else 'not restored'}, rng "
                  f"{'restored' if load_rng else 'not restored'})")
     return True
