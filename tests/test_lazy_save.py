@@ -171,3 +171,21 @@ def test_load_strategy_registered_in_any_import_order(imports):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "('datastates', 1)" in out.stdout, out.stdout
+
+
+def test_overwrite_warning_only_when_the_directory_held_files(tmp_path):
+    """megatron-core warns "Overwriting old incomplete / corrupted checkpoint..." for any non-empty
+    directory, and ours holds the room set aside for the commit marker: the warning must appear only
+    for a directory that really held leftovers of an earlier save, naming them."""
+    root = tmp_path / "ckpt"
+    (root / "iter_0000002").mkdir(parents=True)
+    (root / "iter_0000002" / "shard_r00000.bin").write_bytes(b"left over")
+    run = launch(1, TINY_MODEL + NO_DROPOUT + ["--train-iters", "2", "--save", str(root),
+                                               "--save-interval", "1", "--async-lazy-save"])
+    assert run.returncode == 0, run.describe()
+    text = run.stdout + run.stderr
+    assert "Overwriting old incomplete" not in text, text[-3000:]
+    warnings = [ln for ln in text.splitlines() if "already holds files of an earlier" in ln]
+    assert len(warnings) == 1 and "iter_0000002" in warnings[0] and "shard_r00000.bin" in \
+        warnings[0], warnings
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"

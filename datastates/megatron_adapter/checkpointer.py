@@ -140,11 +140,12 @@ class LazyCheckpointer:
         return bool(self.pending) and self.pending[-1].iteration == iteration
 
     # -- 1) after optimizer step i ------------------------------------------------------------
-    def save(self, iteration: int, sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = (),
+    def save(self, iteration: int, sharded_state_dict: Any,
+             extra_shards: Sequence[TensorShard] = (),
              content_metadata: Optional[dict] = None) -> None:
         from megatron.core import dist_checkpointing, parallel_state
 
-        from .strategies import durable_common_save, save_strategy
+        from .strategies import durable_common_save, quiet_overwrite_warning, save_strategy
 
         t0, wall0 = time.perf_counter(), time.time()
         directory = checkpoint_dir(self.config.root, iteration)
@@ -158,6 +159,11 @@ class LazyCheckpointer:
         try:
             if self.rank == 0:
                 os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
+                leftovers = sorted(os.listdir(directory))
+                if leftovers:  # megatron's own warning would fire for our spares too: ours only
+                    shown = ", ".join(leftovers[:3]) + (", ..." if len(leftovers) > 3 else "")
+                    self.log(f"WARNING: {directory} already holds files of an earlier, incomplete "
+                             f"save ({shown}); overwriting them")
                 # Room for COMMIT.json (written into it) and metadata.json (megatron writes it:
                 # released right before), taken before any shard byte of this save or a later
                 # one, so a disk that the next save fills up rarely keeps this save, once
@@ -167,7 +173,9 @@ class LazyCheckpointer:
             # After megatron's collectives, rank 0 writes common.pt and every rank opens its
             # shard: a full disk fails here on some ranks only, so the failure is recorded and
             # agreed on in poll() instead of raised (the others would wait for us).
-            with durable_common_save():  # common.pt fsync'd; a full disk is an ENOSPC OSError
+            # common.pt fsync'd (a full disk is an ENOSPC OSError); megatron's overwrite warning
+            # is replaced by the check above.
+            with durable_common_save(), quiet_overwrite_warning():
                 request = dist_checkpointing.save(sharded_state_dict, directory,
                                                   sharded_strategy=strategy,
                                                   async_sharded_save=True,

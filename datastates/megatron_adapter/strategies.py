@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import threading
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
@@ -162,6 +163,26 @@ def durable_common_save() -> Iterator[None]:
         yield
     finally:
         table[key] = previous
+
+
+class _DropOverwriteWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Overwriting old incomplete / corrupted checkpoint" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_overwrite_warning() -> Iterator[None]:
+    """Within the block, megatron's "Overwriting old incomplete / corrupted checkpoint..." is not
+    logged: `dist_checkpointing.save` prints it for any non-empty directory, and ours holds the
+    room set aside for its commit marker before the call. The caller checks for real leftovers
+    itself (`LazyCheckpointer.save`)."""
+    target = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+    drop = _DropOverwriteWarning()
+    target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
 
 
 class DataStatesLoadStrategy(LoadShardedStrategy):
