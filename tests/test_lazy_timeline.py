@@ -41,3 +41,16 @@ def test_bad_input_names_the_line(tmp_path):
     path.write_text(json.dumps(EVENTS[0]) + "\n{oops\n")
     with pytest.raises(SystemExit, match="bad.jsonl:2"):
         read_events(str(path))
+
+
+def test_missing_telemetry_file_is_one_line_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    missing = tmp_path / "nope.jsonl"
+    out = subprocess.run([sys.executable, "-m", "tools.plot_checkpoint_timeline", str(missing)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == (f"error: cannot read {missing}: No such file or directory; "
+                                  "expected the datastates_checkpoints.jsonl written under --save "
+                                  "by --async-lazy-save")

@@ -16,7 +16,12 @@ from typing import Dict, List, Tuple
 
 def read_events(path: str) -> Tuple[List[Dict], List[Dict]]:
     iterations, checkpoints = [], []
-    with open(path) as f:
+    try:
+        f = open(path)
+    except OSError as e:
+        raise SystemExit(f"error: cannot read {path}: {e.strerror}; expected the "
+                         "datastates_checkpoints.jsonl written under --save by --async-lazy-save")
+    with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
