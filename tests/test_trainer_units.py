@@ -25,6 +25,8 @@ def config(extra="", world_size=1):
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 2,
      "not divisible by --num-layers-per-virtual-pipeline-stage 3"),
     ("--sequence-parallel", 1, "--sequence-parallel needs"),
+    ("--train-iters 4 --lr-warmup-iters 4", 1, "--lr-warmup-iters must be >= 0 and smaller "
+     "than the decay length (--lr-decay-iters, default --train-iters) 4, got 4"),
     ("--lazy-save-cache-mb 64", 1, "--lazy-save-cache-mb configure --async-lazy-save, which is "
      "not on"),
     ("--lazy-save-checksum none --ckpt-drain-timeout 5", 1,

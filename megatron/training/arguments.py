@@ -290,6 +290,10 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     _check_data(a)
     _require(a.train_iters >= 0, f"--train-iters must be >= 0, got {a.train_iters}")
     _require(a.log_interval > 0, f"--log-interval must be > 0, got {a.log_interval}")
+    decay = a.lr_decay_iters or a.train_iters
+    _require(a.lr_warmup_iters >= 0 and (a.lr_warmup_iters < decay or a.train_iters == 0),
+             f"--lr-warmup-iters must be >= 0 and smaller than the decay length "
+             f"(--lr-decay-iters, default --train-iters) {decay}, got {a.lr_warmup_iters}")
     max_pos = a.max_position_embeddings or a.seq_length
     _require(max_pos >= a.seq_length, f"--max-position-embeddings {max_pos} is smaller than "
                                       f"--seq-length {a.seq_length}")
