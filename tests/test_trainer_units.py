@@ -27,6 +27,8 @@ def config(extra="", world_size=1):
     ("--sequence-parallel", 1, "--sequence-parallel needs"),
     ("--train-iters 4 --lr-warmup-iters 4", 1, "--lr-warmup-iters must be >= 0 and smaller "
      "than the decay length (--lr-decay-iters, default --train-iters) 4, got 4"),
+    ("--async-lazy-save --lazy-save-cache-mb 100000000", 1, "--lazy-save-cache-mb 100000000 on 1 "
+     "rank(s) of this node needs 100000000 MiB of host memory, but"),
     ("--lazy-save-cache-mb 64", 1, "--lazy-save-cache-mb configure --async-lazy-save, which is "
      "not on"),
     ("--lazy-save-checksum none --ckpt-drain-timeout 5", 1,

@@ -225,6 +225,21 @@ LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": 1024, "lazy_save_checksum": "crc32c"
                       "ckpt_drain_timeout": 1800.0}
 
 
+def _check_host_cache_fits(cache_mb: int) -> None:
+    """Every rank of this node allocates its host cache at start-up: refuse a size the node's
+    free memory cannot hold before anything is built or loaded (the allocation would otherwise
+    fail later with a bare `OSError: Cannot allocate memory`, or push the node into swap)."""
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need = cache_mb * local
+    free = psutil.virtual_memory().available >> 20
+    _require(need <= 0.9 * free,
+             f"--lazy-save-cache-mb {cache_mb} on {local} rank(s) of this node needs {need} MiB of "
+             f"host memory, but {free} MiB is available; lower --lazy-save-cache-mb (at most "
+             f"{int(0.9 * free) // local} per rank here)")
+
+
 def _check_checkpointing(a: argparse.Namespace) -> None:
     given = [f"--{k.replace('_', '-')}" for k in LAZY_SAVE_DEFAULTS if getattr(a, k) is not None]
     _require(a.async_lazy_save or not given, f"{', '.join(given)} configure --async-lazy-save, "
@@ -239,6 +254,7 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
                  f"dist_checkpointing layout; it needs --ckpt-format torch_dist, got {a.ckpt_format}")
         _require(a.lazy_save_cache_mb > 0,
                  f"--lazy-save-cache-mb must be > 0, got {a.lazy_save_cache_mb}")
+        _check_host_cache_fits(a.lazy_save_cache_mb)
     if a.universal_checkpoint_interval is not None:
         _require(a.universal_checkpoint_interval > 0, "--universal-checkpoint-interval must be "
                  f"> 0, got {a.universal_checkpoint_interval}")
