@@ -153,3 +153,28 @@ def test_readme_launch_line_runs_in_a_fresh_directory(tmp_path):
     save = tmp_path / args[args.index("--save") + 1]
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert re.search(r"checkpoint iteration\s+3 \|.*committed", out.stdout), out.stdout[-2000:]
+
+
+def test_resume_with_another_schedule_follows_megatron_lms_rule(tmp_path):
+    """Resuming with another --train-iters changes the decay length: refused by default with what
+    differs and the two flags; --override-opt_param-scheduler follows this run's flags,
+    --use-checkpoint-opt_param-scheduler the checkpoint's, each saying so."""
+    root = tmp_path / "ckpt"
+    first = launch(1, TINY_MODEL + NO_DROPOUT + ["--train-iters", "2", "--save", str(root),
+                                                 "--save-interval", "2", "--eval-interval", "0"])
+    assert first.returncode == 0, first.describe()
+    longer = TINY_MODEL + NO_DROPOUT + ["--train-iters", "3", "--load", str(root),
+                                        "--eval-interval", "0"]
+    refused = launch(1, longer)
+    assert refused.returncode == 2, refused.describe()
+    errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1, refused.describe()
+    for needle in ("another learning-rate schedule", "--lr-decay-iters (default --train-iters) x "
+                   "global batch: checkpoint 16, this run 24", "--override-opt_param-scheduler",
+                   "--use-checkpoint-opt_param-scheduler"):
+        assert needle in errors[0], (needle, errors[0])
+    for flag, says in (("--override-opt_param-scheduler", "following this run's flags"),
+                       ("--use-checkpoint-opt_param-scheduler", "following the checkpoint's")):
+        run = launch(1, longer + [flag])
+        assert run.returncode == 0, run.describe()
+        assert says in run.stdout and sorted(run.losses()) == [3], run.stdout[-2000:]

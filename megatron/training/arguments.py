@@ -19,6 +19,7 @@ from megatron.training.config import (
     OptimizerConfig,
     ParallelConfig,
     RunConfig,
+    SchedulerOnResume,
     TrainingConfig,
 )
 from megatron.training.tokenizer import TokenizerType, build_tokenizer
@@ -70,6 +71,12 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=[s.value for s in LrDecayStyle], default="linear")
+    g.add_argument("--override-opt_param-scheduler", dest="override_opt_param_scheduler",
+                   action="store_true", help="on resume, follow this run's learning-rate and "
+                   "weight-decay schedule flags instead of the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's schedule whatever this run's flags say")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -305,6 +312,9 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     _check_checkpointing(a)
     _check_data(a)
     _require(a.train_iters >= 0, f"--train-iters must be >= 0, got {a.train_iters}")
+    _require(not (a.override_opt_param_scheduler and a.use_checkpoint_opt_param_scheduler),
+             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+             "each other; pass one of them")
     _require(a.log_interval > 0, f"--log-interval must be > 0, got {a.log_interval}")
     decay = a.lr_decay_iters or a.train_iters
     _require(a.lr_warmup_iters >= 0 and (a.lr_warmup_iters < decay or a.train_iters == 0),
@@ -335,7 +345,10 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lr=a.lr, min_lr=a.min_lr, lr_decay_style=LrDecayStyle(a.lr_decay_style),
         lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters,
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-        adam_beta2=a.adam_beta2, adam_eps=a.adam_eps)
+        adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
+        scheduler_on_resume=(SchedulerOnResume.OVERRIDE if a.override_opt_param_scheduler else
+                             SchedulerOnResume.CHECKPOINT if a.use_checkpoint_opt_param_scheduler
+                             else SchedulerOnResume.MUST_MATCH))
     training = TrainingConfig(
         micro_batch_size=a.micro_batch_size, global_batch_size=gbs, train_iters=a.train_iters,
         seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,

@@ -22,7 +22,7 @@ import datastates
 from datastates.megatron_adapter import paths
 from datastates.safe_load import torch_load
 
-from megatron.training.config import CkptFormat, RunConfig
+from megatron.training.config import CkptFormat, RunConfig, SchedulerOnResume
 from megatron.training.model import unwrap
 
 CHECKPOINT_VERSION = 3.0
@@ -155,13 +155,51 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
     return sd
 
 
+#: (scheduler attribute, Megatron-LM's name for it in messages) compared on resume.
+_SCHEDULE_FIELDS = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
+                    ("lr_warmup_steps", "--lr-warmup-iters x global batch"),
+                    ("lr_decay_steps", "--lr-decay-iters (default --train-iters) x global batch"),
+                    ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"),
+                    ("end_wd", "--weight-decay"),
+                    ("wd_incr_steps", "--train-iters x global batch"),
+                    ("wd_incr_style", "weight-decay schedule"))
+
+
+def check_schedule(scheduler, saved: dict, policy: SchedulerOnResume, path: str = "") -> str:
+    """Megatron-LM's rule for a resumed learning-rate/weight-decay schedule, with a message
+    instead of its bare assert: a checkpoint whose schedule differs from this run's flags is
+    refused unless --override-opt_param-scheduler (this run's flags win) or
+    --use-checkpoint-opt_param-scheduler (the checkpoint's wins). Returns a line saying which
+    schedule the run follows."""
+    diffs = [f"{label}: checkpoint {saved[key]!r}, this run {getattr(scheduler, key)!r}"
+             for key, label in _SCHEDULE_FIELDS
+             if key in saved and saved[key] != getattr(scheduler, key, saved[key])]
+    if not diffs:
+        return "learning-rate schedule: the checkpoint's and this run's agree"
+    if policy is SchedulerOnResume.MUST_MATCH:
+        raise CheckpointError("the checkpoint was saved with another learning-rate schedule ("
+                              + "; ".join(diffs) + "); pass --override-opt_param-scheduler to "
+                              "follow this run's flags, or --use-checkpoint-opt_param-scheduler to "
+                              "keep the checkpoint's", path=path or None)
+    which = ("this run's flags (--override-opt_param-scheduler)"
+             if policy is SchedulerOnResume.OVERRIDE
+             else "the checkpoint's (--use-checkpoint-opt_param-scheduler)")
+    return f"learning-rate schedule: following {which}; they differ in " + "; ".join(diffs)
+
+
 def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool,
-                            load_rng: bool, finetune: bool) -> None:
+                            load_rng: bool, finetune: bool,
+                            schedule: SchedulerOnResume = SchedulerOnResume.MUST_MATCH,
+                            path: str = "") -> Optional[str]:
     """Restore model (always), then optimizer+scheduler, RNG and progress counters unless told
     not to. ``finetune`` keeps iteration and sample counters at zero."""
     n = len(state.model)
     for i, chunk in enumerate(state.model):
         unwrap(chunk).load_state_dict(loaded[_model_key(i, n)], strict=True)
+    note = None
+    if load_optim and "opt_param_scheduler" in loaded:
+        # Before anything is applied: a refused schedule leaves the state untouched.
+        note = check_schedule(state.scheduler, loaded["opt_param_scheduler"], schedule, path)
     if load_optim and "optimizer" in loaded:
         with torch.no_grad():  # fp32 main params are leaf tensors that require grad
             state.optimizer.load_state_dict(loaded["optimizer"])
@@ -172,6 +210,7 @@ def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool
         state.iteration = int(loaded["iteration"])
         state.consumed_train_samples = int(loaded["consumed_train_samples"])
         state.consumed_valid_samples = int(loaded["consumed_valid_samples"])
+    return note
 
 
 def torch_rank_dir(directory: str) -> str:

@@ -131,8 +131,11 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     else:
         loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
                                  unsafe)
-    apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
-                            finetune=ckpt.finetune)
+    note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
+                                   finetune=ckpt.finetune,
+                                   schedule=config.optimizer.scheduler_on_resume, path=directory)
+    if note:
+        print_rank_0(note)
     if fmt is CkptFormat.TORCH and load_optim and config.parallel.use_distributed_optimizer:
         # After load_state_dict (param groups, step), as Megatron does: the sharded Adam state.
         _load_distrib_optim(state.optimizer, os.path.join(torch_rank_dir(directory),

@@ -12,6 +12,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+class SchedulerOnResume(str, enum.Enum):
+    """Which learning-rate/weight-decay schedule a resumed run follows (Megatron-LM's flags)."""
+
+    MUST_MATCH = "must_match"      # default: a checkpoint with another schedule is refused
+    CHECKPOINT = "checkpoint"      # --use-checkpoint-opt_param-scheduler: keep the checkpoint's
+    OVERRIDE = "override"          # --override-opt_param-scheduler: this run's flags win
+
+
 class CkptFormat(str, enum.Enum):
     """On-disk checkpoint format (``--ckpt-format``)."""
 
@@ -126,6 +134,8 @@ class OptimizerConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    scheduler_on_resume: SchedulerOnResume = SchedulerOnResume.MUST_MATCH
+    """Which schedule a resumed run follows when the checkpoint's differs from this run's."""
 
 
 @dataclass(frozen=True)

@@ -130,8 +130,11 @@ def load_universal(state: TrainState, config: RunConfig, directory: str) -> None
             raise CheckpointError(f"could not load the universal checkpoint: {err}",
                                   path=directory) from err
         _apply_common(loaded, m, load_optim, distributed)
-    apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=False,
-                            finetune=ckpt.finetune)
+    note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=False,
+                                   finetune=ckpt.finetune,
+                                   schedule=config.optimizer.scheduler_on_resume, path=directory)
+    if note:
+        print_rank_0(note)
     print_rank_0(f"loaded universal checkpoint {directory} (iteration {m['iteration']}, saved at "
                  f"{m['source']['layout']}; optimizer {'restored' if load_optim else 'not restored'}"
                  ", rng not restored)")

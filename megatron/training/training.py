@@ -14,7 +14,7 @@ from megatron.training.checkpoint_loading import load_checkpoint
 from megatron.training.checkpoint_contents import TrainState
 from megatron.training.checkpoint_formats import make_checkpoint_manager
 from megatron.training.checkpoint_manager import CheckpointManager
-from megatron.training.config import RunConfig
+from megatron.training.config import RunConfig, SchedulerOnResume
 from megatron.training.mcore_fixes import apply_torch_adam_patches
 from megatron.training.data import Datasets, MicroBatchIterator, build_datasets, get_batch
 from megatron.training.initialize import backend_name, initialize_distributed, set_random_seeds
@@ -62,7 +62,11 @@ def _build_optimizer(config: RunConfig, model):
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.lr_warmup_iters * gbs, lr_decay_steps=max(1, decay_iters * gbs),
         lr_decay_style=o.lr_decay_style.value, start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=max(1, t.train_iters * gbs), wd_incr_style="constant")
+        wd_incr_steps=max(1, t.train_iters * gbs), wd_incr_style="constant",
+        # Megatron-LM's defaults: neither, so a checkpoint with another schedule is refused
+        # (checked with a clear message in checkpoint_contents before megatron's assert).
+        use_checkpoint_opt_param_scheduler=o.scheduler_on_resume is SchedulerOnResume.CHECKPOINT,
+        override_opt_param_scheduler=o.scheduler_on_resume is SchedulerOnResume.OVERRIDE)
     return optimizer, scheduler
 
 
