@@ -41,6 +41,9 @@ else
   LAUNCH=("$PY")
 fi
 
+if [ -e "$OUT" ]; then
+  echo "== removing $OUT (this example starts from an empty output directory)"
+fi
 rm -rf "$OUT" && mkdir -p "$OUT"
 echo "== phase 1: train to iteration 20, save, stop"
 "${LAUNCH[@]}" "$ROOT/pretrain_gpt.py" "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAIN_ARGS[@]}" \

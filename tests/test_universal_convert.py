@@ -40,6 +40,9 @@ def test_round_trips_through_torch_dist_are_bit_exact(tmp_path):
     out = _tool("to-torch-dist", tmp_path / "u1", tmp_path / "td" / "iter_0000005")
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "td" / "latest_checkpointed_iteration.txt").read_text() == "5"
+    # The progress ends at 100% once the files are written (it stopped at ~70% before).
+    last = [ln for ln in out.stderr.splitlines() if ln.startswith("to-torch-dist [")][-1]
+    assert "100.0%" in last and "torch_dist files written" in last, out.stderr[-1500:]
     out = _tool("from-torch-dist", tmp_path / "td", tmp_path / "u2")
     assert out.returncode == 0, out.stderr
     _same_universal(tmp_path / "u1", tmp_path / "u2")

@@ -168,15 +168,16 @@ def universal_to_torch_dist(universal_dir: str, out_dir: str,
         sd: dict = u.megatron_common()
         content_metadata = sd.pop("content_metadata", None)
         names = u.names()
+        steps = len(names) + 1  # every tensor read, then the files written
         for i, name in enumerate(names):
             entry = m["tensors"][name]
             role, key = split_name(name)
-            if role is Role.FP32_PARAM and entry["source_key"] == key:
-                continue  # fp32 weights were their own main weights: nothing separate to write
-            sd[entry["source_key"]] = ShardedTensor.from_rank_offsets(
-                entry["source_key"], u.read(name), replica_id=0)
+            # fp32 weights that were their own main weights have nothing separate to write
+            if not (role is Role.FP32_PARAM and entry["source_key"] == key):
+                sd[entry["source_key"]] = ShardedTensor.from_rank_offsets(
+                    entry["source_key"], u.read(name), replica_id=0)
             if progress is not None:
-                progress(i + 1, len(names), name)
+                progress(i + 1, steps, name)
         for unique_key in u.object_keys():
             empty = ShardedObject.empty_from_unique_key(unique_key)
             sd[unique_key] = ShardedObject(empty.key, u.object(unique_key), empty.global_shape,
@@ -184,4 +185,6 @@ def universal_to_torch_dist(universal_dir: str, out_dir: str,
         os.makedirs(out_dir, exist_ok=True)
         dist_checkpointing.save(sd, out_dir, sharded_strategy=TorchDistSaveShardedStrategy(
             "torch_dist", 1), content_metadata=content_metadata)
+        if progress is not None:
+            progress(steps, steps, "torch_dist files written")
         return u.iteration
