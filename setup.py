@@ -10,6 +10,7 @@ setup(
     # megatron-core wheel, so only our `megatron.training` subpackage is ours to ship.
     # `tools` ships too, so `python tools/X.py` and `python -m tools.X` both find `tools.*`.
     packages=find_namespace_packages(include=["megatron.training*", "datastates*", "tools*"]),
+    package_data={"tools.scale": ["*.json"]},  # the paper's inputs, read by tools/project_scale.py
     install_requires=["torch>=2.4", "megatron-core==0.16.1", "psutil", "numpy", "safetensors",
                       "crc32c"],
     extras_require={
