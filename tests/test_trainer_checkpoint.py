@@ -178,3 +178,21 @@ def test_resume_with_another_schedule_follows_megatron_lms_rule(tmp_path):
         run = launch(1, longer + [flag])
         assert run.returncode == 0, run.describe()
         assert says in run.stdout and sorted(run.losses()) == [3], run.stdout[-2000:]
+
+
+def test_end_of_training_validation_and_summary(tmp_path):
+    """As Megatron-LM, the last iteration is validated even when it is not a multiple of
+    --eval-interval; one summary line says what the run did (iterations, time, tokens/s,
+    checkpoints, time blocked by checkpointing, newest complete checkpoint)."""
+    root = tmp_path / "ckpt"
+    run = launch(1, TINY_MODEL + NO_DROPOUT + ["--train-iters", "5", "--eval-interval", "2",
+                                               "--eval-iters", "1", "--save", str(root),
+                                               "--save-interval", "2", "--async-lazy-save"])
+    assert run.returncode == 0, run.describe()
+    assert sorted(run.validation()) == [2, 4, 5], run.stdout[-2000:]
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(" training summary |")]
+    assert len(lines) == 1, run.stdout[-2000:]
+    m = re.fullmatch(r" training summary \| iterations: 0 -> 5 \| time \(s\): [0-9.]+ \| "
+                     r"tokens/s: [0-9.]+ \| checkpoints: 3 \| blocked by checkpointing \(s\): "
+                     r"[0-9.]+ \| newest complete checkpoint: (\S+)", lines[0])
+    assert m and m.group(1) == str(root / "iter_0000005"), lines[0]

@@ -36,6 +36,8 @@ class Trainer:
     checkpoints: CheckpointManager
     model_config: object
     device: torch.device
+    checkpoint_wait_s: float = 0.0
+    """Time train_step spent in `before_optimizer_step` (a lazy snapshot not yet copied)."""
 
 
 def _device() -> torch.device:
@@ -166,7 +168,9 @@ def train_step(trainer: Trainer, iterators):
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = _run_schedule(trainer, iterators, forward_only=False)
+    t0 = time.perf_counter()
     trainer.checkpoints.before_optimizer_step()
+    trainer.checkpoint_wait_s += time.perf_counter() - t0
     ok, grad_norm, _ = state.optimizer.step()
     if ok:
         state.scheduler.step(increment=trainer.config.training.global_batch_size)
@@ -210,6 +214,47 @@ class _SigtermFlag:
         return bool(flag.item())
 
 
+class _Summary:
+    """What the end-of-training line reports: iterations, wall time, tokens/s, checkpoints
+    started, and the time the loop spent blocked in checkpoint calls (save calls, the lazy
+    snapshot wait, commit polls, the final drain)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.start_iteration = trainer.state.iteration
+        self.t0 = time.time()
+        self.blocked_s = -trainer.checkpoint_wait_s  # plus the train_step waits at report time
+        self.saves = 0
+
+    def blocked(self, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.blocked_s += time.perf_counter() - t0
+
+    def saving(self, maybe_save, state, force: bool = False) -> bool:
+        saved = self.blocked(maybe_save, state, force=force)
+        self.saves += int(saved)
+        return saved
+
+    def report(self) -> None:
+        from datastates.megatron_adapter import paths
+
+        config, state = self.trainer.config, self.trainer.state
+        iterations = state.iteration - self.start_iteration
+        wall = time.time() - self.t0
+        tokens = iterations * config.training.global_batch_size * config.model.seq_length
+        root = config.checkpoint.save
+        newest = paths.tracked_iteration(root) if root else None
+        blocked = self.blocked_s + self.trainer.checkpoint_wait_s
+        print_rank_0(f" training summary | iterations: {self.start_iteration} -> "
+                     f"{state.iteration} | time (s): {wall:.1f} | tokens/s: "
+                     f"{tokens / wall if wall > 0 else 0.0:.1f} | checkpoints: {self.saves} | "
+                     f"blocked by checkpointing (s): {blocked:.3f} | newest complete "
+                     f"checkpoint: {'none' if newest is None else paths.checkpoint_dir(root, newest)}")
+
+
 def train(trainer: Trainer) -> int:
     """Run to train_iters (or exit interval / SIGTERM); returns the last iteration."""
     state, t = trainer.state, trainer.config.training
@@ -219,6 +264,7 @@ def train(trainer: Trainer) -> int:
     window_start, skipped = time.time(), 0
     saved_last = True  # nothing new to save unless an iteration runs
     print_rank_0(f"training from iteration {state.iteration} to {t.train_iters}")
+    summary = _Summary(trainer)
     try:
         while state.iteration < t.train_iters:
             loss, grad_norm, ok = train_step(trainer, iterators)
@@ -237,20 +283,25 @@ def train(trainer: Trainer) -> int:
                 evaluate(trainer)
             # After eval (as Megatron): the checkpoint then holds the consumed validation
             # samples too, so a resumed run validates on the same batches.
-            saved_last = trainer.checkpoints.maybe_save(state)
-            trainer.checkpoints.after_iteration(state.iteration)
+            saved_last = summary.saving(trainer.checkpoints.maybe_save, state)
+            summary.blocked(trainer.checkpoints.after_iteration, state.iteration)
             if sigterm.any_rank_received():
                 print_rank_0(f"exiting on SIGTERM at iteration {state.iteration}")
                 if not saved_last:
-                    trainer.checkpoints.maybe_save(state, force=True)
+                    summary.saving(trainer.checkpoints.maybe_save, state, force=True)
                 return state.iteration
             if t.exit_interval and state.iteration % t.exit_interval == 0:
                 print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval)")
                 if not saved_last:
-                    trainer.checkpoints.maybe_save(state, force=True)
+                    summary.saving(trainer.checkpoints.maybe_save, state, force=True)
                 return state.iteration
         if not saved_last and state.iteration > 0:
-            trainer.checkpoints.maybe_save(state, force=True)  # Megatron saves at the end too
+            # Megatron saves at the end too
+            summary.saving(trainer.checkpoints.maybe_save, state, force=True)
+        if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval and \
+                state.iteration > summary.start_iteration:
+            evaluate(trainer)  # as Megatron-LM: the end of training is validated too
         return state.iteration
     finally:
-        trainer.checkpoints.finalize()
+        summary.blocked(trainer.checkpoints.finalize)
+        summary.report()
