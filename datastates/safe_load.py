@@ -15,11 +15,12 @@ one of these, and nothing else in the code base may call `pickle.load(s)` or `to
   the checkpoint directory.
 - `SafeFileSystemReader` / `SafeLoadPlanner`: DCP's reader and planner with those two reads swapped
   in (DCP's default planner unpickles every saved object with `weights_only=False`).
-- `opt_in_pickle_loads`: the engine's own `allow_pickle` objects, read only when the caller opted in.
+- `opt_in_pickle_loads`: the engine's own `allow_pickle` objects, read only on opt-in.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import pathlib
@@ -30,11 +31,13 @@ import zipfile
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from .errors import CheckpointError
 
-__all__ = ["UNSAFE_PICKLE_FLAG", "SafeBytesMixin", "SafeFileSystemReader", "SafeLoadPlanner", "UnsafePickleError",
-           "opt_in_pickle_loads", "read_dcp_metadata", "reraise_dcp_failure", "safe_globals", "torch_load"]
+__all__ = ["UNSAFE_PICKLE_FLAG", "SafeBytesMixin", "SafeFileSystemReader", "SafeLoadPlanner",
+           "UnsafePickleError", "opt_in_pickle_loads", "read_dcp_metadata", "reraise_dcp_failure",
+           "safe_globals", "torch_load"]
 
 UNSAFE_PICKLE_FLAG = "--allow-unsafe-pickle"
 
@@ -160,6 +163,7 @@ def opt_in_pickle_loads(data: bytes, *, allow: bool, file: Optional[str] = None,
 
 # --------------------------------------------------------------------------- DCP .metadata
 
+@functools.lru_cache(maxsize=1)
 def _dcp_allowed() -> Dict[Tuple[str, str], Any]:
     from torch.distributed.checkpoint import filesystem, metadata, planner
 
@@ -243,15 +247,6 @@ def _check_storage_paths(md, directory: str, path: str) -> None:
         if os.path.commonpath([root, full]) != root:
             raise CheckpointError(f"torch_dist metadata names storage file {rel!r}, which resolves "
                                   f"to {full}, outside the checkpoint directory", file=path)
-
-
-def _dcp_classes():
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-
-    return FileSystemReader, DefaultLoadPlanner
-
-
-FileSystemReader, DefaultLoadPlanner = _dcp_classes()
 
 
 class SafeFileSystemReader(FileSystemReader):

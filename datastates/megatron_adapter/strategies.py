@@ -57,7 +57,7 @@ from ..errors import CheckpointError
 from ..reader import CheckpointReader
 from ..safe_load import SafeBytesMixin, SafeFileSystemReader, reraise_dcp_failure, torch_load
 from ..flatten import TensorShard
-from .paths import COMMON_FILENAME, saved_common
+from .paths import COMMON_FILENAME, saved_common, sharded_backend
 
 BACKEND = "datastates"
 BACKEND_VERSION = 1
@@ -373,18 +373,16 @@ def load_strategies(checkpoint_dir: str, allow_unsafe_pickle: bool = False):
     """(sharded, common) load strategies for `dist_checkpointing.load` that read the checkpoint in
     `checkpoint_dir` without running code from it (unless `allow_unsafe_pickle`). The backend is
     the one its metadata.json names: ours or megatron's torch_dist."""
-    from megatron.core.dist_checkpointing.core import maybe_load_config
-
-    config = maybe_load_config(str(checkpoint_dir))
-    if config is None:
-        raise CheckpointError(f"no {CONFIG_FNAME}: not a dist_checkpointing checkpoint",
-                              file=str(checkpoint_dir))
+    backend = sharded_backend(str(checkpoint_dir))
+    if backend is None:
+        raise CheckpointError(f"no readable {CONFIG_FNAME} naming a sharded backend: not a "
+                              "dist_checkpointing checkpoint", file=str(checkpoint_dir))
     common = SafeCommonLoadStrategy(allow_unsafe_pickle)
-    if config.sharded_backend == BACKEND:
+    if backend == BACKEND:
         return DataStatesLoadStrategy(allow_pickle=allow_unsafe_pickle), common
-    if config.sharded_backend == "torch_dist":
+    if backend == "torch_dist":
         return SafeTorchDistLoadStrategy(allow_unsafe_pickle), common
-    raise CheckpointError(f"{CONFIG_FNAME} names sharded backend {config.sharded_backend!r}; "
+    raise CheckpointError(f"{CONFIG_FNAME} names sharded backend {backend!r}; "
                           f"expected {BACKEND!r} or 'torch_dist'", file=str(checkpoint_dir))
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..fileio import confined_path, read_confined, safe_join
-from .objects import decode_object, decode_value
+from .objects import DTYPE_BY_NAME, decode_object, decode_value, legacy_pickles
 
 FORMAT_NAME = "datastates-universal"
 FORMAT_VERSION = 2  # 2: objects without pickles (objects.py); 1 is still read
@@ -97,9 +97,6 @@ class TensorInfo:
     file: str
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def is_universal(directory: str) -> bool:
@@ -147,8 +144,8 @@ class UniversalCheckpoint:
         self._handles: Dict[str, Any] = {}
         self._infos: Dict[str, TensorInfo] = {}
         for name, entry in self.manifest["tensors"].items():
-            self._infos[name] = TensorInfo(name, _DTYPES[entry["dtype"]], tuple(entry["shape"]),
-                                           self.weight_map[name])
+            self._infos[name] = TensorInfo(name, DTYPE_BY_NAME[entry["dtype"]],
+                                           tuple(entry["shape"]), self.weight_map[name])
 
     def _refuse_unsafe_objects(self) -> None:
         """Format 1 stored objects as pickles: one that `weights_only` loading refuses makes the
@@ -156,10 +153,10 @@ class UniversalCheckpoint:
         whichever of its objects a caller would have asked for."""
         if self.allow_unsafe_pickle:
             return
-        for key, doc in self.manifest.get("objects", {}).items():
-            if isinstance(doc, dict) and "torch_b64" in doc:
-                decode_object(doc, file=self.manifest_path, key=key)
-        if '"torch_b64"' in json.dumps(self.manifest.get("megatron_common")):
+        keys, in_common = legacy_pickles(self.manifest)
+        for key in keys:
+            self.object(key)
+        if in_common:
             self.megatron_common()
 
     @property

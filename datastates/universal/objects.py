@@ -11,7 +11,7 @@ import base64
 import io
 import json
 import os
-from typing import Any
+from typing import Any, List, Tuple
 
 import torch
 
@@ -22,7 +22,7 @@ from ..flatten import decode_skeleton, flatten_state
 DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
                torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def encode_object(value: Any) -> dict:
@@ -51,6 +51,14 @@ def encode_object(value: Any) -> dict:
     return {"typed": skeleton, "tensors": tensors}
 
 
+def legacy_pickles(manifest: dict) -> Tuple[List[str], bool]:
+    """Where a manifest of format 1 holds ``torch_b64`` pickles: the object keys, and whether
+    ``megatron_common`` holds any."""
+    keys = [k for k, v in manifest.get("objects", {}).items()
+            if isinstance(v, dict) and "torch_b64" in v]
+    return keys, '"torch_b64"' in json.dumps(manifest.get("megatron_common"))
+
+
 def upgrade_command(directory: str) -> str:
     return (f"python tools/convert_checkpoint.py upgrade-universal {directory} "
             f"{UNSAFE_PICKLE_FLAG}")
@@ -67,7 +75,7 @@ def decode_object(doc: dict, *, file: str = "manifest.json", key: str = "",
     if "typed" in doc:
         tensors = []
         for t in doc.get("tensors", []):
-            dtype = _DTYPE_BY_NAME.get(t.get("dtype"))
+            dtype = DTYPE_BY_NAME.get(t.get("dtype"))
             if dtype is None:
                 raise CheckpointError(f"object {key!r} holds a tensor of unknown dtype "
                                       f"{t.get('dtype')!r}", file=file)
@@ -115,7 +123,7 @@ def decode_value(value: Any, **opts) -> Any:
         return tuple(decode_value(v, **opts) for v in value["__tuple__"])
     if "__tensor__" in value:
         t = value["__tensor__"]
-        dtype = _DTYPE_BY_NAME[t["dtype"]]
+        dtype = DTYPE_BY_NAME[t["dtype"]]
         return torch.tensor(t["data"], dtype=dtype).reshape(t["shape"])
     if "__object__" in value:
         return decode_object(value["__object__"], **opts)

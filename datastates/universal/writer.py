@@ -201,13 +201,12 @@ def upgrade_universal(directory: str, allow_unsafe_pickle: bool = False) -> int:
     The manifest is replaced atomically, then the commit marker's version: a crash in between
     leaves a checkpoint that loads. Returns how many objects were rewritten (0: nothing to do)."""
     from ..fileio import atomic_write
-    from .objects import decode_object, decode_value, encode_object, encode_value
+    from .objects import decode_object, decode_value, encode_object, encode_value, legacy_pickles
 
     manifest_path = os.path.join(directory, MANIFEST_FILE)
     with UniversalCheckpoint(directory, allow_unsafe_pickle=allow_unsafe_pickle) as u:
         m = dict(u.manifest)
-    pickled = [k for k, v in m.get("objects", {}).items() if "torch_b64" in v]
-    in_common = '"torch_b64"' in json.dumps(m.get("megatron_common"))
+    pickled, in_common = legacy_pickles(m)
     if not pickled and not in_common:
         return 0
     opts = dict(file=manifest_path, allow_unsafe_pickle=allow_unsafe_pickle)

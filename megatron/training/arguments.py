@@ -108,7 +108,8 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="DataStates lazy asynchronous checkpointing: copy the snapshot while the "
                         "next forward/backward runs, write it in the background")
     g.add_argument("--lazy-save-cache-mb", type=int, default=None,
-                   help="DataStates host cache per rank in MiB (with --async-lazy-save; default 1024)")
+                   help="DataStates host cache per rank in MiB (with --async-lazy-save; default "
+                        f"{LAZY_SAVE_DEFAULTS['lazy_save_cache_mb']})")
     g.add_argument("--lazy-save-checksum", choices=["crc32c", "crc32", "none"], default=None,
                    help="per-chunk checksum of --async-lazy-save shards, verified on every load: "
                         "crc32c (CPU instruction; default), crc32 (zlib), none")
@@ -123,10 +124,12 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "older intact one instead of failing")
     g.add_argument("--allow-unsafe-pickle", action="store_true",
                    help="load checkpoint files whose pickles name arbitrary code (only for legacy "
-                        "files you trust; by default such a file is refused and nothing in it runs)")
+                        "files you trust; by default such a file is refused and nothing in it "
+                        "runs)")
     g.add_argument("--ckpt-drain-timeout", type=float, default=None,
                    help="seconds a wait on the background checkpoint writers may take before it "
-                        "is reported as a hung writer (with --async-lazy-save; default 1800)")
+                        "is reported as a hung writer (with --async-lazy-save; default "
+                        f"{LAZY_SAVE_DEFAULTS['ckpt_drain_timeout']:g})")
     g.add_argument("--universal-checkpoint-interval", type=int, default=None,
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")

@@ -22,7 +22,7 @@ import datastates
 from datastates.megatron_adapter import paths
 from datastates.safe_load import torch_load
 
-from megatron.training.config import CkptFormat, RunConfig, SchedulerOnResume
+from megatron.training.config import RunConfig, SchedulerOnResume
 from megatron.training.model import unwrap
 
 CHECKPOINT_VERSION = 3.0
@@ -228,10 +228,12 @@ def safe_torch_load(path: str, allow_unsafe_pickle: bool = False):
     return torch_load(path, file=path, allow_unsafe=allow_unsafe_pickle)
 
 
-def saved_run_config(directory: str, fmt: CkptFormat, allow_unsafe_pickle: bool = False) -> str:
-    """The run configuration (JSON) the checkpoint in `directory` was saved with: from common.pt
-    (torch_dist, DataStates) or this rank's torch file, read without running code."""
-    if fmt is CkptFormat.TORCH_DIST:
+def saved_run_config(directory: str, kind: paths.Format,
+                     allow_unsafe_pickle: bool = False) -> str:
+    """The run configuration (JSON) the checkpoint in `directory` (of `paths.detect_format` kind)
+    was saved with: from common.pt (torch_dist, DataStates) or this rank's torch file, read
+    without running code."""
+    if kind is not paths.Format.TORCH:
         common = paths.saved_common(directory, allow_unsafe_pickle)
         if not isinstance(common, dict) or "run_config" not in common:
             raise CheckpointError("common.pt holds no run_config: not a checkpoint of this trainer "

@@ -34,17 +34,10 @@ from megatron.training.from_universal import load_universal
 from megatron.training.log import print_rank_0
 
 
-def detect_format(directory: str) -> CkptFormat:
-    """The --ckpt-format that reads `directory` (DataStates checkpoints load through
-    dist_checkpointing like torch_dist ones)."""
-    fmt = paths.detect_format(directory)
-    return CkptFormat.TORCH if fmt is paths.Format.TORCH else CkptFormat.TORCH_DIST
-
-
-def _saved_config(directory: str, fmt: CkptFormat, allow_unsafe_pickle: bool) -> str:
+def _saved_config(directory: str, kind: paths.Format, allow_unsafe_pickle: bool) -> str:
     """`saved_run_config`, with what to do about a damaged or forged common state."""
     try:
-        return saved_run_config(directory, fmt, allow_unsafe_pickle)
+        return saved_run_config(directory, kind, allow_unsafe_pickle)
     except UnsafePickleError as err:
         # Forged, or written by code we do not trust: an older checkpoint may still be good.
         raise UnsafePickleError(err.args[0] + damage_hint(*_split(directory))) from None
@@ -100,22 +93,25 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                               + damage_hint(ckpt.load, iteration), path=ckpt.load)
     if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
         return True
-    fmt = detect_format(directory)
+    # DataStates checkpoints load through dist_checkpointing like torch_dist ones.
+    kind = paths.detect_format(directory)
+    fmt = CkptFormat.TORCH if kind is paths.Format.TORCH else CkptFormat.TORCH_DIST
     unsafe = ckpt.allow_unsafe_pickle
-    saved_json = _saved_config(directory, fmt, unsafe)
+    saved_json = _saved_config(directory, kind, unsafe)
     check_model_shape(saved_json, config, directory)
     saved = json.loads(saved_json)
     saved_layout = _layout_of(saved)
-    same_layout = saved_layout == parallel_layout(config)
+    run_layout = parallel_layout(config)
+    same_layout = saved_layout == run_layout
     load_optim = ckpt.load_optim and not ckpt.finetune and saved["checkpoint"]["save_optim"]
     load_rng = ckpt.load_rng and not ckpt.finetune and saved["checkpoint"]["save_rng"]
     if load_rng and not same_layout:
-        print_rank_0(f"checkpoint layout {saved_layout} differs from this run's {parallel_layout(config)}: "
+        print_rank_0(f"checkpoint layout {saved_layout} differs from this run's {run_layout}: "
                      "RNG states are per rank and are not restored")
         load_rng = False
     if fmt is CkptFormat.TORCH and not same_layout:
         raise CheckpointError(f"torch-format checkpoint saved at layout {saved_layout} cannot be "
-                              f"loaded at {parallel_layout(config)}; use --ckpt-format torch_dist to "
+                              f"loaded at {run_layout}; use --ckpt-format torch_dist to "
                               "change TP/PP/DP", path=directory)
     if load_optim and config.parallel.use_distributed_optimizer != \
             saved["parallel"]["use_distributed_optimizer"]:
@@ -140,7 +136,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         # After load_state_dict (param groups, step), as Megatron does: the sharded Adam state.
         _load_distrib_optim(state.optimizer, os.path.join(torch_rank_dir(directory),
                                                           paths.DISTRIB_OPTIM_FILENAME), unsafe)
-    print_rank_0(f"loaded checkpoint {directory} (format {paths.detect_format(directory).value}, "
+    print_rank_0(f"loaded checkpoint {directory} (format {kind.value}, "
                  f"iteration {iteration}; "
                  f"optimizer {'restored' if load_optim else 'not restored'}, rng "
                  f"{'restored' if load_rng else 'not restored'})")
@@ -199,8 +195,7 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
 
 def _backend_note(directory: str) -> str:
     """A DataStates directory whose metadata.json names another backend was edited."""
-    if paths.sharded_backend(directory) != paths.Format.DATASTATES.value and \
-            os.path.isfile(os.path.join(directory, paths.DATASTATES_COMMIT_FILENAME)):
+    if os.path.isfile(os.path.join(directory, paths.DATASTATES_COMMIT_FILENAME)):
         return (". The directory holds a DataStates checkpoint (COMMIT.json) but metadata.json "
                 "names another backend: metadata.json was edited or replaced")
     return ""

@@ -19,7 +19,6 @@ from datastates.megatron_adapter import paths
 
 from megatron.training.checkpoint_contents import CheckpointError, check_model_shape, \
     saved_run_config
-from megatron.training.config import CkptFormat
 from megatron.training.log import print_rank_0
 
 
@@ -41,8 +40,7 @@ def verify_local_share(directory: str, config) -> None:
         raise CheckpointError(f"{paths.METADATA_FILENAME} is unreadable or names no sharded "
                               "backend", path=directory)
     unsafe = config.checkpoint.allow_unsafe_pickle
-    check_model_shape(saved_run_config(directory, CkptFormat.TORCH if fmt is paths.Format.TORCH
-                                       else CkptFormat.TORCH_DIST, unsafe), config, directory)
+    check_model_shape(saved_run_config(directory, fmt, unsafe), config, directory)
     if fmt is not paths.Format.DATASTATES:
         return  # torch and torch_dist (PyTorch DCP) files carry no checksums
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -223,7 +223,8 @@ class _Summary:
         self.trainer = trainer
         self.start_iteration = trainer.state.iteration
         self.t0 = time.time()
-        self.blocked_s = -trainer.checkpoint_wait_s  # plus the train_step waits at report time
+        self.wait_at_start_s = trainer.checkpoint_wait_s
+        self.blocked_s = 0.0  # in the loop's own checkpoint calls (train_step's waits apart)
         self.saves = 0
 
     def blocked(self, fn, *args, **kwargs):
@@ -247,12 +248,13 @@ class _Summary:
         tokens = iterations * config.training.global_batch_size * config.model.seq_length
         root = config.checkpoint.save
         newest = paths.tracked_iteration(root) if root else None
-        blocked = self.blocked_s + self.trainer.checkpoint_wait_s
+        newest_dir = "none" if newest is None else paths.checkpoint_dir(root, newest)
+        blocked = self.blocked_s + self.trainer.checkpoint_wait_s - self.wait_at_start_s
         print_rank_0(f" training summary | iterations: {self.start_iteration} -> "
                      f"{state.iteration} | time (s): {wall:.1f} | tokens/s: "
                      f"{tokens / wall if wall > 0 else 0.0:.1f} | checkpoints: {self.saves} | "
                      f"blocked by checkpointing (s): {blocked:.3f} | newest complete "
-                     f"checkpoint: {'none' if newest is None else paths.checkpoint_dir(root, newest)}")
+                     f"checkpoint: {newest_dir}")
 
 
 def train(trainer: Trainer) -> int:
