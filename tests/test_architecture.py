@@ -68,3 +68,29 @@ def test_readme_layout_table_names_every_module():
                     and f"/`{path.name}`" not in table and f"`{path.stem}" not in table:
                 missing.append(f"{package}/{path.name}")
     assert not missing, f"README's layout table does not mention: {missing}"
+
+
+TENSOR_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                      "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter",
+                      "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv"}
+# The control plane itself, and the training loop (its tensors live on the training device).
+COLLECTIVES_ALLOWED_IN = {"datastates/control_plane.py", "megatron/training/training.py"}
+
+
+def test_checkpoint_collectives_go_through_the_control_plane():
+    """A tensor collective issued directly by checkpoint code would run on the default group,
+    NCCL on a GPU run, with a CPU tensor: it must use datastates.control_plane (gloo)."""
+    import ast
+
+    found = []
+    for package in ("datastates", "megatron/training", "tools"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel in COLLECTIVES_ALLOWED_IN:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in TENSOR_COLLECTIVES
+                        and ast.unparse(node.func.value) in ("dist", "torch.distributed")):
+                    found.append(f"{rel}:{node.lineno} dist.{node.func.attr}")
+    assert not found, found

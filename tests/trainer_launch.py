@@ -70,16 +70,19 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def launch(nproc: int, args: List[str], timeout: float = 240.0,
-           on_line: Optional[Callable[[str, subprocess.Popen], None]] = None) -> Run:
-    """Run pretrain_gpt.py on ``nproc`` local ranks (plain python for 1, torchrun otherwise)."""
+           on_line: Optional[Callable[[str, subprocess.Popen], None]] = None,
+           entry: str = ENTRY, extra_env: Optional[Dict[str, str]] = None) -> Run:
+    """Run pretrain_gpt.py (or a launcher of it, `entry`) on ``nproc`` local ranks (plain python
+    for 1, torchrun otherwise)."""
     if nproc == 1:
-        cmd = [sys.executable, ENTRY] + args
+        cmd = [sys.executable, entry] + args
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", ENTRY] + args
+               f"--nproc_per_node={nproc}", entry] + args
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    env.update(extra_env or {})
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + timeout

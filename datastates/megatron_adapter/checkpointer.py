@@ -37,6 +37,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import control_plane
 from ..config import Checksum, CommitPolicy, EngineConfig
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
@@ -110,6 +111,7 @@ class LazyCheckpointer:
         self.log = log
         self.after_commit = after_commit
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        control_plane.control_group()  # collective when it creates the group: every rank, here
         self.engine = CheckpointEngine(EngineConfig(
             rank=self.rank, world_size=self.world, host_cache_bytes=config.cache_bytes,
             commit_policy=CommitPolicy.MANUAL,  # committed in poll(), after every rank agrees
@@ -256,14 +258,11 @@ class LazyCheckpointer:
         CheckpointError on every rank if any rank recorded an error."""
         err = self._local_errors[0] if self._local_errors else None
         code = -1 if err is not None else int(local_done)
-        flags = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        if int(flags.item()) >= 0:
-            return bool(flags.item())
-        failed = torch.tensor([1 if err is not None else 0], dtype=torch.int64)
-        gathered = [torch.zeros_like(failed) for _ in range(self.world)]
-        dist.all_gather(gathered, failed)
-        ranks = [r for r, f in enumerate(gathered) if int(f.item())]
+        (agreed,) = control_plane.all_reduce([code], op=dist.ReduceOp.MIN)
+        if agreed >= 0:
+            return bool(agreed)
+        failed = control_plane.all_gather_ints(1 if err is not None else 0)
+        ranks = [r for r, f in enumerate(failed) if f]
         root = self.config.root
         msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
                + (": " + "; then: ".join(dict.fromkeys(str(e) for e in self._local_errors))
@@ -299,7 +298,7 @@ class LazyCheckpointer:
                 err = OSError(err.errno, err.strerror,
                               os.path.join(p.directory, METADATA_FILENAME))
             self._local_errors.append(err)
-            dist.barrier()
+            dist.barrier()  # the one megatron's finalize would have reached (its group)
         stats = self._gather_stats(p, record)
         if self.rank == 0 and not self._local_errors:
             try:
@@ -328,11 +327,10 @@ class LazyCheckpointer:
             self.universal.on_commit(p.iteration, p.directory)
 
     def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
-        sums = torch.tensor([float(record.bytes)], dtype=torch.float64)
-        maxes = torch.tensor([p.stall_s, record.copy_s, record.durable_s], dtype=torch.float64)
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        total, (stall, copy, durable) = sums.item(), maxes.tolist()
+        (total,) = control_plane.all_reduce([float(record.bytes)], dtype=torch.float64)
+        stall, copy, durable = control_plane.all_reduce(
+            [p.stall_s, record.copy_s, record.durable_s], op=dist.ReduceOp.MAX,
+            dtype=torch.float64)
         return {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
                 "stall_ms": stall * 1e3, "copy_ms": copy * 1e3, "durable_s": durable,
                 "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,

@@ -11,10 +11,10 @@
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from datastates import CheckpointReader
+from datastates import control_plane
 from datastates.megatron_adapter import paths
 
 from megatron.training.checkpoint_contents import CheckpointError, check_model_shape, \
@@ -62,9 +62,8 @@ def newest_intact(root: str, tracked: int, config) -> int:
             verify_local_share(directory, config)
         except Exception as err:  # noqa: BLE001 - any failure disqualifies the candidate
             error = err
-        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if int(ok.item()):
+        (ok,) = control_plane.all_reduce([0 if error is not None else 1], op=dist.ReduceOp.MIN)
+        if ok:
             if it != tracked:
                 print_rank_0(f"WARNING: --ckpt-fallback-to-previous: resuming from iteration {it}"
                              f" instead of {tracked}; skipped: " + " | ".join(reasons))

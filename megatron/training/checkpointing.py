@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from datastates import control_plane
 from datastates.megatron_adapter import paths
 
 from megatron.training.checkpoint_contents import (
@@ -53,7 +54,7 @@ class TorchDistCheckpointManager(CheckpointManager):
         directory = paths.checkpoint_dir(self.ckpt.save, iteration)
         if dist.get_rank() == 0:
             os.makedirs(directory, exist_ok=True)
-        dist.barrier()
+        control_plane.barrier()
         sd = build_sharded_state_dict(state, self.config, is_loading=False,
                                       include_optim=self.ckpt.save_optim,
                                       include_rng=self.ckpt.save_rng)
@@ -62,7 +63,7 @@ class TorchDistCheckpointManager(CheckpointManager):
             async_sharded_save=self._queue is not None, content_metadata=dict(OPTIMIZER_METADATA))
         finish = lambda: self._complete(iteration)  # noqa: E731
         if self._queue is None:
-            dist.barrier()
+            control_plane.barrier()
             finish()
         else:
             request.add_finalize_fn(finish)
@@ -96,7 +97,7 @@ class TorchCheckpointManager(CheckpointManager):
                 os.path.join(rank_dir, paths.DISTRIB_OPTIM_FILENAME))
         if ps.get_data_parallel_rank() == 0:
             torch.save(payload, os.path.join(rank_dir, paths.TORCH_FILENAME))
-        dist.barrier()
+        control_plane.barrier()
         self._complete(state.iteration)
 
 

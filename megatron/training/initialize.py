@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from datastates import control_plane
 from megatron.training.config import ParallelConfig
 from megatron.training.cpu_compat import apply_cpu_patches, cuda_available
 
@@ -45,6 +46,7 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10) 
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         )
+    control_plane.control_group()  # checkpointing's gloo group: created here, on every rank
 
 
 def _free_port() -> int:
