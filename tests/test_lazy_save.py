@@ -140,14 +140,18 @@ def test_tracker_naming_an_uncommitted_checkpoint_is_refused(dp2, tmp_path):
 
 def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):
     """One process: the same training saved with torch_dist and with --async-lazy-save; stock
-    megatron-core load (after `import datastates`) gives bit-identical tensors. Saved with zlib
-    crc32 chunk checksums (--lazy-save-checksum crc32): the load verifies them too."""
+    megatron-core load (after `import datastates`) gives bit-identical tensors. The copy of the
+    lazy save of iteration 3 is held back 2 s (the engine's copy fault point), so it is still
+    running when iteration 4's optimizer step would start: the checkpoint matches only if the
+    trainer waits for the snapshot before that step. Saved with zlib crc32 chunk checksums
+    (--lazy-save-checksum crc32): the load verifies them too."""
     lazy_root, dist_root = tmp_path / "lazy", tmp_path / "dist"
-    args = TINY_MODEL + NO_DROPOUT + ["--train-iters", "6", "--exit-interval", "3",
-                                      "--eval-interval", "0"]
-    lazy = launch(1, args + LAZY + ["--save", str(lazy_root), "--lazy-save-checksum", "crc32"])
+    args = TINY_MODEL + NO_DROPOUT + ["--train-iters", "5", "--eval-interval", "0"]
+    lazy = launch(1, args + LAZY + ["--save", str(lazy_root), "--lazy-save-checksum", "crc32"],
+                  extra_env={"DATASTATES_FAULT_DELAY_COPY": "2@3"})
     ref = launch(1, args + ["--save", str(dist_root), "--save-interval", "3"])
     assert lazy.returncode == 0 and ref.returncode == 0, lazy.describe() + ref.describe()
+    assert "DATASTATES_FAULT phase=copy step=3" in lazy.stderr
     assert lazy.losses() == ref.losses()
     index = json.loads((lazy_root / "iter_0000003" / "index_r00000.json").read_text())
     assert index["checksum"] == "zlib-crc32"
