@@ -47,6 +47,12 @@ class CheckpointEngine:
         self.cfg = config
         # Resolved once; a missing checksum package fails here, not mid-save.
         self._crc = checksum.function(config.checksum)
+        if config.local_dir is not None:  # created here only, see save()
+            try:
+                os.makedirs(config.local_dir, exist_ok=True)
+            except OSError as e:
+                raise CheckpointError(f"cannot create the node-local directory (level 3): {e}",
+                                      rank=config.rank, file=config.local_dir) from e
         self._cond = threading.Condition()
         self._saves: List[SaveJob] = []
         self._errors: List[CheckpointError] = []
@@ -81,6 +87,12 @@ class CheckpointEngine:
         t0 = time.perf_counter()
         self._check_open()
         self._raise_pending()
+        if self.cfg.local_dir is not None and not os.path.isdir(self.cfg.local_dir):
+            # Not recreated: on an unmounted node-local disk that would write into the mount
+            # point, on the root file system.
+            raise CheckpointError("the node-local directory (level 3) disappeared (deleted or "
+                                  "unmounted); it is not recreated: restore it, or save without "
+                                  "it", rank=self.cfg.rank, file=self.cfg.local_dir)
         skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
         write_dir = (directory if self.cfg.local_dir is None
                      else layout.local_version_dir(self.cfg.local_dir, directory))

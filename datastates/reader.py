@@ -6,6 +6,7 @@ import json
 import os
 import re
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,7 +38,10 @@ class CheckpointReader:
     ranks whose markers are present). With `verify`, every chunk a read touches is checked
     against its checksum, and each index against its rank marker. With `local_dir` (level 3),
     a rank whose node-local copy carries a marker for the same index (same checksum) is read
-    from the local copy; `source(rank)` says which copy a rank is read from.
+    from the local copy; `source(rank)` says which copy a rank is read from. A local copy that
+    fails a read (missing or truncated file, checksum mismatch) is dropped for that rank: the
+    read is retried, and later ones made, from the version directory (`fallbacks` says why).
+    `read_stats()` gives bytes and read seconds per kind of source ("local", "shared").
     """
 
     def __init__(self, directory: str, verify: bool = True, allow_pickle: bool = False,
@@ -46,6 +50,9 @@ class CheckpointReader:
         self.directory = directory
         self.local_dir = local_dir
         self._sources: Dict[int, str] = {}
+        self._parsed_from: Dict[int, str] = {}  # directory the rank's ShardMeta paths start with
+        self.fallbacks: Dict[int, str] = {}  # rank -> why its local copy was dropped
+        self._stats: Dict[str, List[float]] = {}  # "local"/"shared" -> [bytes, seconds]
         self.verify = verify
         self.allow_pickle = allow_pickle
         self.threads = max(1, threads)
@@ -84,7 +91,7 @@ class CheckpointReader:
         marker = layout.read_json(marker_path, rank=rank, what="rank marker")
         layout.check_format(marker, marker_path, rank)
         directory = self._local_copy(rank, marker) or self.directory
-        self._sources[rank] = directory
+        self._sources[rank] = self._parsed_from[rank] = directory
         index_path = fileio.safe_join(directory, marker.get("index"), rank=rank,
                                       what="rank marker")
         try:
@@ -131,8 +138,33 @@ class CheckpointReader:
         return local if same else None
 
     def source(self, rank: int) -> str:
-        """Directory this rank's index and shards are read from."""
+        """Directory this rank's shards are read from (now)."""
         return self._sources[rank]
+
+    def read_stats(self) -> Dict[str, Tuple[int, float]]:
+        """{"local"|"shared": (bytes read, seconds spent reading)} since the reader was built;
+        seconds add up over reader threads."""
+        with self._fd_lock:
+            return {k: (int(v[0]), v[1]) for k, v in self._stats.items()}
+
+    def _path(self, m: ShardMeta) -> Tuple[str, str]:
+        """(path, "local" or "shared"): where shard `m`'s bytes are read from now (its rank may
+        have fallen back to the version directory)."""
+        now = self._sources[m.rank]  # index file names are plain names (fileio.safe_join)
+        path = m.path if now == self._parsed_from[m.rank] else \
+            os.path.join(now, os.path.basename(m.path))
+        return path, "shared" if now == self.directory else "local"
+
+    def _fall_back(self, m: ShardMeta, err: CheckpointError) -> bool:
+        """True when the failed read came from a local copy: the rank reads from the version
+        directory from now on."""
+        with self._fd_lock:
+            if self._parsed_from[m.rank] == self.directory:
+                return False
+            if self._sources[m.rank] != self.directory:
+                self._sources[m.rank] = self.directory
+                self.fallbacks[m.rank] = str(err)
+            return True
 
     def ranks(self) -> List[int]:
         return sorted(self._by_rank)
@@ -184,6 +216,16 @@ class CheckpointReader:
     def _read_bytes(self, m: ShardMeta, b0: int, b1: int) -> Tuple[torch.Tensor, int]:
         """Bytes [b0, b1) of the tensor's image, widened to whole chunks and verified when
         `verify`. Returns (buffer, position of b0 in the buffer)."""
+        try:
+            return self._read_bytes_at(m, b0, b1, *self._path(m))
+        except CheckpointError as err:
+            if not self._fall_back(m, err):
+                raise
+            return self._read_bytes_at(m, b0, b1, *self._path(m))
+
+    def _read_bytes_at(self, m: ShardMeta, b0: int, b1: int, path: str,
+                       kind: str) -> Tuple[torch.Tensor, int]:
+        t0 = time.perf_counter()
         start, end = b0, b1
         crc_fn = self._checksum[m.rank]
         check = crc_fn is not None
@@ -191,12 +233,12 @@ class CheckpointReader:
             chunks = [c for c in m.chunks if c[0] < b1 and c[0] + c[1] > b0]
             start, end = chunks[0][0], chunks[-1][0] + chunks[-1][1]
         buf = torch.empty(end - start, dtype=torch.uint8)
-        fd = self._fd(m.path, m)
+        fd = self._fd(path, m)
         got = os.preadv(fd, [memoryview(buf.numpy())], m.offset + start)
         if got != end - start:
             raise CheckpointError(f"shard file is truncated: expected {end - start} bytes at "
                                   f"offset {m.offset + start}, read {got}", rank=m.rank,
-                                  file=m.path, tensor=m.key)
+                                  file=path, tensor=m.key)
         if check:
             arr = buf.numpy()
             for off, n, crc in chunks:
@@ -205,7 +247,11 @@ class CheckpointReader:
                     raise CheckpointError(f"checksum mismatch in bytes [{off}, {off + n}) of the "
                                           f"tensor (file offset {m.offset + off}): expected "
                                           f"{crc:#010x}, found {found:#010x}", rank=m.rank,
-                                          file=m.path, tensor=m.key)
+                                          file=path, tensor=m.key)
+        with self._fd_lock:
+            stat = self._stats.setdefault(kind, [0, 0.0])
+            stat[0] += end - start
+            stat[1] += time.perf_counter() - t0
         return buf, b0 - start
 
     def _read_local_box(self, m: ShardMeta, lo: Sequence[int],

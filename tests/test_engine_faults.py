@@ -251,6 +251,31 @@ def test_level3_local_copy_then_migration_and_local_restore(tmp_path):
     assert CheckpointReader(d, local_dir=local).source(0) == d
 
 
+def test_level3_damaged_local_copy_falls_back_to_the_version_directory(tmp_path):
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    d = os.path.join(shared, "step_000000004")
+    st = state(n=50000)
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 18, local_dir=local)) as eng:
+        eng.wait_for_durable(eng.save(st, d, step=4))
+    local_copy = os.path.join(local, "step_000000004")
+    intact = CheckpointReader(d, local_dir=local)
+    assert torch.equal(intact.load_state()["a"], st["a"])
+    assert set(intact.read_stats()) == {"local"} and intact.fallbacks == {}
+    assert intact.read_stats()["local"][0] >= st["a"].numel() * st["a"].element_size()
+    with open(os.path.join(local_copy, "shard_r00000.bin"), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    reader = CheckpointReader(d, local_dir=local)
+    assert reader.source(0) == local_copy  # its marker and index still match
+    loaded = reader.load_state()
+    assert all(torch.equal(loaded[k], st[k]) for k in st)
+    assert reader.source(0) == d and "checksum mismatch" in reader.fallbacks[0]
+    assert local_copy in reader.fallbacks[0] and reader.read_stats()["shared"][0] > 0
+    os.truncate(os.path.join(local_copy, "shard_r00000.bin"), 10)  # truncated: same fallback
+    reader = CheckpointReader(d, local_dir=local)
+    assert torch.equal(reader.load_state()["b"], st["b"]) and "truncated" in reader.fallbacks[0]
+
+
 def test_level3_migration_to_a_full_filesystem_fails_without_shared_marker(tmp_path):
     with mounted_tmpfs(tmp_path / "tiny", "1m") as mnt:
         local, d = str(tmp_path / "local"), str(mnt / "step_000000001")

@@ -26,7 +26,14 @@ def test_phase_bars(tmp_path):
     assert rows["blocked"] == [(0.0, 0.02)]
     assert rows["copy"] == [(0.0, 0.05)]
     assert rows["flush"][0][0] == pytest.approx(0.05) and rows["flush"][0][1] == pytest.approx(0.25)
-    assert rows["commit"] == [(0.5, 0.0)]
+    assert rows["commit"] == [(0.5, 0.0)] and rows["migrate"] == []
+
+
+def test_local_tier_splits_flush_and_migration(tmp_path):
+    events = [dict(e, local_durable_s=0.1) if e["event"] == "checkpoint" else e for e in EVENTS]
+    rows = phases(*read_events(_write(tmp_path, events)))
+    assert rows["flush"][0] == (pytest.approx(0.05), pytest.approx(0.05))
+    assert rows["migrate"][0] == (pytest.approx(0.1), pytest.approx(0.2))
 
 
 def test_png_written(tmp_path):

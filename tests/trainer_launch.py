@@ -135,3 +135,53 @@ def copy_checkpoints(src_root, iterations, latest, dst_root) -> str:
 def after(values: Dict[int, str], iteration: int) -> Dict[int, str]:
     """The per-iteration values logged after `iteration`."""
     return {k: v for k, v in values.items() if k > iteration}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """One torchrun agent of a multi-node job on this machine (`--nnodes N --node-rank R`, c10d
+    rendezvous at 127.0.0.1:port); its output goes to files under `logdir`."""
+
+    def __init__(self, node_rank: int, nnodes: int, nproc: int, port: int, args: List[str],
+                 logdir: Path):
+        self.out_path = Path(logdir) / f"node{node_rank}.out"
+        self.err_path = Path(logdir) / f"node{node_rank}.err"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+               f"--node-rank={node_rank}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=datastates-test", ENTRY] + args
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=out, stderr=err,
+                                         start_new_session=True)
+
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while text not in self.stdout():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise AssertionError(f"{text!r} not printed: {self.result().describe()}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        _kill_tree(self.proc)
+
+    def result(self, timeout: float = 0.0) -> Run:
+        """Wait up to `timeout` s for the agent, kill what is left, return its output."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        _kill_tree(self.proc)
+        self.proc.wait()
+        return Run(self.proc.returncode, self.stdout(), self.err_path.read_text())

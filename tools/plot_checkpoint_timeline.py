@@ -4,7 +4,9 @@
 
 Rows: iterations (alternating shades between consecutive iteration ends), and per checkpoint the
 time training was blocked, the snapshot copy, the flush until every rank was durable, and the
-commit. Needs matplotlib (`pip install matplotlib`).
+commit. With --lazy-save-local-dir the flush ends when every rank is durable on node-local
+storage, and a "migrate" row runs from there until every rank is durable under --save. Needs
+matplotlib (`pip install matplotlib`).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def phases(iterations: List[Dict], checkpoints: List[Dict]) -> Dict[str, List[Tu
     times = [r["time"] for r in iterations] + [c["t_start"] for c in checkpoints]
     t0 = min(times)
     rows: Dict[str, List[Tuple[float, float]]] = {"iterations": [], "blocked": [], "copy": [],
-                                                  "flush": [], "commit": []}
+                                                  "flush": [], "migrate": [], "commit": []}
     for prev, cur in zip(iterations, iterations[1:]):
         rows["iterations"].append((prev["time"] - t0, cur["time"] - prev["time"]))
     for c in checkpoints:
@@ -53,7 +55,11 @@ def phases(iterations: List[Dict], checkpoints: List[Dict]) -> Dict[str, List[Tu
         copy_s, durable_s = c["copy_ms"] / 1e3, c["durable_s"]
         rows["blocked"].append((start, c["stall_ms"] / 1e3))
         rows["copy"].append((start, copy_s))
-        rows["flush"].append((start + copy_s, max(0.0, durable_s - copy_s)))
+        local_s = c.get("local_durable_s")  # None: no node-local tier
+        flushed_s = durable_s if local_s is None else local_s
+        rows["flush"].append((start + copy_s, max(0.0, flushed_s - copy_s)))
+        if local_s is not None:
+            rows["migrate"].append((start + local_s, max(0.0, durable_s - local_s)))
         rows["commit"].append((c["time"] - t0, 0.0))
     return rows
 
@@ -64,8 +70,11 @@ def draw(rows: Dict[str, List[Tuple[float, float]]], out: str, title: str) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["iterations", "blocked", "copy", "flush", "commit"]
-    colors = {"blocked": "tab:red", "copy": "tab:orange", "flush": "tab:blue"}
+    names = ["iterations", "blocked", "copy", "flush", "migrate", "commit"]
+    if not rows["migrate"]:
+        names.remove("migrate")
+    colors = {"blocked": "tab:red", "copy": "tab:orange", "flush": "tab:blue",
+              "migrate": "tab:green"}
     fig, ax = plt.subplots(figsize=(12, 3.2))
     for y, name in enumerate(reversed(names)):
         bars = rows[name]

@@ -9,6 +9,7 @@ public API, nothing else. What lives here:
   strategies.py        megatron-core dist_checkpointing strategies: our save/load strategy (backend
                        "datastates", registered when megatron-core is imported), torch_dist and
                        common.pt loads that never run code, common.pt written durably
+  local_tier.py        --lazy-save-local-dir: placeholders, usability probe, pruning of old copies
   paths.py             Megatron checkpoint paths: iter_XXXXXXX naming, tracker, format detection,
                        run_config.json, complete iterations (no megatron import)
   merge_sources.py, merge_plan.py, merge.py, background_merge.py
@@ -44,8 +45,9 @@ _EXPORTS = {
     "BackgroundMerger": "background_merge", "MergeQueue": "background_merge",
     "MergerConfig": "background_merge",
     "describe": "inspect", "render": "inspect", "export_hf": "hf_export",
+    "expand_local_dir": "local_tier",
 }
-_RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE"}
+_RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand"}
 
 __all__ = sorted(_EXPORTS) + ["paths"]
 

@@ -44,7 +44,8 @@ from ..errors import CheckpointError
 from ..faults import fault_point
 from ..fileio import fsync_file, make_spare, release_spare
 from ..flatten import TensorShard
-from ..layout import COMMIT_FILE, is_committed, try_commit
+from ..layout import COMMIT_FILE, is_committed, local_version_dir, try_commit
+from . import local_tier
 from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
     tracked_iteration, write_tracker
 
@@ -83,10 +84,19 @@ class LazySaveConfig:
     """Root of the universal checkpoints (None: ROOT/universal)."""
     background_nice: int = 5
     """Niceness of the engine's copy/flush threads."""
+    local_dir: Optional[str] = None
+    """Node-local directory of this rank (e.g. NVMe): shards become durable there first, then
+    migrate in the background to ROOT; a version commits only once every rank's shards are
+    durable in ROOT. None: written to ROOT directly."""
+    local_keep: int = 2
+    """With `local_dir`: local copies kept (newest first); older ones are removed after each
+    commit, never one still migrating nor the newest committed one."""
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be positive, found {self.cache_bytes}")
+        if self.local_keep < 1:
+            raise ValueError(f"local_keep must be >= 1, found {self.local_keep}")
         if self.universal_every_n is not None and self.universal_every_n <= 0:
             raise ValueError(f"universal_every_n must be positive, found {self.universal_every_n}")
 
@@ -112,10 +122,13 @@ class LazyCheckpointer:
         self.after_commit = after_commit
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         control_plane.control_group()  # collective when it creates the group: every rank, here
+        if config.local_dir is not None:
+            self._agree_local_dir_usable(config.local_dir)
         self.engine = CheckpointEngine(EngineConfig(
             rank=self.rank, world_size=self.world, host_cache_bytes=config.cache_bytes,
             commit_policy=CommitPolicy.MANUAL,  # committed in poll(), after every rank agrees
-            checksum=config.checksum, background_nice=config.background_nice))
+            checksum=config.checksum, background_nice=config.background_nice,
+            local_dir=config.local_dir))
         self.pending: Deque[_Pending] = deque()
         self.durable: Dict[int, object] = {}  # save id -> this rank's SaveRecord
         self._wrapper = None
@@ -217,6 +230,30 @@ class LazyCheckpointer:
                     self.universal.wait()  # no merge process outlives the run
 
     # -- internals -----------------------------------------------------------------------------
+    def _agree_local_dir_usable(self, local_dir: str) -> None:
+        """Every rank probes its node-local directory; one that cannot write there stops every
+        rank with the same error (no rank waits in a collective the others skipped)."""
+        problem = local_tier.check_usable(local_dir, self.rank)
+        bad = [r for r, f in enumerate(control_plane.all_gather_ints(problem is not None)) if f]
+        if bad:
+            raise CheckpointError((problem or f"{local_tier.FLAG} is not usable on rank(s) "
+                                   f"{bad}; see their error") + ". Nothing was saved or removed",
+                                  rank=self.rank, file=local_dir)
+
+    def _prune_local(self, committed: int) -> None:
+        """After a commit, every rank: its files of local copies beyond the newest `local_keep`
+        (never one still migrating, nor the one just committed). A failure only warns: the
+        shared copies are what --load trusts."""
+        local_dir = self.config.local_dir
+        protected = [committed] + [q.iteration for q in self.pending]
+        try:
+            local_tier.prune(local_dir, self.rank, self.config.local_keep, protected,
+                             lambda it: local_version_dir(local_dir, checkpoint_dir(
+                                 self.config.root, it)))
+        except OSError as err:
+            print(f"[rank {self.rank}] WARNING: could not remove old local checkpoint copies "
+                  f"under {local_dir}: {err}", flush=True)
+
     def _apply_policy(self, fn) -> None:
         """Run `fn`; an agreed save failure either propagates (STOP) or switches checkpointing
         off for the rest of the run (CONTINUE). Every rank decides the same way because the
@@ -266,9 +303,10 @@ class LazyCheckpointer:
         root = self.config.root
         msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
                + (": " + "; then: ".join(dict.fromkeys(str(e) for e in self._local_errors))
-                  if err is not None else "") + _free_space(root)
-               + f"; {_state_of(p, root)}. Free space or fix --save storage; "
-               "--ckpt-failure-policy continue keeps training without checkpoints")
+                  if err is not None else "") + _free_space(root, self.config.local_dir)
+               + f"; {_state_of(p, root)}. Free space or fix the --save storage"
+               + (" and the --lazy-save-local-dir one" if self.config.local_dir else "")
+               + "; --ckpt-failure-policy continue keeps training without checkpoints")
         raise CheckpointError(msg, rank=self.rank, file=p.directory) from err
 
     def _commit_ready(self, blocking: bool) -> None:
@@ -306,6 +344,8 @@ class LazyCheckpointer:
             except (OSError, CheckpointError) as err:
                 self._local_errors.append(err)
         self._agree(p, True)  # a failed commit raises on every rank, like a failed flush
+        if self.config.local_dir is not None:
+            self._prune_local(p.iteration)
 
     def _publish(self, p: _Pending, stats: Dict[str, float]) -> None:
         """Rank 0: commit marker, then tracker (then `after_commit`), then the report."""
@@ -328,19 +368,24 @@ class LazyCheckpointer:
 
     def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
         (total,) = control_plane.all_reduce([float(record.bytes)], dtype=torch.float64)
-        stall, copy, durable = control_plane.all_reduce(
-            [p.stall_s, record.copy_s, record.durable_s], op=dist.ReduceOp.MAX,
-            dtype=torch.float64)
-        return {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
-                "stall_ms": stall * 1e3, "copy_ms": copy * 1e3, "durable_s": durable,
-                "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,
-                "t_start": p.t_start, "t_returned": p.t_returned, "time": time.time()}
+        stall, copy, durable, local = control_plane.all_reduce(
+            [p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0],
+            op=dist.ReduceOp.MAX, dtype=torch.float64)
+        stats = {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
+                 "stall_ms": stall * 1e3, "copy_ms": copy * 1e3, "durable_s": durable,
+                 "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,
+                 "t_start": p.t_start, "t_returned": p.t_returned, "time": time.time()}
+        if self.config.local_dir is not None:  # durable_s is then the shared (ROOT) time
+            stats["local_durable_s"] = local
+        return stats
 
     def _log(self, p: _Pending, s: Dict[str, float]) -> None:
         self.log(f" checkpoint iteration {s['iteration']:8d} | bytes: {s['bytes']} | "
                  f"stall (ms): {s['stall_ms']:.1f} | copy (ms): {s['copy_ms']:.1f} | "
                  f"durable (s): {s['durable_s']:.3f} | throughput (GB/s): {s['gbps']:.3f} | "
-                 f"committed: {p.directory}")
+                 + (f"local durable (s): {s['local_durable_s']:.3f} | "
+                    if "local_durable_s" in s else "")
+                 + f"committed: {p.directory}")
         self._event(s)
 
     def _event(self, record: Dict[str, float]) -> None:
@@ -374,9 +419,13 @@ def _state_of(p: _Pending, root: str) -> str:
     return f"{intact}, and this one is not marked complete"
 
 
-def _free_space(root: Optional[str]) -> str:
-    """' (free space under --save: N MiB)' for error messages; '' if unknown."""
-    try:
-        return f" (free space under --save: {shutil.disk_usage(root).free / 2**20:.1f} MiB)"
-    except (OSError, TypeError):
-        return ""
+def _free_space(root: Optional[str], local_dir: Optional[str] = None) -> str:
+    """' (free space under --save: N MiB[; under --lazy-save-local-dir D: M MiB])' for error
+    messages; parts that cannot be measured are left out."""
+    parts = []
+    for label, path in (("--save", root), (f"--lazy-save-local-dir {local_dir}", local_dir)):
+        try:
+            parts.append(f"under {label}: {shutil.disk_usage(path).free / 2**20:.1f} MiB")
+        except (OSError, TypeError):
+            pass
+    return f" (free space {'; '.join(parts)})" if parts else ""

@@ -54,6 +54,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from .. import fileio
 from ..engine import CheckpointEngine, SaveHandle
 from ..errors import CheckpointError
+from ..layout import local_version_dir
 from ..reader import CheckpointReader
 from ..safe_load import SafeBytesMixin, SafeFileSystemReader, reraise_dcp_failure, torch_load
 from ..flatten import TensorShard
@@ -188,9 +189,14 @@ def quiet_overwrite_warning() -> Iterator[None]:
 class DataStatesLoadStrategy(LoadShardedStrategy):
     """Reads any layout's shards back at this rank's layout (slices by global offsets)."""
 
-    def __init__(self, verify: bool = True, allow_pickle: bool = False):
+    def __init__(self, verify: bool = True, allow_pickle: bool = False,
+                 local_dir: Optional[str] = None):
         self.verify = verify
         self.allow_pickle = allow_pickle
+        self.local_dir = local_dir
+        #: After `load`: {"sources": {"local"|"shared": (bytes, seconds)}, "fallbacks": {saved
+        #: rank: why its local copy was dropped}, "local_copy": directory or None}.
+        self.last_read: Optional[Dict[str, Any]] = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -204,7 +210,7 @@ class DataStatesLoadStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict, checkpoint_dir):
         reader = CheckpointReader(str(checkpoint_dir), verify=self.verify,
-                                  allow_pickle=self.allow_pickle)
+                                  allow_pickle=self.allow_pickle, local_dir=self.local_dir)
         try:
             objects = None
             known = set(reader.tensor_keys(shards_only=True))
@@ -228,6 +234,9 @@ class DataStatesLoadStrategy(LoadShardedStrategy):
 
             return dict_list_map_inplace(load_one, sharded_state_dict)
         finally:
+            self.last_read = {"sources": reader.read_stats(), "fallbacks": dict(reader.fallbacks),
+                              "local_copy": None if self.local_dir is None else
+                              local_version_dir(self.local_dir, str(checkpoint_dir))}
             reader.close()
 
     def load_tensors_metadata(self, checkpoint_dir):
@@ -369,17 +378,20 @@ class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
             return super().load_sharded_metadata(checkpoint_dir)
 
 
-def load_strategies(checkpoint_dir: str, allow_unsafe_pickle: bool = False):
+def load_strategies(checkpoint_dir: str, allow_unsafe_pickle: bool = False,
+                    local_dir: Optional[str] = None):
     """(sharded, common) load strategies for `dist_checkpointing.load` that read the checkpoint in
     `checkpoint_dir` without running code from it (unless `allow_unsafe_pickle`). The backend is
-    the one its metadata.json names: ours or megatron's torch_dist."""
+    the one its metadata.json names: ours or megatron's torch_dist. `local_dir`: this rank's
+    node-local directory (ours only): intact local copies of shards are read from there."""
     backend = sharded_backend(str(checkpoint_dir))
     if backend is None:
         raise CheckpointError(f"no readable {CONFIG_FNAME} naming a sharded backend: not a "
                               "dist_checkpointing checkpoint", file=str(checkpoint_dir))
     common = SafeCommonLoadStrategy(allow_unsafe_pickle)
     if backend == BACKEND:
-        return DataStatesLoadStrategy(allow_pickle=allow_unsafe_pickle), common
+        return DataStatesLoadStrategy(allow_pickle=allow_unsafe_pickle,
+                                      local_dir=local_dir), common
     if backend == "torch_dist":
         return SafeTorchDistLoadStrategy(allow_unsafe_pickle), common
     raise CheckpointError(f"{CONFIG_FNAME} names sharded backend {backend!r}; "

@@ -113,6 +113,15 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lazy-save-checksum", choices=["crc32c", "crc32", "none"], default=None,
                    help="per-chunk checksum of --async-lazy-save shards, verified on every load: "
                         "crc32c (CPU instruction; default), crc32 (zlib), none")
+    g.add_argument("--lazy-save-local-dir", type=str, default=None,
+                   help="node-local directory (e.g. NVMe) where each rank's shards become durable "
+                        "first, then migrate in the background to --save; --load reads a rank's "
+                        "shards from its local copy when it is intact. Placeholders: {node}, "
+                        "{rank}, {local_rank}, {host} (with --async-lazy-save)")
+    g.add_argument("--lazy-save-local-keep", type=int, default=None,
+                   help="local copies kept under --lazy-save-local-dir, newest first (default "
+                        f"{LAZY_SAVE_DEFAULTS['lazy_save_local_keep']}); older ones are removed "
+                        "once a newer checkpoint is committed")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="keep only the newest N complete checkpoints under --save")
     g.add_argument("--ckpt-failure-policy", choices=[x.value for x in CkptFailurePolicy],
@@ -232,7 +241,8 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
 
 #: Flags that only --async-lazy-save reads, and their defaults (applied after the check below).
 LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": 1024, "lazy_save_checksum": "crc32c",
-                      "ckpt_drain_timeout": 1800.0}
+                      "ckpt_drain_timeout": 1800.0, "lazy_save_local_dir": None,
+                      "lazy_save_local_keep": 2}
 
 
 def _check_host_cache_fits(cache_mb: int) -> None:
@@ -265,6 +275,11 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
         _require(a.lazy_save_cache_mb > 0,
                  f"--lazy-save-cache-mb must be > 0, got {a.lazy_save_cache_mb}")
         _check_host_cache_fits(a.lazy_save_cache_mb)
+        _require(a.lazy_save_local_keep >= 1,
+                 f"--lazy-save-local-keep must be >= 1, got {a.lazy_save_local_keep}")
+        _require(a.lazy_save_local_dir is not None or "--lazy-save-local-keep" not in given,
+                 "--lazy-save-local-keep counts copies under --lazy-save-local-dir, which is not "
+                 "given")
     if a.universal_checkpoint_interval is not None:
         _require(a.universal_checkpoint_interval > 0, "--universal-checkpoint-interval must be "
                  f"> 0, got {a.universal_checkpoint_interval}")
@@ -362,7 +377,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
         async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,
-        lazy_save_checksum=a.lazy_save_checksum,
+        lazy_save_checksum=a.lazy_save_checksum, lazy_save_local_dir=a.lazy_save_local_dir,
+        lazy_save_local_keep=a.lazy_save_local_keep,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
         ckpt_failure_policy=CkptFailurePolicy(a.ckpt_failure_policy),
         ckpt_fallback_to_previous=a.ckpt_fallback_to_previous,

@@ -11,6 +11,8 @@ from typing import Callable, Optional
 
 # Importing datastates registers its dist_checkpointing load strategy, so megatron-core reads
 # --async-lazy-save checkpoints (metadata.json names the "datastates" backend) like any other.
+import torch.distributed as dist
+
 import datastates
 from datastates.megatron_adapter import load_strategies, paths
 from datastates.safe_load import UnsafePickleError
@@ -31,6 +33,7 @@ from megatron.training.checkpoint_contents import (
 from megatron.training.checkpoint_verify import damage_hint, newest_intact
 from megatron.training.config import CkptFormat, RunConfig
 from megatron.training.from_universal import load_universal
+from megatron.training.lazy_checkpointing import local_dir_of_this_rank
 from megatron.training.log import print_rank_0
 
 
@@ -123,7 +126,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     if fmt is CkptFormat.TORCH_DIST:
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=load_rng)
-        loaded = _load_torch_dist(sd, directory, loader, unsafe)
+        loaded = _load_torch_dist(sd, directory, loader, unsafe, local_dir_of_this_rank(config))
     else:
         loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
                                  unsafe)
@@ -170,7 +173,8 @@ def _layout_of(saved: dict) -> dict:
             "dp": p["world_size"] // (tp * pp)}
 
 
-def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool = False) -> dict:
+def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool = False,
+                     local_dir: Optional[str] = None) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException as DcpException
@@ -178,9 +182,12 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
     try:
         if loader is not None:
             return loader(sd, directory)
-        sharded, common = load_strategies(directory, allow_unsafe_pickle)
-        return dist_checkpointing.load(sd, directory, sharded_strategy=sharded,
-                                       common_strategy=common)
+        sharded, common = load_strategies(directory, allow_unsafe_pickle, local_dir)
+        loaded = dist_checkpointing.load(sd, directory, sharded_strategy=sharded,
+                                         common_strategy=common)
+        if local_dir is not None and getattr(sharded, "last_read", None) is not None:
+            _report_sources(directory, sharded.last_read)
+        return loaded
     except UnsafePickleError:
         raise  # already names the file and the offending global
     except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
@@ -191,6 +198,22 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
         raise CheckpointError(f"could not load the checkpoint (torch_dist reader): "
                               f"{lines[-1] if lines else err}" + _backend_note(directory)
                               + damage_hint(*_split(directory)), path=directory) from None
+
+
+def _report_sources(directory: str, read: dict) -> None:
+    """Every rank: where its shards came from (--lazy-save-local-dir), bytes and read seconds."""
+    rank = dist.get_rank()
+    for saved_rank, why in sorted(read["fallbacks"].items()):
+        print(f"[rank {rank}] WARNING: the local copy of saved rank {saved_rank}'s shards failed "
+              f"verification ({why}); read from {directory} instead", flush=True)
+    parts = []
+    for kind, where in (("local", read["local_copy"]), ("shared", directory)):
+        if kind in read["sources"]:
+            nbytes, seconds = read["sources"][kind]
+            parts.append(f"{kind} {where}: {nbytes / 2**20:.2f} MiB in {seconds:.3f} s")
+    if not parts:
+        parts.append("no shard bytes read")
+    print(f"[rank {rank}] restored shards from " + "; ".join(parts), flush=True)
 
 
 def _backend_note(directory: str) -> str:

@@ -191,6 +191,13 @@ class CheckpointConfig:
     lazy_save_checksum: str = "crc32c"
     """Per-chunk checksum of DataStates shards: "crc32c" (CPU instruction, ~5x cheaper than
     zlib's crc32 here), "crc32" (zlib) or "none" (reads cannot detect corruption)."""
+    lazy_save_local_dir: Optional[str] = None
+    """Node-local directory (placeholders {node}, {rank}, {local_rank}, {host}): shards become
+    durable there first and migrate to --save in the background; --load prefers an intact local
+    copy of a rank's shards. None: written to --save directly."""
+    lazy_save_local_keep: int = 2
+    """Local copies kept under lazy_save_local_dir (newest first; never one still migrating nor
+    the newest committed one)."""
     keep_last_n_checkpoints: Optional[int] = None
     """Keep only the newest N complete checkpoints under --save (None: keep all)."""
     ckpt_failure_policy: CkptFailurePolicy = CkptFailurePolicy.STOP

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch.distributed as dist
+
 from datastates import Checksum, TensorShard
-from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig
+from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
+    expand_local_dir
 
 from megatron.training import distopt_shards
 from megatron.training.checkpoint_contents import (
@@ -29,10 +32,17 @@ from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
 
 
+def local_dir_of_this_rank(config: RunConfig) -> Optional[str]:
+    """--lazy-save-local-dir with its placeholders filled in for this rank (None: not given)."""
+    template = config.checkpoint.lazy_save_local_dir
+    return None if template is None else expand_local_dir(template, dist.get_rank())
+
+
 def lazy_save_config(config: RunConfig) -> LazySaveConfig:
     """The adapter's typed config from the run's flags."""
     ckpt = config.checkpoint
     return LazySaveConfig(
+        local_dir=local_dir_of_this_rank(config), local_keep=ckpt.lazy_save_local_keep,
         root=ckpt.save, cache_bytes=ckpt.lazy_save_cache_mb << 20,
         checksum=Checksum(ckpt.lazy_save_checksum), drain_timeout_s=ckpt.ckpt_drain_timeout,
         failure_policy=FailurePolicy(ckpt.ckpt_failure_policy.value),
