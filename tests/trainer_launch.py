@@ -70,8 +70,10 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def launch(nproc: int, args: List[str], timeout: float = 240.0,
-           on_line: Optional[Callable[[str, subprocess.Popen], None]] = None) -> Run:
-    """Run pretrain_gpt.py on ``nproc`` local ranks (plain python for 1, torchrun otherwise)."""
+           on_line: Optional[Callable[[str, subprocess.Popen], None]] = None,
+           extra_env: Optional[Dict[str, str]] = None) -> Run:
+    """Run pretrain_gpt.py on ``nproc`` local ranks (plain python for 1, torchrun otherwise);
+    ``extra_env`` reaches only this run (e.g. a DATASTATES_FAULT_DELAY_* fault point)."""
     if nproc == 1:
         cmd = [sys.executable, ENTRY] + args
     else:
@@ -80,6 +82,7 @@ def launch(nproc: int, args: List[str], timeout: float = 240.0,
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    env.update(extra_env or {})
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + timeout
