@@ -4,12 +4,19 @@ Usage:
   python benchmarks/engine_bench.py [--dir DIR] [--size-gb 1.0] [--tensors 64] [--rounds 2]
                                     [--cache-mb MB] [--writers 1] [--modes buffered,direct]
                                     [--checksums crc32c] [--json out.json]
+                                    [--device cpu|cuda] [--snapshot-only]
 
 Each round runs, in this order, on the same directory: for each engine write mode, a raw write
 (dd, conv=fdatasync) then the engine (save -> wait_for_snapshot with no overlapping work ->
 wait_for_durable); then a raw write and torch.save + fsync. Each variant's ratio uses the dd run
 right before it, since disk bandwidth drifts within a run.
 Ratios use the raw bandwidth of the same round, since disk bandwidth swings between runs.
+
+--device cuda puts the state on the GPU. --snapshot-only measures instead only what the caller
+waits for, the copy into host memory: engine save + wait_for_snapshot against plain torch copies
+(`copy_(non_blocking=True)` into one preallocated host buffer, pinned on CUDA, then a
+synchronize), both in each round, and prints engine GB/s / torch GB/s:
+  python benchmarks/engine_bench.py --snapshot-only --device cuda --size-gb 2 --rounds 3
 """
 from __future__ import annotations
 
@@ -58,12 +65,88 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def make_state(total_bytes: int, n: int) -> dict:
+def make_state(total_bytes: int, n: int, device: str = "cpu") -> dict:
     per = total_bytes // 4 // n
-    g = torch.Generator().manual_seed(0)
-    state = {f"layer{i:03d}": {"weight": torch.randn(per, generator=g)} for i in range(n)}
+    g = torch.Generator(device=device).manual_seed(0)
+    state = {f"layer{i:03d}": {"weight": torch.randn(per, generator=g, device=device)}
+             for i in range(n)}
     state["step"] = 1
     return state
+
+
+def _tensors(state: dict) -> list:
+    return [v["weight"] for k, v in state.items() if k != "step"]
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def torch_copy(state: dict, buffer: torch.Tensor, device: str) -> float:
+    """Seconds for plain torch copies of every tensor into `buffer`, a preallocated host buffer
+    (pinned on CUDA): the baseline a hand-written snapshot would get."""
+    _synchronize(device)
+    t0 = time.perf_counter()
+    offset = 0
+    for t in _tensors(state):
+        dst = buffer[offset:offset + t.nbytes].view(t.dtype)
+        dst.copy_(t.reshape(-1), non_blocking=True)
+        offset += t.nbytes
+    _synchronize(device)
+    return time.perf_counter() - t0
+
+
+def engine_snapshot(eng: CheckpointEngine, state: dict, directory: str, step: int,
+                    device: str) -> float:
+    """Seconds the caller waits for the engine's snapshot (save + wait_for_snapshot: every byte
+    in the host cache). The flush to disk that follows is not timed."""
+    _synchronize(device)
+    t0 = time.perf_counter()
+    h = eng.save(state, directory, step=step)
+    eng.wait_for_snapshot()
+    dt = time.perf_counter() - t0
+    eng.wait_for_durable(h)
+    shutil.rmtree(directory)
+    return dt
+
+
+def snapshot_bench(args) -> dict:
+    """Engine snapshot rate against plain torch copies of the same state, in the same rounds."""
+    state = make_state(int(args.size_gb * 1e9), args.tensors, args.device)
+    nbytes = sum(t.nbytes for t in _tensors(state))
+    pinned = args.device == "cuda"
+    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    buffer.fill_(0)  # touch the pages once, as the engine does with its cache
+    target = os.path.join(args.dir, "engine_snapshot")
+    rounds = []
+    with CheckpointEngine(EngineConfig(host_cache_bytes=nbytes + (16 << 20))) as eng:
+        cache_pinned = eng._cache.pinned  # what the D2H copy lands in (pinned when CUDA exists)
+        # Warm-up, untimed: the copy stream, events and the first pinned copies.
+        first = {"layer000": state["layer000"]}
+        torch_copy(first, buffer, args.device)
+        engine_snapshot(eng, first, target, 0, args.device)
+        for r in range(args.rounds):
+            torch_s = torch_copy(state, buffer, args.device)
+            engine_s = engine_snapshot(eng, state, target, r + 1, args.device)
+            rounds.append({"round": r, "torch_copy_s": torch_s, "engine_snapshot_s": engine_s,
+                           "torch_copy_gbps": nbytes / torch_s / 1e9,
+                           "engine_snapshot_gbps": nbytes / engine_s / 1e9,
+                           "engine_vs_torch": torch_s / engine_s})
+    median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "round"}
+    return {"mode": "snapshot", "device": args.device, "pinned_baseline": pinned,
+            "engine_cache_pinned": cache_pinned, "state_bytes": nbytes,
+            "tensors": args.tensors, "rounds": rounds, "median": median}
+
+
+def print_snapshot(res: dict) -> None:
+    m = res["median"]
+    print(f"state {res['state_bytes'] / 1e9:.3f} GB in {res['tensors']} tensors on "
+          f"{res['device']}; copies into host memory, medians of {len(res['rounds'])} rounds:")
+    print(f"| torch copy_ into a {'pinned ' if res['pinned_baseline'] else ''}buffer (GB/s) "
+          f"| {m['torch_copy_gbps']:.2f} |")
+    print(f"| engine save + wait_for_snapshot (GB/s) | {m['engine_snapshot_gbps']:.2f} |")
+    print(f"| engine GB/s / torch GB/s | {m['engine_vs_torch']:.2f} |")
 
 
 def raw_dd(path: str, nbytes: int) -> float:
@@ -143,10 +226,21 @@ def main() -> None:
                    help="comma-separated Checksum values (crc32c, crc32, none); each is run with "
                         "every mode, labelled mode/checksum when more than one is given")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the saved state lives")
+    p.add_argument("--snapshot-only", action="store_true",
+                   help="compare only the copy into host memory with plain torch copies")
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
-    state = make_state(int(args.size_gb * 1e9), args.tensors)
-    nbytes = sum(v["weight"].nbytes for k, v in state.items() if k != "step")
+    if args.snapshot_only:
+        res = snapshot_bench(args)
+        print_snapshot(res)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
+    state = make_state(int(args.size_gb * 1e9), args.tensors, args.device)
+    nbytes = sum(t.nbytes for t in _tensors(state))
     cache = (args.cache_mb << 20) if args.cache_mb else nbytes + (16 << 20)
     checksums = [Checksum(c) for c in args.checksums.split(",")]
     variants = [(m if len(checksums) == 1 else f"{m}/{c.value}", WriteMode(m), c)

@@ -73,7 +73,8 @@ def launch(nproc: int, args: List[str], timeout: float = 240.0,
            on_line: Optional[Callable[[str, subprocess.Popen], None]] = None,
            entry: str = ENTRY, extra_env: Optional[Dict[str, str]] = None) -> Run:
     """Run pretrain_gpt.py (or a launcher of it, `entry`) on ``nproc`` local ranks (plain python
-    for 1, torchrun otherwise)."""
+    for 1, torchrun otherwise); ``extra_env`` reaches only this run (e.g. a
+    DATASTATES_FAULT_DELAY_* fault point)."""
     if nproc == 1:
         cmd = [sys.executable, entry] + args
     else:

@@ -1,0 +1,92 @@
+"""scripts/gpu_check.sh, the one-shot CUDA/NCCL check for a lent GPU machine, rehearsed here in its
+CPU mode: every step runs and passes (the CUDA tests report skip), the JSON holds what each step
+measured, a failing step is recorded without stopping the others, and a machine without CUDA is
+refused unless --cpu is given. (The CPU mode takes ~30 s on 2 cores.)"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainer_launch import REPO
+
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_CHECK_ALLOW_CPU")}
+    return dict(env, PYTHON=sys.executable)
+
+
+def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
+    out, logs = tmp_path / "gpu_check.json", tmp_path / "logs"
+    run = subprocess.run(["bash", str(SCRIPT), "--cpu", "--json", str(out), "--logs", str(logs)],
+                         env=_env(), capture_output=True, text=True, timeout=480)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    steps = res["steps"]
+    assert {k: v["status"] for k, v in steps.items()} == {
+        "a_engine_cuda_tests": "skip", "b_lazy_vs_torch_dist": "pass", "c_lazy_resume": "pass",
+        "d_d2h_copy_rate": "pass"}, {k: v["detail"] for k, v in steps.items()}
+    assert res["ok"] is True and res["mode"] == "cpu"
+    assert res["env"]["installed_files_differing_from_repo"] == []
+    b = steps["b_lazy_vs_torch_dist"]["figures"]
+    assert b["backend"] == "gloo" and b["fault_fired"] is True
+    assert b["losses_equal"] is True and sorted(b["losses_lazy"]) == ["1", "2", "3"]
+    assert b["tensors_matched"] > 20 and b["stock_load"] == f"MATCH {b['tensors_matched']}"
+    c = steps["c_lazy_resume"]["figures"]
+    assert sorted(c["losses_resumed"]) == ["4", "5", "6"]
+    assert c["losses_resumed"] == c["losses_uninterrupted"] and c["optimizer_restored"] is True
+    d = steps["d_d2h_copy_rate"]["figures"]
+    assert d["engine_snapshot_gbps"] > 0 and d["torch_copy_gbps"] > 0
+    assert d["engine_vs_torch"] == pytest.approx(d["engine_snapshot_gbps"] / d["torch_copy_gbps"],
+                                                 rel=0.5)  # medians of ratios vs ratio of medians
+    assert {"lazy.out", "torch_dist.out", "stock_load.out", "resume.out",
+            "engine_bench.out"} <= {p.name for p in logs.iterdir()}
+    assert all(r["returncode"] == 0 for r in res["runs"].values()), res["runs"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_without_cuda_and_without_cpu_flag_it_stops_at_once(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    for cmd in (["bash", str(SCRIPT)], [sys.executable, str(REPO / "scripts" / "gpu_check.py"),
+                                        "--json", str(out)]):
+        run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert "no CUDA device is visible" in run.stderr and "--cpu" in run.stderr
+    assert not out.exists()
+
+
+def test_a_failing_step_is_recorded_and_the_next_ones_still_run(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.delenv("GPU_CHECK_START", raising=False)
+
+    def broken(ck):
+        raise RuntimeError("no backend for cpu tensors")
+
+    def fine(ck):
+        return gpu_check.Step(status="pass", seconds=0.5, figures={"tensors_matched": 64})
+
+    monkeypatch.setitem(gpu_check.STEPS, "a", ("a_broken", broken))
+    monkeypatch.setitem(gpu_check.STEPS, "b", ("b_fine", fine))
+    out = tmp_path / "r.json"
+    rc = gpu_check.main(["--cpu", "--json", str(out), "--logs", str(tmp_path / "logs"),
+                         "--steps", "a,b"])
+    res = json.loads(out.read_text())
+    assert rc == 1 and res["ok"] is False
+    assert res["steps"]["a_broken"]["status"] == "fail"
+    assert res["steps"]["a_broken"]["detail"] == "RuntimeError: no backend for cpu tensors"
+    assert res["steps"]["b_fine"] == {"status": "pass", "seconds": 0.5,
+                                      "figures": {"tensors_matched": 64}, "detail": ""}
+    # A step the time budget does not reach is not a pass.
+    rc = gpu_check.main(["--cpu", "--json", str(out), "--logs", str(tmp_path / "logs"),
+                         "--steps", "b", "--budget-s", "0"])
+    res = json.loads(out.read_text())
+    assert rc == 1 and res["steps"]["b_fine"]["status"] == "fail"
+    assert "time budget" in res["steps"]["b_fine"]["detail"]
