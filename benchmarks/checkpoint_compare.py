@@ -16,6 +16,9 @@ The `io_floor` variant trains without checkpointing while a `dd` writes a checkp
 bytes after every iteration: what the I/O alone costs the 2 compute cores, the floor for any saver
 (add `--variants none,io_floor,async_lazy` to see how close ours gets). `async_lazy_zlib`
 (named explicitly) saves with zlib crc32 chunk checksums instead of crc32c: the checksum's cost.
+`async_lazy_local` adds the node-local tier (--lazy-save-local-dir on --local-dir, a tmpfs by
+default, standing in for a node's NVMe): its rows report the local-durable time (every rank's
+shards on local storage) beside the shared-durable one (in --save, what the commit waits for).
 Writes JSON and a bar-chart PNG (matplotlib, optional). Ratios, not absolute times, are the result:
 these machines are noisy.
 """
@@ -67,9 +70,12 @@ VARIANTS = {
     # --async-lazy-save with zlib's crc32 per chunk (the default before crc32c): what the
     # checksum costs the training loop. Not run unless named in --variants.
     "async_lazy_zlib": ["--async-lazy-save", "--lazy-save-checksum", "crc32"],
+    # --async-lazy-save with the node-local tier: durable on --local-dir first, then migrated to
+    # --save in the background (the local directory is added per run).
+    "async_lazy_local": ["--async-lazy-save"],
 }
 DEFAULT_VARIANTS = [v for v in VARIANTS if v != "async_lazy_zlib"]
-LAZY = ("async_lazy", "async_lazy_zlib")  # variants whose saves log DataStates lines
+LAZY = ("async_lazy", "async_lazy_zlib", "async_lazy_local")  # saves log DataStates lines
 _PARAMS = re.compile(r"GPT model: (\d+) parameters")
 NO_SAVE = ("none", "io_floor")  # variants that run without --save
 REFERENCE = "torch_dist"  # what the other dist_checkpointing variants must equal, bit for bit
@@ -78,7 +84,8 @@ _ITER = re.compile(r" iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([
                    r".*? lm loss: (\S+) \|")
 _SAVED = re.compile(r"saved checkpoint at iteration\s+(\d+) .* in ([\d.]+) ms")
 _LAZY = re.compile(r" checkpoint iteration\s+(\d+) \| bytes: (\d+) \| stall \(ms\): ([\d.]+) \| "
-                   r"copy \(ms\): ([\d.]+) \| durable \(s\): ([\d.]+)")
+                   r"copy \(ms\): ([\d.]+) \| durable \(s\): ([\d.]+)"
+                   r"(?:.*? local durable \(s\): ([\d.]+))?")
 
 
 @dataclass
@@ -90,6 +97,7 @@ class Result:
     losses: Dict[int, str]
     stall_ms: List[float] = field(default_factory=list)
     durable_s: List[float] = field(default_factory=list)
+    local_durable_s: List[float] = field(default_factory=list)
     ckpt_bytes: int = 0
     peak_rss_gb: float = 0.0
     consistent: Optional[bool] = None
@@ -123,10 +131,16 @@ class RssPeak(threading.Thread):
             self.stop.wait(0.2)
 
 
-def run_variant(name: str, config: str, iters: int, work: Path, rnd: int) -> Result:
+def run_variant(name: str, config: str, iters: int, work: Path, rnd: int,
+                local_root: Optional[Path] = None) -> Result:
     save = work / f"{name}_r{rnd}"
     shutil.rmtree(save, ignore_errors=True)
     args = CONFIGS[config] + COMMON + ["--train-iters", str(iters)] + VARIANTS[name]
+    local = None
+    if name == "async_lazy_local":
+        local = (local_root or work / "local") / f"{name}_r{rnd}"
+        shutil.rmtree(local, ignore_errors=True)
+        args += ["--lazy-save-local-dir", str(local)]
     if name not in NO_SAVE:
         # Keep two: the one saved while the last iteration ran is checked for consistency.
         args += ["--save", str(save), "--save-interval", "1", "--keep-last-n-checkpoints", "2"]
@@ -168,7 +182,11 @@ def run_variant(name: str, config: str, iters: int, work: Path, rnd: int) -> Res
         for m in _LAZY.finditer(out):
             res.stall_ms.append(float(m.group(3)))
             res.durable_s.append(float(m.group(5)))
+            if m.group(6) is not None:
+                res.local_durable_s.append(float(m.group(6)))
             res.ckpt_bytes = int(m.group(2))
+        if local is not None:
+            shutil.rmtree(local, ignore_errors=True)  # the tmpfs is small
     elif name not in NO_SAVE:
         res.stall_ms = [float(m.group(2)) for m in _SAVED.finditer(out)]
         res.ckpt_bytes = _dir_bytes(save / f"iter_{iters:07d}")
@@ -231,6 +249,7 @@ def summarize(results: List[Result], dd_gbps: List[float]) -> Dict[str, Dict]:
         iter_ms = statistics.median(x for r in rs for x in r.iter_ms[1:])
         stall = [x for r in rs for x in r.stall_ms]
         durable = [x for r in rs for x in r.durable_s]
+        local = [x for r in rs for x in r.local_durable_s]
         nbytes = max(r.ckpt_bytes for r in rs)
         gbps = nbytes / statistics.median(durable) / 1e9 if durable and nbytes else None
         consistent = {r.consistent for r in rs} - {None}
@@ -244,6 +263,8 @@ def summarize(results: List[Result], dd_gbps: List[float]) -> Dict[str, Dict]:
             "checkpoint_bytes": nbytes,
             "durable_gbps": gbps,
             "durable_over_dd": gbps / dd if gbps else None,
+            "durable_s_median": statistics.median(durable) if durable else None,
+            "local_durable_s_median": statistics.median(local) if local else None,
             "peak_rss_gb": max(r.peak_rss_gb for r in rs),
             "consistent": (consistent == {True}) if consistent else None,
         }
@@ -254,15 +275,22 @@ def print_table(table: Dict[str, Dict], dd: List[float]) -> None:
     print(f"\ndd conv=fdatasync: {', '.join(f'{x:.2f}' for x in dd)} GB/s; "
           f"load average {os.getloadavg()[0]:.2f}")
     hdr = (f"{'variant':18s} {'stall ms':>9s} {'% iter':>7s} {'iter ms':>8s} {'e2e s':>7s} "
-           f"{'e2e/none':>8s} {'GB/s':>6s} {'/dd':>5s} {'RSS GB':>7s} {'consistent':>10s}")
+           f"{'e2e/none':>8s} {'GB/s':>6s} {'/dd':>5s} {'local s':>7s} {'shared s':>8s} "
+           f"{'RSS GB':>7s} {'consistent':>10s}")
     print(hdr)
     for name, t in table.items():
         g = f"{t['durable_gbps']:.2f}" if t["durable_gbps"] else "n/a"
         f = f"{t['durable_over_dd']:.2f}" if t["durable_over_dd"] else "n/a"
         c = {True: "yes", False: "NO", None: "n/a"}[t["consistent"]]
+        loc = "n/a" if t["local_durable_s_median"] is None else f"{t['local_durable_s_median']:.3f}"
+        sh = "n/a" if t["durable_s_median"] is None else f"{t['durable_s_median']:.3f}"
         print(f"{name:18s} {t['stall_ms_median']:9.1f} {t['stall_pct_of_iteration']:7.2f} "
               f"{t['iteration_ms_median']:8.1f} {t['e2e_s']:7.2f} {t['e2e_over_none']:8.3f} "
-              f"{g:>6s} {f:>5s} {t['peak_rss_gb']:7.2f} {c:>10s}")
+              f"{g:>6s} {f:>5s} {loc:>7s} {sh:>8s} {t['peak_rss_gb']:7.2f} {c:>10s}")
+    if "async_lazy_local" in table:
+        t = table["async_lazy_local"]
+        print(f"async_lazy_local: durable on local storage after {t['local_durable_s_median']:.3f}"
+              f" s, under --save after {t['durable_s_median']:.3f} s (medians)")
     if "async_lazy" in table:
         for name, label in (("torch_dist", "torch_dist sync"),
                             ("torch_dist_async", "torch_dist --async-save")):
@@ -303,6 +331,9 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(VARIANTS)} (default: all but "
                         f"async_lazy_zlib)")
     p.add_argument("--out", default="runs/checkpoint_compare", help="work dir (on the disk to test)")
+    p.add_argument("--local-dir", default="/dev/shm/datastates_bench_local",
+                   help="node-local directory of async_lazy_local (default: a tmpfs standing in "
+                        "for NVMe)")
     a = p.parse_args(argv)
     variants = a.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
@@ -316,7 +347,7 @@ def main(argv=None) -> int:
     for rnd in range(a.rounds):
         order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
         for name in order:
-            r = run_variant(name, a.config, a.iters, work, rnd)
+            r = run_variant(name, a.config, a.iters, work, rnd, Path(a.local_dir))
             print(f"round {rnd} {name:18s} e2e {r.e2e_s:7.2f} s  median iter "
                   f"{statistics.median(r.iter_ms[1:]):8.1f} ms", flush=True)
             results.append(r)

@@ -15,10 +15,11 @@ from trainer_launch import REPO
 
 def test_checkpoint_compare_small_runs_every_variant_and_reports_consistency(tmp_path):
     out = tmp_path / "bench"
-    variants = ["none", "torch_dist", "async_lazy", "io_floor"]
+    variants = ["none", "torch_dist", "async_lazy", "io_floor", "async_lazy_local"]
     run = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "checkpoint_compare.py"), "--config", "small",
-         "--iters", "3", "--variants", ",".join(variants), "--out", str(out)],
+         "--iters", "3", "--variants", ",".join(variants), "--out", str(out),
+         "--local-dir", str(tmp_path / "local")],
         cwd=str(REPO), capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -30,6 +31,10 @@ def test_checkpoint_compare_small_runs_every_variant_and_reports_consistency(tmp
     lazy = [r for r in results["runs"] if r["variant"] == "async_lazy"][0]
     assert len(lazy["stall_ms"]) == 3 and len(lazy["durable_s"]) == 3  # one per iteration
     assert table["async_lazy"]["checkpoint_bytes"] > 0
+    assert table["async_lazy_local"]["consistent"] is True
+    local = table["async_lazy_local"]
+    assert 0 < local["local_durable_s_median"] <= local["durable_s_median"]
+    assert table["async_lazy"]["local_durable_s_median"] is None
     # io_floor writes what a checkpoint holds: 12 bytes per parameter, rounded to 64 MiB blocks.
     assert table["io_floor"]["checkpoint_bytes"] % (64 << 20) == 0
     assert all(t["e2e_over_none"] > 0 for t in table.values())
