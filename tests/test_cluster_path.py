@@ -1,6 +1,7 @@
 """The path our users run on GPU clusters, checked on CPU: NCCL's rules for collectives, the
 node-local tier, two nodes on one machine, and a lazy save that overlaps the next step."""
 import os
+import re
 import shutil
 
 from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, Node, after, free_port, launch
@@ -10,20 +11,28 @@ NCCL_LIKE = str(REPO / "tests" / "nccl_like.py")
 
 
 def _checked_counts(stdout):
-    return [int(line.split("checked=")[1]) for line in stdout.splitlines()
-            if line.startswith("NCCL-LIKE")]
+    """Per rank, the calls tests/nccl_like.py checked (two ranks' lines may interleave)."""
+    return [int(n) for n in re.findall(r"NCCL-LIKE rank=\d+ checked=(\d+)", stdout)]
 
 
 def test_checkpoint_collectives_run_where_nccl_would_accept_them(tmp_path):
     """Collectives on non-gloo groups refuse CPU tensors (tests/nccl_like.py): a lazy save with
-    commit, then a verified resume (--ckpt-fallback-to-previous) that saves as torch_dist."""
+    commit, then a verified resume (--ckpt-fallback-to-previous) that saves as torch_dist (fully
+    parallel, Megatron-LM's default). The lazy run passes --no-ckpt-fully-parallel-save: the
+    first data-parallel rank writes every replicated model shard."""
+    from datastates import CheckpointReader
+
     lazy, dist_root = tmp_path / "lazy", tmp_path / "dist"
     args = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--use-distributed-optimizer"]
     first = launch(2, args + LAZY + ["--train-iters", "4", "--exit-interval", "3",
-                                      "--save", str(lazy)],
+                                      "--save", str(lazy), "--no-ckpt-fully-parallel-save"],
                    entry=NCCL_LIKE)
     assert first.returncode == 0, first.describe()
     assert (lazy / "iter_0000003" / "COMMIT.json").is_file()
+    reader = CheckpointReader(str(lazy / "iter_0000003"))
+    writers = {rank for key in reader.tensor_keys(shards_only=True)
+               if not key.startswith("optimizer.") for rank, _, _ in reader.tensor_meta(key).shards}
+    assert writers == {0}
     counts = _checked_counts(first.stdout)
     assert len(counts) == 2 and min(counts) > 0, first.stdout[-2000:]
     resumed = launch(2, args + ["--train-iters", "4", "--load", str(lazy), "--save",

@@ -37,11 +37,47 @@ def config(extra="", world_size=1):
     ("--async-lazy-save --ckpt-format torch", 1, "it needs --ckpt-format torch_dist"),
     ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist"),
     ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),
+    ("--lazy-save-local-keep 3", 1, "--lazy-save-local-keep configure --async-lazy-save"),
+    ("--async-lazy-save --lazy-save-local-keep 3", 1,
+     "--lazy-save-local-keep counts copies under --lazy-save-local-dir, which is not given"),
+    ("--async-lazy-save --lazy-save-local-dir /tmp/x --lazy-save-local-keep 0", 1,
+     "--lazy-save-local-keep must be >= 1, got 0"),
+    ("--use-dist-ckpt --ckpt-format torch", 1,
+     "--use-dist-ckpt means --ckpt-format torch_dist, but --ckpt-format torch was given"),
+    ("--ckpt-fully-parallel-save --no-ckpt-fully-parallel-save", 1, "contradict each other"),
+    ("--ckpt-fully-parallel-load", 1, "--ckpt-fully-parallel-load needs CUDA"),
+    ("--non-persistent-save-interval 5 --non-persistent-ckpt-type local", 1,
+     "--non-persistent-save-interval, --non-persistent-ckpt-type: Megatron-LM's non-persistent "
+     "checkpoints are not supported. For frequent checkpoints on node-local storage use "
+     "--async-lazy-save"),
 ])
 def test_contradictory_flags_get_a_clear_error(extra, world, message):
     with pytest.raises(ArgumentError) as err:
         config(extra, world)
     assert message in str(err.value)
+
+
+def test_megatron_checkpoint_flags_map_onto_ours(capsys):
+    cfg = config("--use-dist-ckpt --ckpt-fully-parallel-save")
+    assert cfg.checkpoint.ckpt_format.value == "torch_dist"
+    assert cfg.checkpoint.ckpt_fully_parallel_save and not cfg.checkpoint.ckpt_fully_parallel_load
+    out = capsys.readouterr().out
+    assert "WARNING: --use-dist-ckpt is deprecated" in out
+    assert "WARNING: --ckpt-fully-parallel-save is deprecated and has no effect" in out
+    assert not config("--no-ckpt-fully-parallel-save").checkpoint.ckpt_fully_parallel_save
+    local = config("--async-lazy-save --lazy-save-local-dir /nvme/{node}").checkpoint
+    assert local.lazy_save_local_dir == "/nvme/{node}" and local.lazy_save_local_keep == 2
+
+
+def test_local_dir_placeholders():
+    from datastates.megatron_adapter import expand_local_dir
+    from datastates import CheckpointError
+
+    env = {"GROUP_RANK": "3", "LOCAL_RANK": "1"}
+    assert expand_local_dir("/nvme/n{node}/r{rank}/l{local_rank}", 13, env) == "/nvme/n3/r13/l1"
+    assert expand_local_dir("/nvme/{node}", 0, {"SLURM_NODEID": "7"}) == "/nvme/7"
+    with pytest.raises(CheckpointError, match=r"unknown or malformed placeholder.*\{rank\}"):
+        expand_local_dir("/nvme/{nodes}", 0, env)
 
 
 def test_unknown_flag_is_named():

@@ -88,6 +88,9 @@ class LazySaveConfig:
     """Node-local directory of this rank (e.g. NVMe): shards become durable there first, then
     migrate in the background to ROOT; a version commits only once every rank's shards are
     durable in ROOT. None: written to ROOT directly."""
+    fully_parallel_save: bool = True
+    """Spread the writes of replicated shards over the data-parallel group (megatron's
+    FullyParallelSaveStrategyWrapper); False: the first data-parallel rank writes them."""
     local_keep: int = 2
     """With `local_dir`: local copies kept (newest first); older ones are removed after each
     commit, never one still migrating nor the newest committed one."""
@@ -166,8 +169,9 @@ class LazyCheckpointer:
         directory = checkpoint_dir(self.config.root, iteration)
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        strategy, base = save_strategy(self.engine, iteration, self._dp_group, self._wrapper,
-                                       extra_shards=extra_shards)
+        strategy, base = save_strategy(
+            self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
+            self._wrapper, extra_shards=extra_shards)
         if strategy is not base:
             self._wrapper = strategy
         request = None

@@ -139,6 +139,29 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a wait on the background checkpoint writers may take before it "
                         "is reported as a hung writer (with --async-lazy-save; default "
                         f"{LAZY_SAVE_DEFAULTS['ckpt_drain_timeout']:g})")
+    # Megatron-LM's names for what dist_checkpointing does; see _check_megatron_ckpt_flags.
+    g.add_argument("--use-dist-ckpt", action="store_true", dest="use_dist_ckpt_deprecated",
+                   help="deprecated Megatron-LM flag: the same as --ckpt-format torch_dist, the "
+                        "default")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   dest="ckpt_fully_parallel_save_deprecated",
+                   help="deprecated Megatron-LM flag: fully parallel save is on by default; see "
+                        "--no-ckpt-fully-parallel-save")
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
+                   dest="ckpt_fully_parallel_save",
+                   help="write each replicated shard from the first data-parallel rank instead of "
+                        "spreading the writes over the data-parallel group (torch_dist and "
+                        "--async-lazy-save)")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="each data-parallel rank reads a part of the replicated shards and they "
+                        "exchange the rest (megatron-core's exchange runs on CUDA tensors: GPU "
+                        "runs only)")
+    for flag in ("--non-persistent-save-interval", "--non-persistent-ckpt-type",
+                 "--non-persistent-global-ckpt-dir", "--non-persistent-local-ckpt-dir"):
+        g.add_argument(flag, default=None,
+                       help="Megatron-LM non-persistent checkpoints: not supported (an error "
+                            "names the alternative: --async-lazy-save with "
+                            "--lazy-save-local-dir)")
     g.add_argument("--universal-checkpoint-interval", type=int, default=None,
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")
@@ -260,6 +283,41 @@ def _check_host_cache_fits(cache_mb: int) -> None:
              f"{int(0.9 * free) // local} per rank here)")
 
 
+def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
+    """Megatron-LM checkpoint flags: deprecated aliases warn (as Megatron-LM does), what we do
+    not support fails with one line naming what to use instead."""
+    if a.use_dist_ckpt_deprecated:
+        _require(a.ckpt_format == "torch_dist", "--use-dist-ckpt means --ckpt-format torch_dist, "
+                 f"but --ckpt-format {a.ckpt_format} was given")
+        _warn("--use-dist-ckpt is deprecated; --ckpt-format torch_dist (the default) is used")
+    if a.ckpt_fully_parallel_save_deprecated:
+        _require(a.ckpt_fully_parallel_save, "--ckpt-fully-parallel-save and "
+                 "--no-ckpt-fully-parallel-save contradict each other; pass one")
+        _warn("--ckpt-fully-parallel-save is deprecated and has no effect: fully parallel save is "
+              "on by default (--no-ckpt-fully-parallel-save turns it off)")
+    if a.ckpt_fully_parallel_load:
+        from megatron.training.cpu_compat import cuda_available
+
+        _require(cuda_available(), "--ckpt-fully-parallel-load needs CUDA: megatron-core "
+                 "exchanges the loaded shards between data-parallel ranks as CUDA tensors; drop "
+                 "the flag on CPU")
+    given = [f"--{k.replace('_', '-')}" for k in ("non_persistent_save_interval",
+                                                  "non_persistent_ckpt_type",
+                                                  "non_persistent_global_ckpt_dir",
+                                                  "non_persistent_local_ckpt_dir")
+             if getattr(a, k) is not None]
+    _require(not given, f"{', '.join(given)}: Megatron-LM's non-persistent checkpoints are not "
+             "supported. For frequent checkpoints on node-local storage use --async-lazy-save "
+             "--save-interval N --lazy-save-local-dir DIR (--lazy-save-local-keep K): each one is "
+             "durable locally first and migrated to --save in the background")
+
+
+def _warn(message: str) -> None:
+    """A start-up warning, printed once (by global rank 0) to stdout like Megatron-LM's."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"WARNING: {message}", flush=True)
+
+
 def _check_checkpointing(a: argparse.Namespace) -> None:
     given = [f"--{k.replace('_', '-')}" for k in LAZY_SAVE_DEFAULTS if getattr(a, k) is not None]
     _require(a.async_lazy_save or not given, f"{', '.join(given)} configure --async-lazy-save, "
@@ -293,6 +351,7 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
              f"--async-save needs --ckpt-format torch_dist, got --ckpt-format {a.ckpt_format}")
     _require(a.ckpt_drain_timeout > 0,
              f"--ckpt-drain-timeout must be > 0 seconds, got {a.ckpt_drain_timeout}")
+    _check_megatron_ckpt_flags(a)
     _require(a.save_interval is None or a.save_interval > 0,
              f"--save-interval must be > 0, got {a.save_interval}")
     _require(a.save_interval is None or a.save is not None, "--save-interval needs --save DIR")
@@ -380,6 +439,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lazy_save_checksum=a.lazy_save_checksum, lazy_save_local_dir=a.lazy_save_local_dir,
         lazy_save_local_keep=a.lazy_save_local_keep,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
+        ckpt_fully_parallel_save=a.ckpt_fully_parallel_save,
+        ckpt_fully_parallel_load=a.ckpt_fully_parallel_load,
         ckpt_failure_policy=CkptFailurePolicy(a.ckpt_failure_policy),
         ckpt_fallback_to_previous=a.ckpt_fallback_to_previous,
         allow_unsafe_pickle=a.allow_unsafe_pickle,

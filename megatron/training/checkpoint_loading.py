@@ -126,7 +126,8 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     if fmt is CkptFormat.TORCH_DIST:
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=load_rng)
-        loaded = _load_torch_dist(sd, directory, loader, unsafe, local_dir_of_this_rank(config))
+        loaded = _load_torch_dist(sd, directory, loader, unsafe, local_dir_of_this_rank(config),
+                                  ckpt.ckpt_fully_parallel_load)
     else:
         loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
                                  unsafe)
@@ -174,7 +175,7 @@ def _layout_of(saved: dict) -> dict:
 
 
 def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool = False,
-                     local_dir: Optional[str] = None) -> dict:
+                     local_dir: Optional[str] = None, fully_parallel: bool = False) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException as DcpException
@@ -183,7 +184,15 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
         if loader is not None:
             return loader(sd, directory)
         sharded, common = load_strategies(directory, allow_unsafe_pickle, local_dir)
-        loaded = dist_checkpointing.load(sd, directory, sharded_strategy=sharded,
+        strategy = sharded
+        if fully_parallel:  # --ckpt-fully-parallel-load (CUDA only, checked with the flags)
+            from megatron.core import parallel_state as ps
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import \
+                FullyParallelLoadStrategyWrapper
+
+            strategy = FullyParallelLoadStrategyWrapper(
+                sharded, ps.get_data_parallel_group(with_context_parallel=True))
+        loaded = dist_checkpointing.load(sd, directory, sharded_strategy=strategy,
                                          common_strategy=common)
         if local_dir is not None and getattr(sharded, "last_read", None) is not None:
             _report_sources(directory, sharded.last_read)

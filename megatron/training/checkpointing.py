@@ -41,9 +41,17 @@ class TorchDistCheckpointManager(CheckpointManager):
     def save_strategy(self):
         """The dist_checkpointing save strategy; a backend with its own format overrides this
         (and registers the matching load strategy, see docs/TRAINER.md)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import \
+            FullyParallelSaveStrategyWrapper
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        return TorchDistSaveShardedStrategy("torch_dist", 1)
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        if self.ckpt.ckpt_fully_parallel_save and dist.get_world_size(group) > 1:
+            # Megatron-LM's default: replicated shards are written once, spread over DP ranks.
+            strategy = FullyParallelSaveStrategyWrapper(strategy, group)
+        return strategy
 
     def _save(self, state: TrainState) -> None:
         from megatron.core import dist_checkpointing

@@ -198,6 +198,12 @@ class CheckpointConfig:
     lazy_save_local_keep: int = 2
     """Local copies kept under lazy_save_local_dir (newest first; never one still migrating nor
     the newest committed one)."""
+    ckpt_fully_parallel_save: bool = True
+    """Spread the writes of replicated shards over the data-parallel group (Megatron-LM's
+    default); False: the first data-parallel rank writes them."""
+    ckpt_fully_parallel_load: bool = False
+    """Each data-parallel rank reads part of the replicated shards and they exchange the rest
+    (megatron-core's FullyParallelLoadStrategyWrapper; CUDA only)."""
     keep_last_n_checkpoints: Optional[int] = None
     """Keep only the newest N complete checkpoints under --save (None: keep all)."""
     ckpt_failure_policy: CkptFailurePolicy = CkptFailurePolicy.STOP

@@ -43,6 +43,7 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
     ckpt = config.checkpoint
     return LazySaveConfig(
         local_dir=local_dir_of_this_rank(config), local_keep=ckpt.lazy_save_local_keep,
+        fully_parallel_save=ckpt.ckpt_fully_parallel_save,
         root=ckpt.save, cache_bytes=ckpt.lazy_save_cache_mb << 20,
         checksum=Checksum(ckpt.lazy_save_checksum), drain_timeout_s=ckpt.ckpt_drain_timeout,
         failure_policy=FailurePolicy(ckpt.ckpt_failure_policy.value),
