@@ -141,3 +141,31 @@ def test_hf_export_computes_what_megatron_computes(saved, tmp_path):
     ours = _gpt2_logits(weights, cfg, ref["tokens"])
     assert ours.shape == ref["logits"].shape
     torch.testing.assert_close(ours, ref["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_datastates_to_torch_dist_directly_resumes_bit_exact(saved, tmp_path):
+    """`to-torch-dist` on a DataStates checkpoint (no universal merge): megatron's torch_dist
+    layout, resumed at the same TP2xPP2 layout, gives iteration 4 exactly as the saving run."""
+    from datastates.megatron_adapter import paths
+
+    run, root = saved
+    out_root = tmp_path / "torch_dist"
+    conv = subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", "to-torch-dist",
+                           str(root / "iter_0000003"), str(out_root / "iter_0000003")],
+                          cwd=str(REPO),
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
+    assert paths.sharded_backend(str(out_root / "iter_0000003")) == "torch_dist"
+    assert (out_root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    resumed = launch(4, TINY_MODEL + NO_DROPOUT + FOUR + [
+        "--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "2", "--load", str(out_root)], timeout=400)
+    assert resumed.returncode == 0, resumed.describe()
+    assert "format torch_dist, iteration 3; optimizer restored, rng restored" in resumed.stdout
+    assert resumed.losses() == {4: run.losses()[4]}
+    wrong = subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", "to-torch-dist",
+                            str(out_root / "iter_0000003"), str(tmp_path / "again")],
+                           cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "expected a DataStates checkpoint" in wrong.stderr, \
+        wrong.stderr

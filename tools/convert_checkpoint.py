@@ -3,7 +3,7 @@
 
     python tools/convert_checkpoint.py merge           SRC DST   # --async-lazy-save ckpt -> universal
     python tools/convert_checkpoint.py from-torch-dist SRC DST   # Megatron torch_dist -> universal
-    python tools/convert_checkpoint.py to-torch-dist   SRC DST   # universal -> torch_dist (iter dir)
+    python tools/convert_checkpoint.py to-torch-dist   SRC DST   # universal or DataStates -> torch_dist
     python tools/convert_checkpoint.py to-hf           SRC DST   # universal -> HF GPT-2 safetensors
     python tools/convert_checkpoint.py inspect         PATH [--json]
     python tools/convert_checkpoint.py upgrade-universal PATH    # format-1 universal: no pickles
@@ -76,10 +76,18 @@ def _merge(args, kind):
 
 
 def _to_torch_dist(args):
-    from megatron.training.from_universal import universal_to_torch_dist
+    from datastates.megatron_adapter import paths
+    from datastates.universal import is_universal
 
-    it = universal_to_torch_dist(args.src, args.dst, progress=Progress("to-torch-dist", False),
-                                 allow_unsafe_pickle=args.allow_unsafe_pickle)
+    src = args.src
+    if not is_universal(src):  # a DataStates iter dir, or a --save root whose tracker names one
+        src = paths.resolve_checkpoint_dir(src)
+    if not is_universal(src) and os.path.isfile(os.path.join(src, paths.METADATA_FILENAME)):
+        from megatron.training.to_torch_dist import datastates_to_torch_dist as convert
+    else:
+        from megatron.training.from_universal import universal_to_torch_dist as convert
+    it = convert(src, args.dst, progress=Progress("to-torch-dist", False),
+                 allow_unsafe_pickle=args.allow_unsafe_pickle)
     parent, name = os.path.split(os.path.abspath(args.dst))
     if name == f"iter_{it:07d}":  # a Megatron save root: make it loadable with --load parent
         with open(os.path.join(parent, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -126,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split the safetensors files at this size (default 2048)")
         s.add_argument("--overwrite", action="store_true",
                        help="rewrite a destination that is already committed")
-    s = sub.add_parser("to-torch-dist", help="universal -> Megatron torch_dist (iter_XXXXXXX dir)")
+    s = sub.add_parser("to-torch-dist", help="universal or DataStates -> Megatron torch_dist "
+                                             "(iter_XXXXXXX dir)")
     s.add_argument("src")
     s.add_argument("dst")
     s = sub.add_parser("to-hf", help="universal -> Hugging Face safetensors + config.json")

@@ -140,7 +140,7 @@ def load_universal(state: TrainState, config: RunConfig, directory: str) -> None
                  ", rng not restored)")
 
 
-def _single_process_group() -> None:
+def single_process_group() -> None:
     """megatron's dist_checkpointing.save needs a process group; a converter is one process."""
     import torch.distributed as dist
 
@@ -158,11 +158,9 @@ def universal_to_torch_dist(universal_dir: str, out_dir: str,
     """Write the universal checkpoint as a megatron ``torch_dist`` checkpoint in `out_dir` (an
     ``iter_XXXXXXX`` directory), with the source's own key spelling and common state, so that
     a round trip reproduces the source. Returns the iteration."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    _single_process_group()
+    single_process_group()
     with UniversalCheckpoint(universal_dir, allow_unsafe_pickle=allow_unsafe_pickle) as u:
         m = u.manifest
         sd: dict = u.megatron_common()
@@ -179,12 +177,26 @@ def universal_to_torch_dist(universal_dir: str, out_dir: str,
             if progress is not None:
                 progress(i + 1, steps, name)
         for unique_key in u.object_keys():
-            empty = ShardedObject.empty_from_unique_key(unique_key)
-            sd[unique_key] = ShardedObject(empty.key, u.object(unique_key), empty.global_shape,
-                                           empty.global_offset, replica_id=0)
-        os.makedirs(out_dir, exist_ok=True)
-        dist_checkpointing.save(sd, out_dir, sharded_strategy=TorchDistSaveShardedStrategy(
-            "torch_dist", 1), content_metadata=content_metadata)
-        if progress is not None:
-            progress(steps, steps, "torch_dist files written")
+            sd[unique_key] = whole_object(unique_key, u.object(unique_key))
+        write_torch_dist(sd, out_dir, content_metadata, progress, steps)
         return u.iteration
+
+
+def whole_object(unique_key: str, value):
+    """A megatron ShardedObject of one process that holds every rank's objects."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    empty = ShardedObject.empty_from_unique_key(unique_key)
+    return ShardedObject(empty.key, value, empty.global_shape, empty.global_offset, replica_id=0)
+
+
+def write_torch_dist(sd: dict, out_dir: str, content_metadata, progress, steps: int) -> None:
+    """One process writes `sd` (whole tensors and objects) with megatron's torch_dist strategy."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    os.makedirs(out_dir, exist_ok=True)
+    dist_checkpointing.save(sd, out_dir, sharded_strategy=TorchDistSaveShardedStrategy(
+        "torch_dist", 1), content_metadata=content_metadata)
+    if progress is not None:
+        progress(steps, steps, "torch_dist files written")
