@@ -7,6 +7,10 @@ Recognized lines (everything else is ignored):
 - ``save-checkpoint ...: X`` or ``(min, max)`` timer lines (Megatron's timers, milliseconds; our
   trainer prints one right after its own save line, and it then stands for that save);
 - ``... checkpoint ... blocking time (ms): X`` (our checkpoint log lines);
+- `` checkpoint iteration N | bytes: B | stall (ms): X | ... | committed: DIR`` (``--async-lazy-save``:
+  one line per committed checkpoint, printed when it commits; its stall is the slowest rank's
+  time blocked by that save, save call and wait before the next optimizer step together);
+- `` training summary | ... | checkpoints: N | blocked by checkpointing (s): X | ...`` (our trainer);
 - ``[run] tag=T rc=R wall_seconds=S`` (written by examples/slurm/common.sh around the launch).
 """
 from __future__ import annotations
@@ -19,6 +23,9 @@ _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|.*?elapsed time pe
 _SAVED = re.compile(r"saved checkpoint\b.*?\biteration\s+(\d+)(?:.*?\bin\s+([0-9.]+)\s*ms\b)?", re.IGNORECASE)
 _SAVE_TIMER = re.compile(r"\bsave-checkpoint\b[ .]*:\s*\(?\s*([0-9.]+)(?:\s*,\s*([0-9.]+))?")
 _BLOCKING = re.compile(r"checkpoint\b[^|\n]*?\bblocking time \(ms\):\s*([0-9.]+)", re.IGNORECASE)
+_COMMITTED = re.compile(r"\bcheckpoint iteration\s+(\d+)\s*\|(.*)\|\s*committed:\s*(\S+)")
+_SUMMARY = re.compile(r"\btraining summary \|.*?\bblocked by checkpointing \(s\):\s*([0-9.]+)"
+                      r"(?:.*?\bnewest complete checkpoint:\s*(\S+))?")
 _RUN = re.compile(r"^\[run\] tag=(\S+) rc=(-?\d+) wall_seconds=([0-9.]+)")
 
 
@@ -32,8 +39,22 @@ class RunFigures:
     saved_iterations: list = field(default_factory=list)
     save_ms: list = field(default_factory=list)
     """Per-checkpoint save time (timer max across ranks, or our blocking time), ms."""
+    committed: dict = field(default_factory=dict)
+    """--async-lazy-save: iteration -> the fields of its ``checkpoint iteration N`` line, by name
+    (``bytes``, ``stall (ms)``, ``copy (ms)``, ``durable (s)``, ``throughput (GB/s)``, ...)."""
+    blocked_s: Optional[float] = None
+    """Training-loop time blocked by checkpointing, whole run (the trainer's summary line)."""
+    newest_checkpoint: Optional[str] = None
+    """The newest complete checkpoint's directory (summary line; None for "none")."""
     rc: Optional[int] = None
     wall_seconds: Optional[float] = None
+
+    def stall_ms(self) -> list:
+        """Time training was blocked per checkpoint, ms: a lazy save's committed line when there
+        are any (the save-checkpoint timer then covers only the save call), else ``save_ms``."""
+        if self.committed:
+            return [c["stall (ms)"] for c in self.committed.values() if "stall (ms)" in c]
+        return list(self.save_ms)
 
     def mean_iteration_ms(self, skip_first: bool = False) -> Optional[float]:
         items = sorted(self.iteration_ms.items())
@@ -71,14 +92,30 @@ def parse_log(lines) -> RunFigures:
         m = _RUN.search(line)
         if m:
             figures.rc, figures.wall_seconds = int(m.group(2)), float(m.group(3))
+            continue
+        m = _COMMITTED.search(line)
+        if m:
+            fields = (f.split(":", 1) for f in m.group(2).split("|") if ":" in f)
+            figures.committed[int(m.group(1))] = {k.strip(): float(v) for k, v in fields}
+            figures.saved_iterations.append(int(m.group(1)))
+            continue
+        m = _SUMMARY.search(line)
+        if m:
+            figures.blocked_s = float(m.group(1))
+            figures.newest_checkpoint = m.group(2) if m.group(2) not in (None, "none") else None
     return figures
 
 
 CSV_COLUMNS = (
     "experiment", "model", "dp", "nodes", "variant", "iterations", "save_interval", "rc", "wall_seconds",
     "iterations_logged", "mean_iteration_ms", "mean_iteration_ms_after_first", "checkpoints_saved",
-    "mean_save_ms", "max_save_ms", "log",
+    "mean_save_ms", "max_save_ms", "checkpoint_bytes", "throughput_gbps", "mean_durable_s",
+    "blocked_by_checkpointing_s", "log",
 )
+"""``mean_save_ms``/``max_save_ms``: time training was blocked per checkpoint (``RunFigures.stall_ms``);
+``checkpoint_bytes``: one checkpoint, all ranks (measured on disk by the caller, else the lazy
+line's); ``throughput_gbps``: checkpoint_bytes / mean_save_ms, the paper's "checkpoint throughput";
+``mean_durable_s``: save call to durable on every rank (lazy saves only)."""
 
 
 def csv_row(figures: RunFigures, **run) -> dict:
@@ -87,6 +124,11 @@ def csv_row(figures: RunFigures, **run) -> dict:
         return "" if x is None else f"{x:.3f}"
 
     row = {k: run.get(k, "") for k in CSV_COLUMNS}
+    stalls = figures.stall_ms()
+    mean_stall = sum(stalls) / len(stalls) if stalls else None
+    lazy_bytes = [c["bytes"] for c in figures.committed.values() if "bytes" in c]
+    nbytes = run.get("checkpoint_bytes") or (max(lazy_bytes) if lazy_bytes else None)
+    durable = [c["durable (s)"] for c in figures.committed.values() if "durable (s)" in c]
     row.update(
         rc="" if figures.rc is None else figures.rc,
         wall_seconds=fmt(figures.wall_seconds),
@@ -94,7 +136,11 @@ def csv_row(figures: RunFigures, **run) -> dict:
         mean_iteration_ms=fmt(figures.mean_iteration_ms()),
         mean_iteration_ms_after_first=fmt(figures.mean_iteration_ms(skip_first=True)),
         checkpoints_saved=len(set(figures.saved_iterations)),
-        mean_save_ms=fmt(sum(figures.save_ms) / len(figures.save_ms) if figures.save_ms else None),
-        max_save_ms=fmt(max(figures.save_ms) if figures.save_ms else None),
+        mean_save_ms=fmt(mean_stall),
+        max_save_ms=fmt(max(stalls) if stalls else None),
+        checkpoint_bytes="" if nbytes is None else int(nbytes),
+        throughput_gbps=fmt(nbytes / mean_stall / 1e6 if nbytes and mean_stall else None),
+        mean_durable_s=fmt(sum(durable) / len(durable) if durable else None),
+        blocked_by_checkpointing_s=fmt(figures.blocked_s),
     )
     return row

@@ -4,6 +4,8 @@ Usage:
     python tools/slurm_results.py --csv runs/slurm/results.csv --log run.log \
         --experiment throughput --model 7B --dp 1 --nodes 2 --variant torch --iterations 5 --save-interval 1
 
+``checkpoint_bytes`` is the size on disk of the newest complete checkpoint the log names (measured
+the same way for every format; run this before deleting the checkpoints).
 Several jobs may append to the same CSV at once: the file is locked while a row is written.
 """
 from __future__ import annotations
@@ -28,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def directory_bytes(directory) -> "int | None":
+    """Bytes of the files under `directory`; None if it is not there."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    return sum(os.path.getsize(os.path.join(top, name))
+               for top, _, files in os.walk(directory) for name in files)
+
+
 def append_row(csv_path: str, row: dict) -> None:
     with open(csv_path, "a+", newline="", encoding="utf-8") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released on close
@@ -47,12 +57,13 @@ def main(argv=None) -> int:
         print(f"error: {args.log}: log not found", file=sys.stderr)
         return 2
     row = csv_row(figures, experiment=args.experiment, model=args.model, dp=args.dp, nodes=args.nodes,
-                  variant=args.variant, iterations=args.iterations, save_interval=args.save_interval, log=args.log)
+                  variant=args.variant, iterations=args.iterations, save_interval=args.save_interval, log=args.log,
+                  checkpoint_bytes=directory_bytes(figures.newest_checkpoint))
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     append_row(args.csv, row)
     print(f"{args.csv}: {args.experiment} {args.model} dp{args.dp} {args.variant}: "
           f"{row['iterations_logged']} iterations, mean {row['mean_iteration_ms']} ms, "
-          f"{row['checkpoints_saved']} checkpoints", file=sys.stderr)
+          f"{row['checkpoints_saved']} checkpoints, mean save {row['mean_save_ms']} ms", file=sys.stderr)
     return 0
 
 
