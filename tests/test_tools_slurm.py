@@ -1,5 +1,7 @@
-"""Slurm examples: syntax, the launch they perform (with srun stubbed), results.csv, and that every
-flag they pass is one pretrain_gpt.py's parser knows."""
+"""Slurm examples without a Slurm: what tests/test_slurm_real.py cannot cover with its tiny CPU jobs.
+The paper-sized launches (with srun stubbed: it records its arguments and replays a real trainer
+log), layouts at other GPU counts, the job's refusals, submit_all.sh against a stub sbatch, the dry
+run as documented, and that every flag the scripts pass is one pretrain_gpt.py's parser knows."""
 import csv
 import os
 import stat
@@ -47,8 +49,8 @@ def _stub_env(tmp_path, nodes):
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_DIR": str(tmp_path),
             "REPO": ROOT, "PYTHON": sys.executable, "RESULTS_DIR": str(tmp_path / "results"),
             "CKPT_ROOT": str(tmp_path / "ckpt"), "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_ID": "42",
-            "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_SUBMIT_DIR": ROOT,
-            "TRAINER_LOGS": os.path.join(ROOT, "tests", "trainer_logs")}
+            "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_SUBMIT_DIR": ROOT, "SLURM_CPUS_ON_NODE": "64",
+            "TRAINER_LOGS": os.path.join(ROOT, "tests", "trainer_logs"), "LAZY_CACHE_MB": "12000"}
 
 
 def _srun_calls(tmp_path):
@@ -63,26 +65,59 @@ def test_throughput_script_launches_every_variant_and_collects_a_csv(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = _srun_calls(tmp_path)
     assert len(calls) == 4
+    entry = os.path.join(ROOT, "pretrain_gpt.py")
     for call in calls:
-        launcher = call[call.index("torch.distributed.run") + 1:call.index(os.path.join(ROOT, "pretrain_gpt.py"))]
+        assert call[:call.index(sys.executable)] == ["--nodes", "2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                                                     "--cpus-per-task=64"]
+        launcher = call[call.index("torch.distributed.run") + 1:call.index(entry)]
         assert launcher == ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
                             "--rdzv-endpoint", "node001:29500", "--rdzv-id", launcher[-1]]
-        args = call[call.index(os.path.join(ROOT, "pretrain_gpt.py")) + 1:]
-        flat = " ".join(args)
-        assert "--num-layers 32 --hidden-size 4096 --num-attention-heads 32" in flat
-        assert "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2" in flat
-        assert "--micro-batch-size 16 --global-batch-size 16 --train-iters 5" in flat
-        assert "--seq-length 2048" in flat and "--save-interval 1" in flat
+        flat = " ".join(call[call.index(entry) + 1:])
+        assert flat.startswith("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 16384 "
+                               "--seq-length 2048 --max-position-embeddings 2048 "
+                               "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 ")
+        assert "--micro-batch-size 16 --global-batch-size 16 --train-iters 5" in flat and "--bf16" in flat
+        assert "--mock-data --tokenizer-type NullTokenizer --vocab-size 50256" in flat
     variants = [" ".join(c[c.index("--save-interval") + 2:c.index("--log-interval")]) for c in calls]
     assert variants == ["--ckpt-format torch", "--ckpt-format torch_dist", "--ckpt-format torch_dist --async-save",
-                        "--async-lazy-save"]
+                        "--async-lazy-save --lazy-save-cache-mb 12000"]
     with open(tmp_path / "results" / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["variant"] for r in rows] == list(VARIANTS)
-    for row in rows:
+    for row in rows:  # the figures of the replayed logs (tests/test_tools_runlog.py checks them exactly)
         assert (row["experiment"], row["model"], row["dp"], row["nodes"]) == ("throughput", "7B", "1", "2")
         assert row["rc"] == "0" and row["iterations_logged"] == "3" and row["checkpoints_saved"] == "3"
         assert float(row["mean_save_ms"]) > 0
+
+
+def test_knobs_set_the_layout_and_gpus_per_node_follows_sbatch(tmp_path):
+    # sbatch --gpus-per-node=8: 7B (TP4 x PP2) fits one node; the global batch follows DP, not the node count.
+    env = {**_stub_env(tmp_path, nodes=1), "SLURM_GPUS_PER_NODE": "a100:8"}
+    proc = subprocess.run(["bash", os.path.join(SLURM, "throughput.sbatch"), "7B"], env={**env, "ONLY_VARIANTS": "torch"},
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (call,) = _srun_calls(tmp_path)
+    flat = " ".join(call)
+    assert "--nodes 1 " in flat and "--nnodes 1 --nproc-per-node 8 " in flat and "--global-batch-size 16 " in flat
+    # The knobs replace the paper's values in place: 13B at TP2 x PP2 x DP2 on one node of 8 GPUs.
+    knobs = {"TP": "2", "PP": "2", "MICRO_BATCH": "4", "GLOBAL_BATCH": "64", "SEQ_LENGTH": "1024",
+             "ITERATIONS": "7", "SAVE_INTERVALS": "3", "PRECISION": "fp32", "ONLY_VARIANTS": "datastates_lazy",
+             "SLURM_GPUS_PER_NODE": "8"}
+    os.makedirs(tmp_path / "k")
+    proc = subprocess.run(["bash", os.path.join(SLURM, "end_to_end.sbatch"), "13B", "2"],
+                          env={**_stub_env(tmp_path / "k", nodes=1), **knobs}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (call,) = _srun_calls(tmp_path / "k")
+    flat = " ".join(call)
+    assert "--nnodes 1 --nproc-per-node 8 " in flat
+    assert ("--seq-length 1024 --max-position-embeddings 1024 --tensor-model-parallel-size 2 "
+            "--pipeline-model-parallel-size 2 --use-distributed-optimizer --micro-batch-size 4 "
+            "--global-batch-size 64 --train-iters 7 --seed 1234") in flat
+    assert "--bf16" not in flat and "--save-interval 3 --async-lazy-save" in flat
+    # A layout that splits a TP group over two nodes is refused with what to change.
+    proc = subprocess.run(["bash", os.path.join(SLURM, "throughput.sbatch"), "3B", "3"],
+                          env={**env, "GPUS_PER_NODE": "8"}, capture_output=True, text=True)
+    assert proc.returncode == 2 and "whole TP groups" in proc.stderr, proc.stderr
 
 
 def test_end_to_end_runs_both_intervals_and_scaling_checks_node_count(tmp_path):
@@ -97,28 +132,57 @@ def test_end_to_end_runs_both_intervals_and_scaling_checks_node_count(tmp_path):
     os.makedirs(tmp_path / "x")
     proc = subprocess.run(["bash", os.path.join(SLURM, "dp_scaling.sbatch"), "13B", "4"],
                           env=_stub_env(tmp_path / "x", 8), capture_output=True, text=True)
-    assert proc.returncode == 2 and "needs 16 nodes" in proc.stderr
+    assert proc.returncode == 2 and "needs 16 nodes" in proc.stderr and "sbatch -N 16" in proc.stderr
     proc = subprocess.run(["bash", os.path.join(SLURM, "dp_scaling.sbatch"), "7B", "2"], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "13B or 30B" in proc.stderr
 
 
-def test_submit_all_covers_the_paper_matrix():
-    proc = subprocess.run(["bash", os.path.join(SLURM, "submit_all.sh"), "--dry-run"],
-                          env={**os.environ, "ACCOUNT": "acct", "PARTITION": "gpu"}, capture_output=True, text=True)
+FAKE_SBATCH = r"""#!/usr/bin/env bash
+# Refuses the 30B jobs as a site would (e.g. over the QOS node limit); accepts the others.
+printf '%s ' "$@" >> "$STUB_DIR/sbatch_calls"; echo >> "$STUB_DIR/sbatch_calls"
+case " $* " in *" 30B"*) echo "sbatch: error: QOSMaxNodePerJobLimit" >&2; exit 1 ;; esac
+echo "Submitted batch job $RANDOM"
+"""
+
+
+def test_submit_all_covers_the_paper_matrix_and_goes_on_after_a_refusal(tmp_path):
+    env = {**os.environ, "ACCOUNT": "acct", "PARTITION": "gpu", "QOS": "normal", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", os.path.join(SLURM, "submit_all.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    jobs = [(l.split()[-2].rsplit("/", 1)[-1], l.split()[-1] if "dp_scaling" not in l else tuple(l.split()[-2:]),
-             l.split()[l.split().index("--nodes") + 1]) for l in lines]
     assert len(lines) == 2 * 5 + 2 * 5
-    assert ("throughput.sbatch", "70B", "20") in jobs and ("end_to_end.sbatch", "30B", "8") in jobs
-    assert any(l.endswith("dp_scaling.sbatch 30B 16") and "--nodes 128" in l for l in lines)
+    jobs = {tuple(l.split("/examples/slurm/")[1].split()): l for l in lines}
+    assert "--nodes 20 --time=05:45:00 " in jobs[("end_to_end.sbatch", "70B")]  # 4.1 h projected, x1.25 + 5 min a run
+    assert "--nodes 128 " in jobs[("dp_scaling.sbatch", "30B", "16")]
+    for line in lines:
+        assert " --gpus-per-node=4 --account acct --partition gpu --qos normal --nodes " in line, line
+    # Eight GPUs per node: fewer nodes; TIME wins over the projection.
+    proc = subprocess.run(["bash", os.path.join(SLURM, "submit_all.sh"), "--dry-run", "70B"],
+                          env={**env, "GPUS_PER_NODE": "8", "TIME": "02:00:00"}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert [l.split("--gpus-per-node=")[1].split()[0] for l in proc.stdout.splitlines()] == ["8", "8"]
+    assert all("--nodes 10 --time=02:00:00 " in l for l in proc.stdout.splitlines()), proc.stdout
+    # A refused submission is reported and the others still go.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    (bin_dir / "sbatch").chmod(0o755)
+    proc = subprocess.run(["bash", os.path.join(SLURM, "submit_all.sh")],
+                          env={**env, "PATH": f"{bin_dir}:{env['PATH']}", "STUB_DIR": str(tmp_path)},
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert len((tmp_path / "sbatch_calls").read_text().splitlines()) == 20
+    assert proc.stdout.count("Submitted batch job") == 13
+    assert "7 submission(s) refused:" in proc.stderr and proc.stderr.count("QOSMaxNodePerJobLimit") == 14
 
 
 def _launch_args(model, variant, dp=1, iters=5, interval=1):
     script = (f'source "{SLURM}/common.sh"; build_args {model} {dp} {iters} {interval} {variant} /ckpt; '
               'printf "%s\\0" "${ARGS[@]}"')
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, env={**os.environ, "REPO": ROOT})
+    proc = subprocess.run(["bash", "-c", script], capture_output=True,
+                          env={**os.environ, "REPO": ROOT, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.decode().split("\0")[:-1]
 
@@ -142,17 +206,21 @@ def test_flags_exist_in_pretrain_gpt_parser(model, variant):
     assert config.parallel.data_parallel_size == 1 and config.model.seq_length == 2048
 
 
-def test_dry_run_mode_checks_each_launch_without_srun(tmp_path):
-    # One variant keeps this to one megatron import; the others differ only in checkpoint flags.
-    env = {**_stub_env(tmp_path, nodes=2), "DRY_RUN": "1", "PYTHONWARNINGS": "ignore", "ONLY_VARIANTS": "torch_dist"}
-    env["PATH"] = env["PATH"].split(":", 1)[1]  # no srun stub: a dry run must not need it
-    proc = subprocess.run(["bash", os.path.join(SLURM, "throughput.sbatch"), "7B"], env=env,
+def test_dry_run_as_documented_checks_each_launch_without_slurm(tmp_path):
+    # The command of docs/SCALE.md, run from the repository root with no Slurm variable but the
+    # node count; one variant keeps this to one megatron import.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "REPO"}
+    env.update(DRY_RUN="1", SLURM_JOB_NUM_NODES="2", PYTHON=sys.executable, PYTHONWARNINGS="ignore",
+               ONLY_VARIANTS="torch_dist", RESULTS_DIR=str(tmp_path / "results"))
+    proc = subprocess.run(["bash", "examples/slurm/throughput.sbatch", "7B"], env=env, cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("== dry run: throughput_7B_dp1_every1_") == 1
+    assert proc.stdout.count("== dry run: throughput_7B_dp1_every1_torch_dist_dryrun") == 1
     assert "layer split per stage: [16, 16]  (TP=4, DP=1" in proc.stdout
     assert not (tmp_path / "results" / "results.csv").exists()
-    env["ONLY_VARIANTS"] = "torch fast"
-    proc = subprocess.run(["bash", os.path.join(SLURM, "throughput.sbatch"), "7B"], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(["bash", "examples/slurm/throughput.sbatch", "7B"], cwd=ROOT, capture_output=True,
+                          text=True, env={**env, "SLURM_JOB_NUM_NODES": "4"})
+    assert proc.returncode == 2 and "needs 2 nodes" in proc.stderr, proc.stderr
+    proc = subprocess.run(["bash", "examples/slurm/throughput.sbatch", "7B"], cwd=ROOT, capture_output=True,
+                          text=True, env={**env, "ONLY_VARIANTS": "torch fast"})
     assert proc.returncode == 2 and "unknown variant 'fast'" in proc.stderr

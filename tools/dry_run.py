@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, default=None, help="ranks of the launch (default: TP*PP)")
     parser.add_argument("--paper-models", action="store_true", help="report the paper's five models")
     parser.add_argument("--json", default=None, help="also write the report here")
+    parser.add_argument("--lazy-cache-mb", action="store_true",
+                        help="end with the --lazy-save-cache-mb that holds the largest rank's checkpoint")
     parser.add_argument("launch_args", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py flags")
     return parser
 
@@ -67,6 +69,13 @@ def print_report(report, name: str = "") -> None:
           f"as written per rank (torch format), {report.total_bytes(True) / GB:.1f} GB de-duplicated (torch_dist)")
 
 
+def lazy_cache_mb(rank_bytes: int, multiple: int = 64) -> int:
+    """--lazy-save-cache-mb for a rank that writes `rank_bytes`: the whole snapshot fits, so the
+    copy never waits for the flush of the same checkpoint (MiB, rounded up to `multiple`)."""
+    mib = -(-rank_bytes // 2**20)
+    return max(multiple, -(-mib // multiple) * multiple)
+
+
 def _launch(args) -> dict:
     from megatron.training.arguments import ArgumentError, build_run_config, parse_args
 
@@ -82,6 +91,8 @@ def _launch(args) -> dict:
     report = dry_run(config.model, config.parallel,
                      config.parallel.stage_layers(config.model.num_layers))
     print_report(report)
+    if args.lazy_cache_mb:
+        print(f"lazy cache per rank (MiB): {lazy_cache_mb(max(report.rank_bytes(c).total for c in report.ranks))}")
     return {"stage_layers": list(report.stage_layers), "ranks": _rank_rows(report),
             "checkpoint_bytes_torch": report.total_bytes(False), "checkpoint_bytes_torch_dist": report.total_bytes(True)}
 

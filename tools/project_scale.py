@@ -27,6 +27,19 @@ from tools.scale.projection import Phases, Platform, ScaleCase, Variant, predict
 
 DEFAULT_INPUTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale", "paper_polaris.json")
 _PLATFORM_FLAGS = [f.name for f in dataclasses.fields(Platform)]
+TIME_MARGIN = 1.25
+"""A job's time limit is its projected run time times this (the projection is calibrated on one
+platform; a run killed at its limit loses every variant not yet recorded)."""
+STARTUP_S = 300.0
+"""Per launch: torchrun rendezvous, NCCL set-up, model build, the first iteration's warm-up."""
+
+
+def slurm_time_limit(run_seconds: list[float]) -> str:
+    """HH:MM:SS covering runs of these projected lengths, one after another, rounded up to 15 min."""
+    total = sum(s * TIME_MARGIN + STARTUP_S for s in run_seconds)
+    quarters = max(2, -(-int(total) // 900))
+    minutes = quarters * 15
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with DP > 1: DP rank 0 writes the weights (paper, default) or replicas share them")
     parser.add_argument("--compare-paper", action="store_true", help="print ratios vs the paper")
     parser.add_argument("--json", default=None, help="also write the predictions here")
+    parser.add_argument("--slurm-time", action="store_true",
+                        help="end with a Slurm time limit for running every case and variant one "
+                             f"after another: x{TIME_MARGIN} + {STARTUP_S:.0f} s of start-up per run")
     group = parser.add_argument_group("platform overrides")
     for name in _PLATFORM_FLAGS:
         kind = int if name in ("gpus_per_node", "dist_streams") else float
@@ -112,6 +128,9 @@ def main(argv=None) -> int:
                   f"{p.stall_per_checkpoint_s:>8.2f} {p.checkpoint_throughput_gbps:>8.1f} "
                   f"{p.end_to_end_s:>8.1f} {p.end_to_end_no_checkpoint_s:>9.1f}")
     result = {"platform": dataclasses.asdict(platform), "predictions": rows}
+    if args.slurm_time:
+        result["slurm_time_limit"] = slurm_time_limit([r["end_to_end_s"] for r in rows])
+        print(f"slurm time limit: {result['slurm_time_limit']}")
     if args.compare_paper:
         checks = throughput_checks(platform, inputs.phases) + end_to_end_checks(platform, inputs.phases)
         checks.append(dp_scaling_row(platform, inputs.phases))

@@ -39,6 +39,8 @@ class GPTArch:
     """``--decoder-first-pipeline-num-layers`` (None: even split)."""
     last_stage_layers: Optional[int] = None
     """``--decoder-last-pipeline-num-layers`` (None: even split)."""
+    tp: int = 4
+    """Tensor-parallel size the model is run with (the paper: 4, one node of 4 GPUs per stage)."""
 
     @property
     def ffn(self) -> int:
@@ -63,6 +65,20 @@ PAPER_MODELS = (
     GPTArch("30B", 60, 6656, 52, 8, 444, first_stage_layers=6, last_stage_layers=6),
     GPTArch("70B", 80, 8192, 64, 20, 1065),
 )
+
+
+TINY = GPTArch("tiny", 4, 64, 4, 1, vocab_size=256, seq_length=32, tp=1)
+"""A CPU-sized GPT (as tests/trainer_launch.py's): runs the Slurm examples on any cluster or in CI."""
+
+MODELS = PAPER_MODELS + (TINY,)
+"""Every model the Slurm examples know, by name (tools/models.py prints one for the shell)."""
+
+
+def model(name: str) -> GPTArch:
+    for arch in MODELS:
+        if arch.name == name:
+            return arch
+    raise KeyError(f"unknown model {name!r}; expected one of {[a.name for a in MODELS]}")
 
 
 def paper_model(name: str) -> GPTArch:
