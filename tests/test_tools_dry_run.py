@@ -19,8 +19,11 @@ def _configs(arch: GPTArch, tp: int, pp: int, dp: int = 1, bf16: bool = True):
                         seq_length=arch.seq_length, max_position_embeddings=arch.seq_length,
                         vocab_size=arch.vocab_size, padded_vocab_size=arch.padded_vocab(tp), bf16=bf16,
                         untie_embeddings_and_output_weights=arch.untie_embeddings_and_output_weights)
+    uneven = pp > 1 and arch.first_stage_layers is not None  # as pretrain_gpt.py's flags set them
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              use_distributed_optimizer=True, world_size=tp * pp * dp)
+                              use_distributed_optimizer=True, world_size=tp * pp * dp,
+                              decoder_first_pipeline_num_layers=arch.first_stage_layers if uneven else None,
+                              decoder_last_pipeline_num_layers=arch.last_stage_layers if uneven else None)
     return model, parallel
 
 
@@ -28,10 +31,16 @@ SMALL = GPTArch("small", num_layers=6, hidden_size=64, num_attention_heads=4, no
                 seq_length=32, make_vocab_size_divisible_by=8)
 
 
-@pytest.mark.parametrize("tp,pp,untie", [(1, 1, False), (2, 3, False), (4, 2, True), (2, 2, False)])
-def test_built_ranks_match_the_formula(tp, pp, untie):
-    arch = dataclasses.replace(SMALL, untie_embeddings_and_output_weights=untie)
-    report = dry_run(*_configs(arch, tp, pp))
+@pytest.mark.parametrize("tp,pp,untie,first_last", [(1, 1, False, None), (2, 3, False, None), (4, 2, True, None),
+                                                    (2, 2, False, None), (1, 4, False, 1), (2, 3, True, 1)])
+def test_built_ranks_match_the_formula(tp, pp, untie, first_last):
+    # first_last: an uneven split (--decoder-first/last-pipeline-num-layers), e.g. 1 + 2 + 2 + 1:
+    # every middle stage holds its own layer count, not the first stage's.
+    arch = dataclasses.replace(SMALL, untie_embeddings_and_output_weights=untie, first_stage_layers=first_last,
+                               last_stage_layers=first_last)
+    model, parallel = _configs(arch, tp, pp)
+    report = dry_run(model, parallel, parallel.stage_layers(model.num_layers))
+    assert list(report.stage_layers) == arch.stage_layers(pp)
     assert len(report.ranks) == tp * pp
     for count in report.ranks:
         expected = rank_params(arch, tp, pp, count.stage)
@@ -85,6 +94,22 @@ def test_cli_validates_launch_arguments(capsys):
     assert "world size 6 is not divisible by TP*PP = 2*2 = 4" in capsys.readouterr().err
     assert dry_run_cli.main(["--"] + launch + ["--no-such-flag"]) == 2
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    # An uneven split builds (8 layers: 2 + 4 + 2); a contradictory one is refused in one line.
+    uneven = launch[:1] + ["8"] + launch[2:] + ["--pipeline-model-parallel-size", "3",
+                                                 "--decoder-first-pipeline-num-layers", "2",
+                                                 "--decoder-last-pipeline-num-layers", "2"]
+    assert dry_run_cli.main(["--world-size", "6", "--lazy-cache-mb", "--"] + uneven) == 0
+    out = capsys.readouterr().out
+    assert "layer split per stage: [2, 4, 2]" in out and out.endswith("lazy cache per rank (MiB): 64\n")
+    assert dry_run_cli.main(["--world-size", "6", "--"] + uneven[:-1] + ["7"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "must split evenly over the other 1 pipeline stage(s), got -1" in err, err
+
+
+def test_lazy_cache_holds_the_largest_rank():
+    assert dry_run_cli.lazy_cache_mb(1) == 64 and dry_run_cli.lazy_cache_mb(64 * 2**20) == 64
+    assert dry_run_cli.lazy_cache_mb(64 * 2**20 + 1) == 128
+    assert dry_run_cli.lazy_cache_mb(int(14.891e9)) == 14208  # 30B's middle stages
 
 
 def test_cli_paper_table_runs_as_a_script(tmp_path):

@@ -88,8 +88,10 @@ def _launch(args) -> dict:
         config = build_run_config(namespace, world_size=world)
     except (ArgumentError, ValueError) as error:
         raise SystemExit(f"error: the launch arguments do not parse: {error}")
-    report = dry_run(config.model, config.parallel,
-                     config.parallel.stage_layers(config.model.num_layers))
+    try:
+        report = dry_run(config.model, config.parallel, config.parallel.stage_layers(config.model.num_layers))
+    except ValueError as error:  # megatron-core's own checks of the layout, as one line
+        raise SystemExit(f"error: megatron-core refuses this layout: {error}")
     print_report(report)
     if args.lazy_cache_mb:
         print(f"lazy cache per rank (MiB): {lazy_cache_mb(max(report.rank_bytes(c).total for c in report.ranks))}")

@@ -116,8 +116,11 @@ def _stage_shapes(model_cfg, parallel_cfg, layers: int, first: bool, last: bool,
 
     from megatron.training.model import layer_spec, transformer_config
 
+    # Without the first/last-stage counts: megatron-core would otherwise build those counts for
+    # every stage of this 1-stage model (a middle stage of 30B with 6 layers instead of 8).
     parallel = dataclasses.replace(parallel_cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                                   virtual_pipeline_model_parallel_size=None, world_size=tp)
+                                   virtual_pipeline_model_parallel_size=None, world_size=tp,
+                                   decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
     # One stage is built as a 1-stage model of its own layers; meta tensors need no initialization.
     config = dataclasses.replace(transformer_config(model_cfg, parallel, "gloo"), num_layers=layers,
                                  perform_initialization=False)
