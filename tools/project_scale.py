@@ -20,7 +20,7 @@ import sys
 
 from tools.errors import ToolInputError
 from tools.scale.architecture import PAPER_MODELS, WeightsWriter, paper_model
-from tools.scale.compare import dp_scaling_row, end_to_end_checks, format_checks, throughput_checks
+from tools.scale.compare import dp_scaling_rows, end_to_end_checks, format_checks, throughput_checks
 from tools.scale.inputs import load_inputs
 from tools.scale.paper import paper_case
 from tools.scale.projection import Phases, Platform, ScaleCase, Variant, predict
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         print(f"slurm time limit: {result['slurm_time_limit']}")
     if args.compare_paper:
         checks = throughput_checks(platform, inputs.phases) + end_to_end_checks(platform, inputs.phases)
-        checks.append(dp_scaling_row(platform, inputs.phases))
+        checks.extend(dp_scaling_rows(platform, inputs.phases))
         print()
         print(format_checks(checks))
         result["paper_checks"] = [dataclasses.asdict(c) for c in checks]
