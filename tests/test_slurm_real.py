@@ -9,6 +9,7 @@ setting (two torchrun agents on two nodes, DP=2, gloo). About 3 minutes on 2 cor
 import csv
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,12 @@ def cluster():
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _submit(env, script, args, nodes, **knobs):
     out = os.path.join(env["RESULTS_DIR"], f"{script}-%j.out")
     proc = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", "--gpus-per-node=1", "--output", out,
@@ -86,7 +93,8 @@ def test_every_example_runs_on_a_real_slurm_and_records_real_figures(cluster, tm
     from datastates.megatron_adapter import paths
 
     env = {**cluster, "REPO": ROOT, "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore",
-           "RESULTS_DIR": str(tmp_path / "results"), "CKPT_ROOT": str(tmp_path / "ckpt"), "KEEP_CHECKPOINTS": "1"}
+           "RESULTS_DIR": str(tmp_path / "results"), "CKPT_ROOT": str(tmp_path / "ckpt"), "KEEP_CHECKPOINTS": "1",
+           "MASTER_PORT": str(_free_port())}  # the jobs run one after another: one port serves them all
     os.makedirs(env["RESULTS_DIR"])
     t0 = time.time()
     jobs = {
