@@ -145,6 +145,7 @@ class LazyCheckpointer:
         self.universal = None  # rank 0 runs the background universal merges, when asked for
         if self.rank == 0:
             prepare_root(config.root)
+            self._event({"event": "start", "time": time.time()})  # the timeline splits runs here
             if config.universal_every_n:
                 from .background_merge import BackgroundMerger, MergerConfig
 
