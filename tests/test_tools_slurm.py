@@ -143,6 +143,16 @@ def test_runlog_parses_megatron_lines_and_our_checkpoint_lines():
     assert fig.iteration_ms == {1: 5000.5, 2: 4000.0} and fig.train_iters == 50
     assert fig.saved_iterations == [2, 4] and fig.save_ms == [12.5, 20.0, 53.5]
     assert (fig.rc, fig.wall_seconds) == (1, 12.25)
+    # Our trainer prints Megatron's timers report after its own save line: one save, one time
+    # (the slowest rank's), not two.
+    ours = ["saved checkpoint at iteration       2 to /tmp/ck in 40.0 ms (format torch_dist)",
+            "(min, max) time across ranks (ms):",
+            "    save-checkpoint ................................: (38.00, 41.50)",
+            " iteration        3/      50 | elapsed time per iteration (ms): 100.0 |",
+            "(min, max) time across ranks (ms):",
+            "    save-checkpoint ................................: (8.00, 9.50)"]
+    fig = parse_log(ours)
+    assert fig.saved_iterations == [2] and fig.save_ms == [41.5, 9.5]
 
 
 

@@ -4,7 +4,8 @@ Recognized lines (everything else is ignored):
 - ``iteration N/ M | ... elapsed time per iteration (ms): X | ...`` (Megatron's training log);
 - ``successfully saved checkpoint from iteration N ...`` (Megatron-LM) and
   ``saved checkpoint at iteration N to DIR in X ms ...`` (our trainer);
-- ``save-checkpoint ...: X`` or ``(min, max)`` timer lines (Megatron's timers, milliseconds);
+- ``save-checkpoint ...: X`` or ``(min, max)`` timer lines (Megatron's timers, milliseconds; our
+  trainer prints one right after its own save line, and it then stands for that save);
 - ``... checkpoint ... blocking time (ms): X`` (our checkpoint log lines);
 - ``[run] tag=T rc=R wall_seconds=S`` (written by examples/slurm/common.sh around the launch).
 """
@@ -43,22 +44,29 @@ class RunFigures:
 
 def parse_log(lines) -> RunFigures:
     figures = RunFigures()
+    own_line = False  # the last save time came from our "saved checkpoint ... in X ms" line
     for line in lines:
         m = _ITERATION.search(line)
         if m:
             figures.iteration_ms[int(m.group(1))] = float(m.group(3))
             figures.train_iters = int(m.group(2))
+            own_line = False
             continue
         m = _SAVED.search(line)
         if m:
             figures.saved_iterations.append(int(m.group(1)))
-            if m.group(2) is not None:  # our trainer: "saved checkpoint at iteration N to DIR in X ms"
+            own_line = m.group(2) is not None
+            if own_line:  # our trainer: "saved checkpoint at iteration N to DIR in X ms"
                 figures.save_ms.append(float(m.group(2)))
             continue
         m = _SAVE_TIMER.search(line) or _BLOCKING.search(line)
         if m:
             values = [float(g) for g in m.groups() if g is not None]
-            figures.save_ms.append(max(values))
+            if own_line and m.re is _SAVE_TIMER:  # our trainer times the same save across ranks
+                figures.save_ms[-1] = max(values)
+            else:
+                figures.save_ms.append(max(values))
+            own_line = False
             continue
         m = _RUN.search(line)
         if m:
