@@ -101,20 +101,6 @@ def test_checkpoint_record_from_the_lazy_telemetry_line():
     assert "checkpoint/local-durable-s" not in record.scalars()
 
 
-def test_telemetry_tail_reads_only_new_complete_lines(tmp_path):
-    from megatron.training.lazy_checkpointing import _TelemetryTail
-
-    path = tmp_path / "t.jsonl"
-    path.write_text('{"event": "iteration", "iteration": 1}\n')
-    tail = _TelemetryTail(str(path))  # what was there before is not new
-    with open(path, "a") as f:
-        f.write('{"event": "checkpoint", "iteration": 2}\nnot json\n{"event": "itera')
-    assert tail.new_records() == [{"event": "checkpoint", "iteration": 2}]
-    with open(path, "a") as f:
-        f.write('tion", "iteration": 3}\n')
-    assert tail.new_records() == [{"event": "iteration", "iteration": 3}]
-
-
 # -- start-up errors -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra,message", [

@@ -11,22 +11,19 @@ order is in its module docstring:
   after_iteration -> poll                       (agree, commit, tracker, retention, merge)
   finalize -> finish                            (drain and commit before exit)
 
-Each committed checkpoint's record (bytes, stall, copy, durable time) is what the checkpointer
-appended to SAVE/datastates_checkpoints.jsonl on rank 0 when it committed; rank 0 reads the new
-lines after `poll`/`finish` returns (the checkpointer writes them after `after_commit`) and hands
-them to `metrics`.
+Each committed checkpoint's record (bytes, stall, copy, durable time; what the checkpointer logs
+and appends to SAVE/datastates_checkpoints.jsonl) reaches `metrics` on rank 0 through the
+checkpointer's `on_record` callback.
 """
 from __future__ import annotations
 
-import json
-import os
-from typing import List, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
 from datastates import Checksum, TensorShard
-from datastates.megatron_adapter import TELEMETRY_FILENAME, FailurePolicy, LazyCheckpointer, \
-    LazySaveConfig, expand_local_dir
+from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
+    expand_local_dir
 
 from megatron.training import distopt_shards
 from megatron.training.checkpoint_contents import (
@@ -67,25 +64,9 @@ class LazyCheckpointManager(CheckpointManager):
 
     def __init__(self, config: RunConfig):
         super().__init__(config)
-        self.checkpointer = LazyCheckpointer(lazy_save_config(config), log=print_rank_0,
-                                             after_commit=self._on_commit)
-        self._committed: List[int] = []  # rank 0: committed, record not yet reported
-        self._telemetry = _TelemetryTail(os.path.join(config.checkpoint.save or "",
-                                                      TELEMETRY_FILENAME))
-
-    def _on_commit(self, iteration: int) -> None:
-        """Rank 0, right after the tracker moved (before the checkpointer logs the record)."""
-        self._after_commit(iteration)
-        self._committed.append(iteration)
-
-    def _report_committed(self) -> None:
-        """Rank 0, after `poll`/`finish`: the records of what they committed, to `metrics`."""
-        if not self._committed:
-            return
-        wanted, self._committed = set(self._committed), []
-        for record in self._telemetry.new_records():
-            if record.get("event") == "checkpoint" and record.get("iteration") in wanted:
-                self.metrics.checkpoint(CheckpointRecord.from_telemetry(record))
+        self.checkpointer = LazyCheckpointer(
+            lazy_save_config(config), log=print_rank_0, after_commit=self._after_commit,
+            on_record=lambda r: self.metrics.checkpoint(CheckpointRecord.from_telemetry(r)))
 
     def start(self) -> None:
         pass  # the checkpointer prepared the root (tracker spare) when it was built
@@ -128,37 +109,6 @@ class LazyCheckpointManager(CheckpointManager):
 
     def after_iteration(self, iteration: int) -> None:
         self.checkpointer.poll(iteration)
-        self._report_committed()
 
     def finalize(self) -> None:
         self.checkpointer.finish()
-        self._report_committed()
-
-
-class _TelemetryTail:
-    """The lines appended to a JSON-lines file since this object was made (or last read).
-    A line that does not parse is skipped: telemetry never stops training."""
-
-    def __init__(self, path: str):
-        self.path = path
-        try:
-            self.offset = os.path.getsize(path)
-        except OSError:
-            self.offset = 0
-
-    def new_records(self) -> List[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        end = data.rfind(b"\n") + 1  # a line still being written is read next time
-        self.offset += end
-        records = []
-        for line in data[:end].splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-        return records
