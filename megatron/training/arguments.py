@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from megatron.training.config import (
     CheckpointConfig,
@@ -109,8 +109,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="DataStates lazy asynchronous checkpointing: copy the snapshot while the "
                         "next forward/backward runs, write it in the background")
     g.add_argument("--lazy-save-cache-mb", type=int, default=None,
-                   help="DataStates host cache per rank in MiB (with --async-lazy-save; default "
-                        f"{LAZY_SAVE_DEFAULTS['lazy_save_cache_mb']})")
+                   help="DataStates host cache per rank in MiB (with --async-lazy-save; default: "
+                        "sized at start-up to what this rank's checkpoint can hold, at most 1024 "
+                        "and within the node's free memory; the log says what was chosen)")
     g.add_argument("--lazy-save-checksum", choices=["crc32c", "crc32", "none"], default=None,
                    help="per-chunk checksum of --async-lazy-save shards, verified on every load: "
                         "crc32c (CPU instruction; default), crc32 (zlib), none")
@@ -293,24 +294,31 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
 
 
 #: Flags that only --async-lazy-save reads, and their defaults (applied after the check below).
-LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": 1024, "lazy_save_checksum": "crc32c",
+LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": None, "lazy_save_checksum": "crc32c",
                       "ckpt_drain_timeout": 1800.0, "lazy_save_local_dir": None,
                       "lazy_save_local_keep": 2}
+
+
+def host_cache_budget_mb() -> Tuple[int, int, int]:
+    """(MiB one rank's host cache may take, ranks on this node, MiB available on it): 90% of the
+    node's available memory shared by its ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = psutil.virtual_memory().available >> 20
+    return int(0.9 * free) // local, local, free
 
 
 def _check_host_cache_fits(cache_mb: int) -> None:
     """Every rank of this node allocates its host cache at start-up: refuse a size the node's
     free memory cannot hold before anything is built or loaded (the allocation would otherwise
     fail later with a bare `OSError: Cannot allocate memory`, or push the node into swap)."""
-    import psutil
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    budget, local, free = host_cache_budget_mb()
     need = cache_mb * local
-    free = psutil.virtual_memory().available >> 20
-    _require(need <= 0.9 * free,
+    _require(cache_mb <= budget,
              f"--lazy-save-cache-mb {cache_mb} on {local} rank(s) of this node needs {need} MiB of "
              f"host memory, but {free} MiB is available; lower --lazy-save-cache-mb (at most "
-             f"{int(0.9 * free) // local} per rank here)")
+             f"{budget} per rank here)")
 
 
 def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
@@ -360,9 +368,10 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
                  "asynchronous savers; pass one of them")
         _require(a.ckpt_format == "torch_dist", "--async-lazy-save writes megatron's "
                  f"dist_checkpointing layout; it needs --ckpt-format torch_dist, got {a.ckpt_format}")
-        _require(a.lazy_save_cache_mb > 0,
-                 f"--lazy-save-cache-mb must be > 0, got {a.lazy_save_cache_mb}")
-        _check_host_cache_fits(a.lazy_save_cache_mb)
+        if a.lazy_save_cache_mb is not None:  # None: sized at start-up (lazy_checkpointing)
+            _require(a.lazy_save_cache_mb > 0,
+                     f"--lazy-save-cache-mb must be > 0, got {a.lazy_save_cache_mb}")
+            _check_host_cache_fits(a.lazy_save_cache_mb)
         _require(a.lazy_save_local_keep >= 1,
                  f"--lazy-save-local-keep must be >= 1, got {a.lazy_save_local_keep}")
         _require(a.lazy_save_local_dir is not None or "--lazy-save-local-keep" not in given,
