@@ -11,6 +11,9 @@ import sys
 
 
 def main(argv=None) -> int:
+    from megatron.training import warning_filters
+
+    warning_filters.install()  # before megatron-core is imported: its import-time warnings
     from megatron.training.arguments import ArgumentError, build_run_config, parse_args
 
     from datastates import CheckpointError  # the trainer's checkpoint errors subclass it

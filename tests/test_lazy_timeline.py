@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tools.plot_checkpoint_timeline import main, phases, read_events
+from tools.plot_checkpoint_timeline import main, phases, read_events, split_runs
 
 EVENTS = [
     {"event": "iteration", "iteration": 1, "time": 100.0},
@@ -41,6 +41,40 @@ def test_png_written(tmp_path):
     out = tmp_path / "t.png"
     assert main([_write(tmp_path, EVENTS), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _resumed(events):
+    """The same events again 60 s later, as a run resumed from iteration 1 appends them."""
+    later = []
+    for e in events:
+        e = dict(e, time=e["time"] + 60)
+        if e["event"] == "checkpoint":
+            e.update(t_start=e["t_start"] + 60, t_returned=e["t_returned"] + 60)
+        later.append(e)
+    return events + later
+
+
+def test_a_resumed_run_is_its_own_panel_not_one_long_iteration(tmp_path):
+    runs = split_runs(*read_events(_write(tmp_path, _resumed(EVENTS))))
+    assert [[r["iteration"] for r in its] for its, _ in runs] == [[1, 2], [1, 2]]
+    assert [[c["t_start"] for c in cks] for _, cks in runs] == [[100.0], [160.0]]
+    assert phases(*runs[1])["iterations"] == [(0.0, 1.0)]  # not a 60 s iteration
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "two.png"
+    assert main([_write(tmp_path, _resumed(EVENTS)), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_start_events_split_runs_that_continue_the_iteration_count(tmp_path):
+    """A run resumed from the last checkpoint logs iterations 3, 4 after 1, 2: the trainer's
+    "start" event, not the numbering, says where it began."""
+    second = [{"event": "start", "time": 150.0},
+              {"event": "iteration", "iteration": 3, "time": 152.0},
+              {"event": "iteration", "iteration": 4, "time": 153.0}]
+    runs = split_runs(*read_events(_write(tmp_path, [{"event": "start", "time": 99.0}] + EVENTS
+                                          + second)))
+    assert [[r["iteration"] for r in its] for its, _ in runs] == [[1, 2], [3, 4]]
+    assert [len(cks) for _, cks in runs] == [1, 0]
 
 
 def test_bad_input_names_the_line(tmp_path):

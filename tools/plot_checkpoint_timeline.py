@@ -2,7 +2,9 @@
 
     python tools/plot_checkpoint_timeline.py SAVE_DIR/datastates_checkpoints.jsonl -o timeline.png
 
-Rows: iterations (alternating shades between consecutive iteration ends), and per checkpoint the
+One panel per training run in the file (a resumed run appends to the same telemetry), then the
+stall of every checkpoint in milliseconds on its own axis. Rows of a panel: iterations
+(alternating shades between consecutive iteration ends), and per checkpoint the
 time training was blocked, the snapshot copy, the flush until every rank was durable, and the
 commit. With --lazy-save-local-dir the flush ends when every rank is durable on node-local
 storage, and a "migrate" row runs from there until every rank is durable under --save. Needs
@@ -17,6 +19,7 @@ from typing import Dict, List, Tuple
 
 
 def read_events(path: str) -> Tuple[List[Dict], List[Dict]]:
+    """(iterations, checkpoints); a run's "start" event is kept among the iterations."""
     iterations, checkpoints = [], []
     try:
         f = open(path)
@@ -32,11 +35,11 @@ def read_events(path: str) -> Tuple[List[Dict], List[Dict]]:
             except json.JSONDecodeError as e:
                 raise SystemExit(f"error: {path}:{lineno}: not a JSON line ({e.msg})")
             kind = rec.get("event")
-            if kind == "iteration":
+            if kind in ("iteration", "start"):
                 iterations.append(rec)
             elif kind == "checkpoint":
                 checkpoints.append(rec)
-    if not iterations and not checkpoints:
+    if not any(r["event"] == "iteration" for r in iterations) and not checkpoints:
         raise SystemExit(f"error: {path} holds no 'iteration' or 'checkpoint' events; expected the "
                          "datastates_checkpoints.jsonl written under --save by --async-lazy-save")
     return iterations, checkpoints
@@ -64,31 +67,74 @@ def phases(iterations: List[Dict], checkpoints: List[Dict]) -> Dict[str, List[Tu
     return rows
 
 
-def draw(rows: Dict[str, List[Tuple[float, float]]], out: str, title: str) -> None:
+def split_runs(iterations: List[Dict], checkpoints: List[Dict]) -> List[Tuple[List, List]]:
+    """One (iterations, checkpoints) pair per training run in the file: a resumed run appends to
+    the same telemetry, after a "start" event (files written before there was one: a run starts
+    again at or before an iteration already seen)."""
+    runs: List[Tuple[List, List]] = []
+    starts: List[float] = []
+    new_run, starts_at = True, None
+    for rec in iterations:
+        if rec["event"] == "start":
+            new_run = True
+            starts_at = rec["time"]
+            continue
+        if not new_run and rec["iteration"] <= runs[-1][0][-1]["iteration"]:
+            new_run, starts_at = True, rec["time"]
+        if new_run:
+            runs.append(([], []))
+            starts.append(starts_at if starts_at is not None else rec["time"])
+            new_run, starts_at = False, None
+        runs[-1][0].append(rec)
+    if not runs:
+        return [([], list(checkpoints))]
+    for c in checkpoints:  # the run that was going on when the save was called
+        i = max([k for k, t in enumerate(starts) if t <= c["t_start"]] or [0])
+        runs[i][1].append(c)
+    return runs
+
+
+def draw(runs: List[Tuple[List, List]], out: str, title: str) -> None:
+    """One timeline panel per run (rows as in the module doc, commits labelled with their
+    iteration), then the stall of each checkpoint in milliseconds on its own axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["iterations", "blocked", "copy", "flush", "migrate", "commit"]
-    if not rows["migrate"]:
-        names.remove("migrate")
     colors = {"blocked": "tab:red", "copy": "tab:orange", "flush": "tab:blue",
               "migrate": "tab:green"}
-    fig, ax = plt.subplots(figsize=(12, 3.2))
-    for y, name in enumerate(reversed(names)):
-        bars = rows[name]
-        if name == "commit":
-            ax.plot([s for s, _ in bars], [y] * len(bars), "k|", markersize=18)
-        elif name == "iterations":
-            ax.broken_barh(bars, (y - 0.35, 0.7),
-                           facecolors=["0.55" if i % 2 else "0.8" for i in range(len(bars))])
-        else:
-            ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=colors[name], alpha=0.8)
-    ax.set_yticks(range(len(names)))
-    ax.set_yticklabels(list(reversed(names)))
-    ax.set_xlabel("seconds")
-    ax.set_title(title)
+    fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(12, 2.8 * len(runs) + 2.4),
+                             squeeze=False)
+    for k, (its, cks) in enumerate(runs):
+        ax, rows = axes[k][0], phases(its, cks)
+        names = ["iterations", "blocked", "copy", "flush", "migrate", "commit"]
+        if not rows["migrate"]:
+            names.remove("migrate")
+        for y, name in enumerate(reversed(names)):
+            bars = rows[name]
+            if name == "commit":
+                ax.plot([s for s, _ in bars], [y] * len(bars), "k|", markersize=18)
+                for (x, _), c in zip(bars, cks):
+                    ax.annotate(str(c["iteration"]), (x, y + 0.3), fontsize=7, ha="center")
+            elif name == "iterations":
+                ax.broken_barh(bars, (y - 0.35, 0.7),
+                               facecolors=["0.55" if i % 2 else "0.8" for i in range(len(bars))])
+            else:
+                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=colors[name], alpha=0.8)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(list(reversed(names)))
+        ax.set_xlabel("seconds since the run's first event")
+        first = its[0]["iteration"] if its else "?"
+        ax.set_title(title if len(runs) == 1 else f"{title} (run {k + 1}: from iteration {first})")
+    ax = axes[-1][0]
+    cks = [c for _, run_cks in runs for c in run_cks]
+    ax.bar(range(len(cks)), [c["stall_ms"] for c in cks], color=colors["blocked"])
+    ax.set_xticks(range(len(cks)))
+    ax.set_xticklabels([str(c["iteration"]) for c in cks], fontsize=7)
+    ax.set_xlabel("checkpoint (iteration)")
+    ax.set_ylabel("stall (ms)")
+    ax.set_title("time training was blocked per checkpoint")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
@@ -100,8 +146,10 @@ def main(argv=None) -> int:
     p.add_argument("--title", default="--async-lazy-save: iterations and checkpoint phases")
     a = p.parse_args(argv)
     iterations, checkpoints = read_events(a.telemetry)
-    draw(phases(iterations, checkpoints), a.output, a.title)
-    print(f"wrote {a.output}: {len(iterations)} iterations, {len(checkpoints)} checkpoints")
+    runs = split_runs(iterations, checkpoints)
+    draw(runs, a.output, a.title)
+    print(f"wrote {a.output}: {len(runs)} run(s), {len(iterations)} iterations, "
+          f"{len(checkpoints)} checkpoints")
     return 0
 
 

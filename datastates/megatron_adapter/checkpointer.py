@@ -119,10 +119,12 @@ class LazyCheckpointer:
     """Keeps a deque of saves in flight, oldest first; commits them in order (see module doc)."""
 
     def __init__(self, config: LazySaveConfig, log: Callable[[str], None] = print,
-                 after_commit: Optional[Callable[[int], None]] = None):
+                 after_commit: Optional[Callable[[int], None]] = None,
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None):
         self.config = config
         self.log = log
         self.after_commit = after_commit
+        self.on_record = on_record  # rank 0: each committed checkpoint's record (as logged)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         control_plane.control_group()  # collective when it creates the group: every rank, here
         if config.local_dir is not None:
@@ -145,6 +147,7 @@ class LazyCheckpointer:
         self.universal = None  # rank 0 runs the background universal merges, when asked for
         if self.rank == 0:
             prepare_root(config.root)
+            self._event({"event": "start", "time": time.time()})  # the timeline splits runs here
             if config.universal_every_n:
                 from .background_merge import BackgroundMerger, MergerConfig
 
@@ -391,6 +394,8 @@ class LazyCheckpointer:
                     if "local_durable_s" in s else "")
                  + f"committed: {p.directory}")
         self._event(s)
+        if self.on_record is not None:
+            self.on_record(dict(s))
 
     def _event(self, record: Dict[str, float]) -> None:
         """Rank 0: one JSON line per iteration end and per committed checkpoint (the timeline

@@ -5,8 +5,9 @@ Only entry points call this module; the library receives the frozen dataclasses 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from megatron.training.config import (
     CheckpointConfig,
@@ -108,8 +109,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="DataStates lazy asynchronous checkpointing: copy the snapshot while the "
                         "next forward/backward runs, write it in the background")
     g.add_argument("--lazy-save-cache-mb", type=int, default=None,
-                   help="DataStates host cache per rank in MiB (with --async-lazy-save; default "
-                        f"{LAZY_SAVE_DEFAULTS['lazy_save_cache_mb']})")
+                   help="DataStates host cache per rank in MiB (with --async-lazy-save; default: "
+                        "sized at start-up to what this rank's checkpoint can hold, at most 1024 "
+                        "and within the node's free memory; the log says what was chosen)")
     g.add_argument("--lazy-save-checksum", choices=["crc32c", "crc32", "none"], default=None,
                    help="per-chunk checksum of --async-lazy-save shards, verified on every load: "
                         "crc32c (CPU instruction; default), crc32 (zlib), none")
@@ -180,11 +182,40 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=None)
 
 
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add Megatron-LM's `throughput per GPU (TFLOP/s/GPU)` to the training line")
+    g.add_argument("--tensorboard-dir", type=str, default=None,
+                   help="write TensorBoard event files to this directory (needs the tensorboard "
+                        "package)")
+    g.add_argument("--tensorboard-log-interval", type=int, default=None,
+                   help=f"write the training scalars every N iterations (default "
+                        f"{SCALAR_DEFAULTS['tensorboard_log_interval']})")
+    g.add_argument("--tensorboard-queue-size", type=int, default=None,
+                   help=f"events queued before a write (default "
+                        f"{SCALAR_DEFAULTS['tensorboard_queue_size']})")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", default=None,
+                   help="also write iteration-time, throughput and checkpoint save/load times")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false", default=None)
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true", default=None,
+                   help="also write the validation perplexity")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true", default=None,
+                   help="write CUDA memory counters (CUDA runs only)")
+    g.add_argument("--wandb-project", type=str, default=None,
+                   help="log the same scalars to this Weights & Biases project (needs wandb; "
+                        "WANDB_MODE=offline writes local files only)")
+    g.add_argument("--wandb-exp-name", type=str, default=None, help="name of the wandb run")
+    g.add_argument("--wandb-save-dir", type=str, default=None,
+                   help="local directory of the wandb files (default: <save>/wandb)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pretrain_gpt.py", description="Train a GPT model with megatron-core.",
                 allow_abbrev=False)
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_checkpoint_args,
-                _add_data_args):
+                _add_data_args, _add_logging_args):
         add(p)
     return p
 
@@ -263,24 +294,31 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
 
 
 #: Flags that only --async-lazy-save reads, and their defaults (applied after the check below).
-LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": 1024, "lazy_save_checksum": "crc32c",
+LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": None, "lazy_save_checksum": "crc32c",
                       "ckpt_drain_timeout": 1800.0, "lazy_save_local_dir": None,
                       "lazy_save_local_keep": 2}
+
+
+def host_cache_budget_mb() -> Tuple[int, int, int]:
+    """(MiB one rank's host cache may take, ranks on this node, MiB available on it): 90% of the
+    node's available memory shared by its ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = psutil.virtual_memory().available >> 20
+    return int(0.9 * free) // local, local, free
 
 
 def _check_host_cache_fits(cache_mb: int) -> None:
     """Every rank of this node allocates its host cache at start-up: refuse a size the node's
     free memory cannot hold before anything is built or loaded (the allocation would otherwise
     fail later with a bare `OSError: Cannot allocate memory`, or push the node into swap)."""
-    import psutil
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    budget, local, free = host_cache_budget_mb()
     need = cache_mb * local
-    free = psutil.virtual_memory().available >> 20
-    _require(need <= 0.9 * free,
+    _require(cache_mb <= budget,
              f"--lazy-save-cache-mb {cache_mb} on {local} rank(s) of this node needs {need} MiB of "
              f"host memory, but {free} MiB is available; lower --lazy-save-cache-mb (at most "
-             f"{int(0.9 * free) // local} per rank here)")
+             f"{budget} per rank here)")
 
 
 def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
@@ -330,9 +368,10 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
                  "asynchronous savers; pass one of them")
         _require(a.ckpt_format == "torch_dist", "--async-lazy-save writes megatron's "
                  f"dist_checkpointing layout; it needs --ckpt-format torch_dist, got {a.ckpt_format}")
-        _require(a.lazy_save_cache_mb > 0,
-                 f"--lazy-save-cache-mb must be > 0, got {a.lazy_save_cache_mb}")
-        _check_host_cache_fits(a.lazy_save_cache_mb)
+        if a.lazy_save_cache_mb is not None:  # None: sized at start-up (lazy_checkpointing)
+            _require(a.lazy_save_cache_mb > 0,
+                     f"--lazy-save-cache-mb must be > 0, got {a.lazy_save_cache_mb}")
+            _check_host_cache_fits(a.lazy_save_cache_mb)
         _require(a.lazy_save_local_keep >= 1,
                  f"--lazy-save-local-keep must be >= 1, got {a.lazy_save_local_keep}")
         _require(a.lazy_save_local_dir is not None or "--lazy-save-local-keep" not in given,
@@ -357,6 +396,60 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     _require(a.save_interval is None or a.save is not None, "--save-interval needs --save DIR")
     # A --load directory that does not exist yet is not an error: as Megatron-LM, the run starts
     # from scratch with a warning (checkpoint_loading), so `--save D --load D` restarts.
+
+
+#: Flags that only configure the TensorBoard/wandb scalars (parsed as None when not given), their
+#: names and their defaults (applied after the check that a writer is on).
+SCALAR_DEFAULTS = {"tensorboard_log_interval": 1, "tensorboard_queue_size": 1000,
+                   "log_loss_scale_to_tensorboard": True, "log_timers_to_tensorboard": False,
+                   "log_validation_ppl_to_tensorboard": False, "log_memory_to_tensorboard": False}
+_SCALAR_FLAGS = {"log_loss_scale_to_tensorboard": "--no-log-loss-scale-to-tensorboard"}
+
+
+def _require_package(name: str, flag: str) -> None:
+    """An optional dependency: refuse its flag at start-up, not at the first scalar."""
+    _require(importlib.util.find_spec(name) is not None,
+             f"{flag} needs the {name} package, which is not installed: pip install {name}")
+
+
+def _logging_config(a: argparse.Namespace) -> LoggingConfig:
+    given = [_SCALAR_FLAGS.get(k, f"--{k.replace('_', '-')}") for k in SCALAR_DEFAULTS
+             if getattr(a, k) is not None]
+    _require(a.tensorboard_dir is not None or a.wandb_project is not None or not given,
+             f"{', '.join(given)} configure the TensorBoard/wandb scalars, which are off: add "
+             "--tensorboard-dir DIR or --wandb-project NAME, or drop the flag (it would be ignored)")
+    for key, default in SCALAR_DEFAULTS.items():
+        if getattr(a, key) is None:
+            setattr(a, key, default)
+    _require(a.tensorboard_log_interval > 0,
+             f"--tensorboard-log-interval must be > 0, got {a.tensorboard_log_interval}")
+    _require(a.tensorboard_queue_size > 0,
+             f"--tensorboard-queue-size must be > 0, got {a.tensorboard_queue_size}")
+    if a.tensorboard_dir is not None:
+        _require_package("tensorboard", "--tensorboard-dir")
+    wandb_only = [f for f, v in (("--wandb-exp-name", a.wandb_exp_name),
+                                 ("--wandb-save-dir", a.wandb_save_dir)) if v is not None]
+    _require(a.wandb_project is not None or not wandb_only,
+             f"{', '.join(wandb_only)} configure wandb, which is off: add --wandb-project NAME, "
+             "or drop the flag (it would be ignored)")
+    if a.wandb_project is not None:
+        _require(bool(a.wandb_exp_name), "--wandb-project needs --wandb-exp-name NAME (the name "
+                                         "of this run in the project)")
+        _require(a.wandb_save_dir is not None or a.save is not None,
+                 "--wandb-project needs a place for its local files: --wandb-save-dir DIR, or "
+                 "--save DIR (then <save>/wandb)")
+        _require_package("wandb", "--wandb-project")
+    return LoggingConfig(
+        log_interval=a.log_interval, log_throughput=a.log_throughput,
+        tensorboard_dir=a.tensorboard_dir, tensorboard_log_interval=a.tensorboard_log_interval,
+        tensorboard_queue_size=a.tensorboard_queue_size,
+        log_timers_to_tensorboard=a.log_timers_to_tensorboard,
+        log_loss_scale_to_tensorboard=a.log_loss_scale_to_tensorboard,
+        log_validation_ppl_to_tensorboard=a.log_validation_ppl_to_tensorboard,
+        log_memory_to_tensorboard=a.log_memory_to_tensorboard,
+        wandb_project=a.wandb_project, wandb_exp_name=a.wandb_exp_name,
+        wandb_save_dir=(a.wandb_save_dir if a.wandb_save_dir is not None or a.wandb_project is None
+                        else os.path.join(a.save, "wandb")))
 
 
 def _check_data(a: argparse.Namespace) -> None:
@@ -453,4 +546,4 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
     return RunConfig(model=model, parallel=parallel, optimizer=optimizer, training=training,
                      checkpoint=checkpoint, data=data,
-                     logging=LoggingConfig(log_interval=a.log_interval))
+                     logging=_logging_config(a))

@@ -7,12 +7,13 @@ names the format.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from megatron.training.checkpoint_manager import CheckpointManager
 from megatron.training.checkpointing import TorchCheckpointManager, TorchDistCheckpointManager
 from megatron.training.config import RunConfig
 from megatron.training.lazy_checkpointing import LazyCheckpointManager
+from megatron.training.metrics import Metrics
 
 LAZY_FORMAT = "datastates"
 
@@ -32,8 +33,12 @@ def format_name(config: RunConfig) -> str:
     return LAZY_FORMAT if config.checkpoint.async_lazy_save else config.checkpoint.ckpt_format.value
 
 
-def make_checkpoint_manager(config: RunConfig) -> CheckpointManager:
-    """Every rank, once, after the process group exists: the run's manager, started."""
+def make_checkpoint_manager(config: RunConfig,
+                            metrics: Optional[Metrics] = None) -> CheckpointManager:
+    """Every rank, once, after the process group exists: the run's manager, started, reporting
+    complete checkpoints and save times to `metrics` (none: not reported)."""
     manager = MANAGERS[format_name(config)](config)
+    if metrics is not None:
+        manager.metrics = metrics
     manager.start()
     return manager

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Callable, Optional
 
 # Importing datastates registers its dist_checkpointing load strategy, so megatron-core reads
@@ -14,6 +15,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 import datastates
+from datastates import control_plane
 from datastates.megatron_adapter import load_strategies, paths
 from datastates.safe_load import UnsafePickleError
 from datastates.universal import is_universal
@@ -35,6 +37,8 @@ from megatron.training.config import CkptFormat, RunConfig
 from megatron.training.from_universal import load_universal
 from megatron.training.lazy_checkpointing import local_dir_of_this_rank
 from megatron.training.log import print_rank_0
+from megatron.training.metrics import Metrics
+from megatron.training.timers import process_bytes_read, report_times_across_ranks
 
 
 def _saved_config(directory: str, kind: paths.Format, allow_unsafe_pickle: bool) -> str:
@@ -144,6 +148,34 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                  f"iteration {iteration}; "
                  f"optimizer {'restored' if load_optim else 'not restored'}, rng "
                  f"{'restored' if load_rng else 'not restored'})")
+    return True
+
+
+def timed_load_checkpoint(state: TrainState, config: RunConfig,
+                          metrics: Optional[Metrics] = None) -> bool:
+    """`load_checkpoint`, then (after a resume) Megatron's `load-checkpoint` timers report and one
+    line with the bytes every rank read, the slowest rank's time and their ratio."""
+    start, read_before = time.perf_counter(), process_bytes_read()
+    loaded = load_checkpoint(state, config)
+    seconds = time.perf_counter() - start
+    read_after = process_bytes_read()
+    if not loaded:
+        return False
+    slowest = report_times_across_ranks("load-checkpoint", seconds)
+    metrics = metrics or Metrics.off(config)
+    metrics.timer("load-checkpoint", slowest, state.iteration)
+    unknown = read_before is None or read_after is None
+    nbytes, ranks_unknown = control_plane.all_reduce(
+        [0 if unknown else read_after - read_before, int(unknown)])
+    if ranks_unknown:
+        print_rank_0(f" checkpoint load | iteration {state.iteration:8d} | time (s): "
+                     f"{slowest:.3f} | bytes read: unknown on {ranks_unknown} rank(s) (no "
+                     "/proc/self/io)")
+        return True
+    print_rank_0(f" checkpoint load | iteration {state.iteration:8d} | bytes read: {nbytes} | "
+                 f"time (s): {slowest:.3f} | throughput (GB/s): "
+                 f"{nbytes / slowest / 1e9 if slowest > 0 else 0.0:.3f}")
+    metrics.load(state.iteration, slowest, nbytes)
     return True
 
 

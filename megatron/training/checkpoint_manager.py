@@ -12,14 +12,18 @@ Call order, every rank:
   2) `maybe_save(state, force=False)` right after the optimizer step of the iteration;
   3) `after_iteration(iteration)` at the end of each iteration (non-blocking);
   4) `finalize()` once at the end (or exit interval / SIGTERM): drain in-flight saves.
+Every save call is followed by Megatron's `(min, max) time across ranks (ms):` report of
+`save-checkpoint` (one all-reduce on the checkpoint control plane); each complete checkpoint is
+reported to `metrics` on rank 0 as a `CheckpointRecord`.
 A format is one subclass implementing `_save` (and the hooks it needs), registered in
 `checkpoint_formats.MANAGERS`; the public methods here keep the shared policy (interval, start-up,
 tracker, retention) in one place so no format can skip it.
 """
 from __future__ import annotations
 
+import os
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 import torch.distributed as dist
 
@@ -28,7 +32,9 @@ from datastates.megatron_adapter import paths
 from megatron.training.checkpoint_contents import TrainState
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
+from megatron.training.metrics import CheckpointRecord, Metrics
 from megatron.training.retention import apply_retention
+from megatron.training.timers import report_times_across_ranks
 
 
 class CheckpointManager:
@@ -40,6 +46,13 @@ class CheckpointManager:
     def __init__(self, config: RunConfig):
         self.config = config
         self.ckpt = config.checkpoint
+        #: Where complete checkpoints and save times are reported (`make_checkpoint_manager`).
+        self.metrics = Metrics.off(config)
+        # Stock formats, rank 0 only: save-call start, its duration and the time until complete,
+        # per iteration, until its record is reported.
+        self._save_started: Dict[int, float] = {}
+        self._save_call_s: Dict[int, float] = {}
+        self._durable_s: Dict[int, float] = {}
 
     # 0) every rank, once
     def start(self) -> None:
@@ -61,12 +74,21 @@ class CheckpointManager:
         decided = self._decided(state.iteration)
         if decided is not None:
             return decided
-        start = time.time()
+        iteration, start = state.iteration, time.time()
+        track = self.log_save_calls and dist.get_rank() == 0
+        if track:
+            self._save_started[iteration] = start
         self._save(state)
+        seconds = time.time() - start
         if self.log_save_calls:
-            print_rank_0(f"saved checkpoint at iteration {state.iteration:7d} to {self.ckpt.save} "
-                         f"in {(time.time() - start) * 1000:.1f} ms (format "
+            print_rank_0(f"saved checkpoint at iteration {iteration:7d} to {self.ckpt.save} "
+                         f"in {seconds * 1000:.1f} ms (format "
                          f"{self.ckpt.ckpt_format.value}{', async' if self.ckpt.async_save else ''})")
+        if track:
+            self._save_call_s[iteration] = seconds
+            self._report_complete(iteration)
+        slowest = report_times_across_ranks("save-checkpoint", seconds)
+        self.metrics.timer("save-checkpoint", slowest, iteration)
         return True
 
     # 3) every rank, end of each iteration
@@ -93,8 +115,35 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             paths.write_tracker(self.ckpt.save, iteration, self.config.to_json())
             self._after_commit(iteration)
+            if iteration in self._save_started:
+                self._durable_s[iteration] = time.time() - self._save_started.pop(iteration)
+                self._report_complete(iteration)
+
+    def _report_complete(self, iteration: int) -> None:
+        """Rank 0: the record of a stock-format checkpoint once both its save call returned and it
+        is complete (a synchronous save completes inside the call, an --async-save one later).
+        Its bytes are the files of its directory."""
+        if iteration not in self._durable_s or iteration not in self._save_call_s:
+            return
+        call_s, durable_s = self._save_call_s.pop(iteration), self._durable_s.pop(iteration)
+        directory = paths.checkpoint_dir(self.ckpt.save, iteration)
+        self.metrics.checkpoint(CheckpointRecord(
+            iteration=iteration, bytes=_directory_bytes(directory), stall_ms=call_s * 1e3,
+            durable_s=durable_s))
 
     def _after_commit(self, iteration: int) -> None:
         """Rank 0, right after the tracker moved to `iteration`: retention. Saves still in
         flight are newer than `iteration`, so retention never reaches them."""
         apply_retention(self.ckpt.save, self.ckpt.keep_last_n_checkpoints, iteration)
+
+
+def _directory_bytes(directory: str) -> int:
+    """Bytes of the files under `directory` (0 for what vanished meanwhile, e.g. retention)."""
+    total = 0
+    for top, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(top, name))
+            except OSError:
+                pass
+    return total

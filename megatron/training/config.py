@@ -186,8 +186,9 @@ class CheckpointConfig:
     async_lazy_save: bool = False
     """Save with DataStates: the snapshot is copied while the next forward/backward runs, written
     by background threads, and committed once every rank's shards are durable."""
-    lazy_save_cache_mb: int = 1024
-    """Size of the DataStates host cache per rank, MiB (bounded; larger tensors stream through)."""
+    lazy_save_cache_mb: Optional[int] = None
+    """Size of the DataStates host cache per rank, MiB (bounded; larger tensors stream through).
+    None: sized at start-up from this rank's checkpoint (`lazy_checkpointing.size_host_cache`)."""
     lazy_save_checksum: str = "crc32c"
     """Per-chunk checksum of DataStates shards: "crc32c" (CPU instruction, ~5x cheaper than
     zlib's crc32 here), "crc32" (zlib) or "none" (reads cannot detect corruption)."""
@@ -244,8 +245,38 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
+    """What the run reports and where: the log line, TensorBoard, Weights & Biases (Megatron-LM's
+    logging flags). Scalars are written by the rank that prints the training line (the last one)
+    and, for committed checkpoints, by rank 0 (see `metrics`)."""
+
     log_interval: int = 100
     """Print a training line every this many iterations."""
+    log_throughput: bool = False
+    """Add `throughput per GPU (TFLOP/s/GPU)` to the training line (Megatron-LM's FLOP count)."""
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard event files here (None: no TensorBoard)."""
+    tensorboard_log_interval: int = 1
+    """Write the training scalars every this many iterations."""
+    tensorboard_queue_size: int = 1000
+    """Events a TensorBoard writer queues before it writes them out."""
+    log_timers_to_tensorboard: bool = False
+    """Also write iteration-time, throughput and the checkpoint save/load times."""
+    log_loss_scale_to_tensorboard: bool = True
+    """Write the loss scale (1.0 unless a loss scaler is in use)."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Also write the validation perplexity."""
+    log_memory_to_tensorboard: bool = False
+    """Write the CUDA caching allocator's memory counters (nothing on a CPU run)."""
+    wandb_project: Optional[str] = None
+    """Log the same scalars to this Weights & Biases project (None: no wandb)."""
+    wandb_exp_name: Optional[str] = None
+    """Name of the wandb run (required with wandb_project)."""
+    wandb_save_dir: Optional[str] = None
+    """Local directory of the wandb files; None: <save>/wandb."""
+
+    @property
+    def writes_scalars(self) -> bool:
+        return self.tensorboard_dir is not None or self.wandb_project is not None
 
 
 @dataclass(frozen=True)

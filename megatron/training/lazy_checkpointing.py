@@ -10,9 +10,14 @@ order is in its module docstring:
   before_optimizer_step -> before_optimizer_step   (before step i+1: waits only if not copied yet)
   after_iteration -> poll                       (agree, commit, tracker, retention, merge)
   finalize -> finish                            (drain and commit before exit)
+
+Each committed checkpoint's record (bytes, stall, copy, durable time; what the checkpointer logs
+and appends to SAVE/datastates_checkpoints.jsonl) reaches `metrics` on rank 0 through the
+checkpointer's `on_record` callback.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch.distributed as dist
@@ -28,14 +33,48 @@ from megatron.training.checkpoint_contents import (
     build_sharded_state_dict,
 )
 from megatron.training.checkpoint_manager import CheckpointManager
+from megatron.training.arguments import host_cache_budget_mb
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
+from megatron.training.metrics import CheckpointRecord
 
 
 def local_dir_of_this_rank(config: RunConfig) -> Optional[str]:
     """--lazy-save-local-dir with its placeholders filled in for this rank (None: not given)."""
     template = config.checkpoint.lazy_save_local_dir
     return None if template is None else expand_local_dir(template, dist.get_rank())
+
+
+#: The default host cache is what this rank's checkpoint can hold, within these bounds (MiB).
+AUTO_CACHE_MIN_MB, AUTO_CACHE_MAX_MB = 16, 1024
+
+
+def checkpoint_bytes_bound(model) -> int:
+    """Upper bound of the tensor bytes one checkpoint of this rank holds: its parameters, Adam's
+    two fp32 moments and, for a bf16/fp16 model, the fp32 main copy, counted for every local
+    parameter (as if nothing were sharded over data-parallel ranks)."""
+    total = 0
+    for chunk in model:
+        for p in chunk.parameters():
+            total += p.numel() * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
+    return total
+
+
+def size_host_cache(config: RunConfig, model) -> RunConfig:
+    """`config` with the host cache sized, when --async-lazy-save is on and --lazy-save-cache-mb
+    was not given: this rank's checkpoint bound, between AUTO_CACHE_MIN_MB and
+    AUTO_CACHE_MAX_MB, and never above its share of the node's free memory. Larger checkpoints
+    stream through the cache; a cache larger than the checkpoint would only hold memory."""
+    ckpt = config.checkpoint
+    if not ckpt.async_lazy_save or ckpt.lazy_save_cache_mb is not None:
+        return config
+    bound_mb = -(-checkpoint_bytes_bound(model) // 2**20)
+    budget_mb, _, _ = host_cache_budget_mb()
+    mb = max(1, min(max(AUTO_CACHE_MIN_MB, min(bound_mb, AUTO_CACHE_MAX_MB)), budget_mb))
+    print_rank_0(f"DataStates host cache: {mb} MiB per rank (a checkpoint of rank 0 holds at most "
+                 f"{bound_mb} MiB; default bounds {AUTO_CACHE_MIN_MB}-{AUTO_CACHE_MAX_MB} MiB, "
+                 f"{budget_mb} MiB of free memory per rank; --lazy-save-cache-mb sets it)")
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(ckpt, lazy_save_cache_mb=mb))
 
 
 def lazy_save_config(config: RunConfig) -> LazySaveConfig:
@@ -59,8 +98,9 @@ class LazyCheckpointManager(CheckpointManager):
 
     def __init__(self, config: RunConfig):
         super().__init__(config)
-        self.checkpointer = LazyCheckpointer(lazy_save_config(config), log=print_rank_0,
-                                             after_commit=self._after_commit)
+        self.checkpointer = LazyCheckpointer(
+            lazy_save_config(config), log=print_rank_0, after_commit=self._after_commit,
+            on_record=lambda r: self.metrics.checkpoint(CheckpointRecord.from_telemetry(r)))
 
     def start(self) -> None:
         pass  # the checkpointer prepared the root (tracker spare) when it was built

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -28,10 +29,15 @@ def print_rank_last(message: str) -> None:
 
 def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
                       elapsed_ms: float, lr: float, global_batch_size: int, lm_loss: float,
-                      grad_norm, skipped: int, nans: int) -> str:
+                      grad_norm, skipped: int, nans: int,
+                      throughput: Optional[float] = None) -> str:
+    """Megatron-LM's iteration line; `throughput` (TFLOP/s per rank, `--log-throughput`) goes
+    where Megatron puts it, right after the iteration time, with its wording ("per GPU")."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+    if throughput is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
     line += f" learning rate: {lr:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     line += f" lm loss: {lm_loss:.6E} |"
@@ -48,6 +54,14 @@ def validation_lines(iteration: int, lm_loss: float, prefix: str = "validation")
             f" lm loss PPL: {ppl:.6E} | ")
     rule = "-" * (len(body) + 1)
     return f"{rule}\n{body}\n{rule}"
+
+
+def min_max_time_lines(times_ms: Dict[str, Tuple[float, float]]) -> str:
+    """Megatron's timers report: `(min, max) time across ranks (ms):` and one line per timer."""
+    lines = ["(min, max) time across ranks (ms):"]
+    for name, (low, high) in times_ms.items():
+        lines.append(f"    {(name + ' ').ljust(48, '.')}: ({low:.2f}, {high:.2f})")
+    return "\n".join(lines)
 
 
 def flush_all() -> None:

@@ -10,15 +10,19 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.training.checkpoint_loading import load_checkpoint
+from megatron.training.checkpoint_loading import timed_load_checkpoint
 from megatron.training.checkpoint_contents import TrainState
 from megatron.training.checkpoint_formats import make_checkpoint_manager
 from megatron.training.checkpoint_manager import CheckpointManager
 from megatron.training.config import RunConfig, SchedulerOnResume
 from megatron.training.mcore_fixes import apply_torch_adam_patches
 from megatron.training.data import Datasets, MicroBatchIterator, build_datasets, get_batch
+from megatron.training.flops import num_floating_point_operations, shape_of, \
+    throughput_tflops_per_gpu
 from megatron.training.initialize import backend_name, initialize_distributed, set_random_seeds
+from megatron.training.lazy_checkpointing import size_host_cache
 from megatron.training.log import print_rank_0, print_rank_last, training_log_line, validation_lines
+from megatron.training.metrics import Metrics
 from megatron.training.model import (
     build_model_chunks,
     count_parameters,
@@ -36,6 +40,8 @@ class Trainer:
     checkpoints: CheckpointManager
     model_config: object
     device: torch.device
+    metrics: Metrics
+    """TensorBoard/wandb scalars of this rank (see `metrics` for who writes what)."""
     checkpoint_wait_s: float = 0.0
     """Time train_step spent in `before_optimizer_step` (a lazy snapshot not yet copied)."""
 
@@ -96,15 +102,17 @@ def setup(config: RunConfig) -> Trainer:
     model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     model_config.finalize_model_grads_func = finalize_model_grads
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
-    load_checkpoint(state, config)
+    metrics = Metrics.open(config, dist.get_rank(), dist.get_world_size())
+    timed_load_checkpoint(state, config, metrics)
     params = count_parameters(model)
     print_rank_0(f"> GPT model: {params} parameters on rank 0 (TP {ps.get_tensor_model_parallel_world_size()}"
                  f", PP {ps.get_pipeline_model_parallel_world_size()}, DP "
                  f"{ps.get_data_parallel_world_size()}), backend {backend_name()}")
     datasets = build_datasets(config.data, config.model, t)
+    config = size_host_cache(config, model)  # --async-lazy-save without --lazy-save-cache-mb
     return Trainer(config=config, state=state, datasets=datasets,
-                   checkpoints=make_checkpoint_manager(config), model_config=model_config,
-                   device=_device())
+                   checkpoints=make_checkpoint_manager(config, metrics),
+                   model_config=model_config, device=_device(), metrics=metrics)
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -192,6 +200,7 @@ def evaluate(trainer: Trainer, prefix: str = "validation") -> Optional[float]:
     loss = _reduce_loss(losses)
     if loss is not None:
         print_rank_last(validation_lines(state.iteration, loss, prefix))
+        trainer.metrics.validation(state.iteration, state.consumed_train_samples, loss)
     return loss
 
 
@@ -257,8 +266,44 @@ class _Summary:
                      f"checkpoint: {newest_dir}")
 
 
+def _scalars(trainer: Trainer, loss: Optional[float], grad_norm) -> None:
+    """The iteration's TensorBoard/wandb scalars (on the ranks and iterations that write them)."""
+    state, metrics = trainer.state, trainer.metrics
+    if metrics.writes_iteration(state.iteration):
+        metrics.iteration(state.iteration, state.consumed_train_samples,
+                          state.optimizer.param_groups[0]["lr"],
+                          trainer.config.training.global_batch_size, loss,
+                          float(state.optimizer.get_loss_scale()), grad_norm)
+
+
+def _log_line(trainer: Trainer, elapsed_ms: float, loss: float, grad_norm, skipped: int) -> None:
+    """Megatron's iteration line (last rank), with --log-throughput its TFLOP/s per rank."""
+    state, t, config = trainer.state, trainer.config.training, trainer.config
+    throughput = None
+    if config.logging.log_throughput:
+        flops = num_floating_point_operations(shape_of(config.model), t.global_batch_size)
+        throughput = throughput_tflops_per_gpu(flops, elapsed_ms / 1000.0,
+                                               config.parallel.world_size)
+    print_rank_last(training_log_line(
+        state.iteration, t.train_iters, state.consumed_train_samples, elapsed_ms,
+        state.optimizer.param_groups[0]["lr"], t.global_batch_size, loss, grad_norm, skipped, 0,
+        throughput=throughput))
+    trainer.metrics.timing(state.iteration, elapsed_ms / 1000.0, throughput)
+
+
 def train(trainer: Trainer) -> int:
-    """Run to train_iters (or exit interval / SIGTERM); returns the last iteration."""
+    """Run to train_iters (or exit interval / SIGTERM); returns the last iteration. The scalar
+    writers are closed (flushed) at the end, after the final checkpoint's record."""
+    failed = True
+    try:
+        iteration = _train_loop(trainer)
+        failed = False
+        return iteration
+    finally:
+        trainer.metrics.close(failed=failed)
+
+
+def _train_loop(trainer: Trainer) -> int:
     state, t = trainer.state, trainer.config.training
     sigterm = _SigtermFlag(t.exit_signal_handler)
     iterators = _data_iterators(trainer, trainer.datasets.train, state.consumed_train_samples)
@@ -273,13 +318,11 @@ def train(trainer: Trainer) -> int:
             state.iteration += 1
             state.consumed_train_samples += t.global_batch_size
             skipped += 0 if ok else 1
+            _scalars(trainer, loss, grad_norm)
             if state.iteration % log_interval == 0:
                 elapsed = (time.time() - window_start) * 1000.0 / log_interval
                 if loss is not None:
-                    print_rank_last(training_log_line(
-                        state.iteration, t.train_iters, state.consumed_train_samples, elapsed,
-                        state.optimizer.param_groups[0]["lr"], t.global_batch_size, loss,
-                        grad_norm, skipped, 0))
+                    _log_line(trainer, elapsed, loss, grad_norm, skipped)
                 window_start, skipped = time.time(), 0
             if t.eval_interval and state.iteration % t.eval_interval == 0:
                 evaluate(trainer)
