@@ -157,7 +157,8 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
 
 #: (scheduler attribute, Megatron-LM's name for it in messages) compared on resume.
 _SCHEDULE_FIELDS = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
-                    ("lr_warmup_steps", "--lr-warmup-iters x global batch"),
+                    ("lr_warmup_steps", "warm-up samples (--lr-warmup-iters x global batch, "
+                                        "or --lr-warmup-fraction x decay samples)"),
                     ("lr_decay_steps", "--lr-decay-iters (default --train-iters) x global batch"),
                     ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"),
                     ("end_wd", "--weight-decay"),
