@@ -35,6 +35,8 @@ def config(extra="", world_size=1):
      "--lazy-save-checksum, --ckpt-drain-timeout configure --async-lazy-save"),
     ("--async-lazy-save --async-save", 1, "two different asynchronous savers"),
     ("--async-lazy-save --ckpt-format torch", 1, "it needs --ckpt-format torch_dist"),
+    ("--async-lazy-save --load /tmp/x", 1, "--async-lazy-save writes checkpoints under --save, "
+     "which is not given"),
     ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist"),
     ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),
 ])

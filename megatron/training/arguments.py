@@ -398,6 +398,8 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     _require(a.save_interval is None or a.save_interval > 0,
              f"--save-interval must be > 0, got {a.save_interval}")
     _require(a.save_interval is None or a.save is not None, "--save-interval needs --save DIR")
+    _require(not a.async_lazy_save or a.save is not None, "--async-lazy-save writes checkpoints "
+             "under --save, which is not given: add --save DIR, or drop --async-lazy-save")
     # A --load directory that does not exist yet is not an error: as Megatron-LM, the run starts
     # from scratch with a warning (checkpoint_loading), so `--save D --load D` restarts.
 
