@@ -1,6 +1,6 @@
 """Llama-family flags without a process group: resolved config, Megatron-LM's defaults, one-line
-errors for contradictions, the megatron-core configs they build, and the loss scale in the log
-line."""
+errors for contradictions, the megatron-core configs they build, the architecture check on load,
+and the loss scale in the log line."""
 import json
 import re
 
@@ -161,6 +161,39 @@ def test_accepted_flags_build_megatron_core_config(extra, world):
         c.optimizer.hysteresis)
 
 
+def test_checkpoint_of_another_architecture_is_refused_and_old_ones_still_load():
+    from megatron.training.checkpoint_contents import CheckpointError, check_model_shape
+
+    gpt2, llama = config(), config(LLAMA + " --ffn-hidden-size 256")
+    check_model_shape(llama.to_json(), llama, "ckpt")
+    with pytest.raises(CheckpointError) as err:
+        check_model_shape(llama.to_json(), gpt2, "ckpt")
+    for diff in ("position_embedding_type: checkpoint 'rope', this run 'learned_absolute'",
+                 "normalization: checkpoint 'RMSNorm', this run 'LayerNorm'",
+                 "swiglu: checkpoint True, this run False",
+                 "num_query_groups: checkpoint 2, this run 4",
+                 "add_bias_linear: checkpoint False, this run True"):
+        assert diff in str(err.value)
+    with pytest.raises(CheckpointError, match="num_query_groups: checkpoint 2, this run 1"):
+        check_model_shape(llama.to_json(), config(LLAMA.replace("2", "1") + " --ffn-hidden-size "
+                                                  "256"), "ckpt")
+    with pytest.raises(CheckpointError, match="rotary_base: checkpoint 10000, this run 500000"):
+        check_model_shape(llama.to_json(), config(LLAMA + " --ffn-hidden-size 256 "
+                                                  "--rotary-base 500000"), "ckpt")
+    # rope has no position table: another --max-position-embeddings loads.
+    check_model_shape(llama.to_json(), config(LLAMA + " --ffn-hidden-size 256 "
+                                              "--max-position-embeddings 64"), "ckpt")
+    # A run config saved before these fields existed describes a GPT-2 style model.
+    old = json.loads(gpt2.to_json())
+    for k in ("position_embedding_type", "rotary_base", "rotary_percent", "normalization",
+              "norm_epsilon", "swiglu", "num_query_groups", "add_bias_linear", "fp16",
+              "recompute_granularity", "recompute_method", "recompute_num_layers"):
+        del old["model"][k]
+    check_model_shape(json.dumps(old), gpt2, "ckpt")
+    with pytest.raises(CheckpointError, match="swiglu: checkpoint False, this run True"):
+        check_model_shape(json.dumps(old), config("--swiglu --ffn-hidden-size 256"), "ckpt")
+
+
 def test_log_line_has_megatron_lms_loss_scale_field():
     from trainer_launch import _TRAIN
 
@@ -173,3 +206,22 @@ def test_log_line_has_megatron_lms_loss_scale_field():
     m = _TRAIN.search(line)
     assert (m.group(3), m.group(4)) == ("5.123457E+00", "1.500")
     assert re.search(r"global batch size:\s+8 \| lm loss", line)
+
+
+def test_megatron_lm_checkpoint_args_describe_the_same_architecture():
+    """A Megatron-LM checkpoint carries its argparse Namespace, not our run config; merged into a
+    universal checkpoint its model config must pass the same architecture check."""
+    from argparse import Namespace
+
+    from datastates.megatron_adapter.merge_plan import _model_from_megatron_args
+
+    from megatron.training.checkpoint_contents import CheckpointError, check_model_shape
+
+    ours = config(LLAMA + " --ffn-hidden-size 256")
+    args = Namespace(**{k: v for k, v in json.loads(ours.to_json())["model"].items()
+                        if k != "num_query_groups"}, group_query_attention=True,
+                     num_query_groups=2)
+    check_model_shape(json.dumps({"model": _model_from_megatron_args(args)}), ours, "ckpt")
+    args.group_query_attention = False  # Megatron-LM then ignores --num-query-groups
+    with pytest.raises(CheckpointError, match="num_query_groups: checkpoint 4, this run 2"):
+        check_model_shape(json.dumps({"model": _model_from_megatron_args(args)}), ours, "ckpt")
