@@ -71,9 +71,9 @@ def _fill(sd: Any, u: UniversalCheckpoint) -> Any:
     if isinstance(sd, LocalNonpersistentObject):
         return sd.unwrap()
     if isinstance(sd, ShardedTensorFactory):
-        raise datastates.CheckpointError("ShardedTensorFactory (e.g. gated MLP) is not supported "
-                                         "by the universal loader", file=u.directory,
-                                         tensor=sd.key)
+        # e.g. swiglu's fc1: this rank's rows of both halves, read as the ShardedTensors the
+        # factory builds and joined back into the local tensor as dist_checkpointing.load does.
+        return sd.merge_fn(_fill(sd.build(), u))
     return sd
 
 
