@@ -225,3 +225,26 @@ def test_megatron_lm_checkpoint_args_describe_the_same_architecture():
     args.group_query_attention = False  # Megatron-LM then ignores --num-query-groups
     with pytest.raises(CheckpointError, match="num_query_groups: checkpoint 4, this run 2"):
         check_model_shape(json.dumps({"model": _model_from_megatron_args(args)}), ours, "ckpt")
+
+
+def test_universal_load_keeps_the_fp16_loss_scaler():
+    """A universal checkpoint keeps megatron's common.pt; fp16's scaler state comes from there
+    (measured: without it a resumed fp16 run restarts at --initial-loss-scale)."""
+    from megatron.training.from_universal import _restore_grad_scaler
+
+    saved = {"optimizer": {"grad_scaler": {"scale": torch.tensor([512.0]), "growth_tracker": 1,
+                                           "hysteresis_tracker": 2}}}
+    fresh = {"optimizer": {}, "grad_scaler": {"scale": torch.tensor([256.0]), "growth_tracker": 0,
+                                              "hysteresis_tracker": 2}}
+    _restore_grad_scaler(fresh, lambda: saved)
+    assert fresh["grad_scaler"] is saved["optimizer"]["grad_scaler"]
+    no_scaler = {"optimizer": {}, "grad_scaler": None}  # bf16 / fp32 runs: keep none
+
+    def not_read():
+        raise AssertionError("the common state is decoded only for a run with a scaler")
+
+    _restore_grad_scaler(no_scaler, not_read)
+    assert no_scaler["grad_scaler"] is None
+    from_bf16 = dict(fresh)
+    _restore_grad_scaler(from_bf16, lambda: {"optimizer": {"grad_scaler": None}})
+    assert from_bf16["grad_scaler"] is fresh["grad_scaler"]
