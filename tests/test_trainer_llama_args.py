@@ -62,6 +62,10 @@ def test_precision_recompute_and_warmup_flags_resolve():
             c.optimizer.loss_scale_window, c.optimizer.hysteresis) == (4096, 1.0, 1000, 1)
     assert (c.model.recompute_granularity.value, c.model.recompute_method.value,
             c.model.recompute_num_layers) == ("full", "uniform", 2)
+    uneven = config("--num-layers 6 --pipeline-model-parallel-size 2 --recompute-granularity full "
+                    "--decoder-first-pipeline-num-layers 4 --recompute-method block "
+                    "--recompute-num-layers 4", world_size=2)
+    assert uneven.model.recompute_num_layers == 4  # the first stage holds 4 layers
     assert c.optimizer.lr_warmup_fraction == 0.25 and c.optimizer.lr_warmup_iters == 0
     # Megatron-LM: warm-up samples = fraction * decay samples (100 iterations of 8 samples).
     assert schedule_steps(c) == (200.0, 800)
@@ -95,7 +99,7 @@ def test_precision_recompute_and_warmup_flags_resolve():
     ("--recompute-granularity full", 1, "--recompute-granularity full needs --recompute-method"),
     ("--recompute-granularity full --recompute-method block --recompute-num-layers 3 "
      "--pipeline-model-parallel-size 2", 2,
-     "--recompute-num-layers must be between 1 and the layers per pipeline stage (2), got 3"),
+     "--recompute-num-layers must be between 1 and the layers of a pipeline stage (2), got 3"),
     ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1,
      "--lr-warmup-fraction 0.1 and --lr-warmup-iters 2 both set the warm-up; pass one"),
     ("--lr-warmup-fraction 1.0", 1, "--lr-warmup-fraction must be >= 0 and < 1"),

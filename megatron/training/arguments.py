@@ -475,11 +475,15 @@ def _check_recompute(a: argparse.Namespace, pp: int) -> None:
             _require(value is None, f"{flag} {value} needs --recompute-granularity full, got "
                      f"--recompute-granularity {granularity or '(not given)'}")
         return
-    per_stage = a.num_layers // pp
     _require(method is not None and layers is not None, "--recompute-granularity full needs "
              "--recompute-method {uniform,block} and --recompute-num-layers N")
-    _require(1 <= layers <= per_stage, f"--recompute-num-layers must be between 1 and the layers "
-             f"per pipeline stage ({per_stage}), got {layers}")
+    most = max(ParallelConfig(
+        pipeline_model_parallel_size=pp,
+        decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
+    ).stage_layers(a.num_layers))
+    _require(1 <= layers <= most, f"--recompute-num-layers must be between 1 and the layers of a "
+             f"pipeline stage ({most}), got {layers}")
 
 
 def _check_precision(a: argparse.Namespace) -> None:
