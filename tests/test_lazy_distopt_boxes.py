@@ -31,3 +31,37 @@ def test_box_count_is_small():
     # A range inside a 3-D tensor needs at most 2 * (ndim - 1) + 1 boxes.
     boxes = list(flat_range_boxes(5, 53, (4, 3, 5)))
     assert 1 <= len(boxes) <= 5
+
+
+def test_swiglu_fc1_boxes_land_in_both_global_halves():
+    """swiglu's fc1 rows on TP rank r are [W_r; V_r] while the saved global tensor is
+    [W_0 .. W_tp-1; V_0 .. V_tp-1]: any DP rank's flat range of the local tensor must land there
+    (layer axis prepended as megatron-core does for stacked layers)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    from megatron.training.distopt_shards import param_range_boxes
+
+    tp, ffn, hidden, layers, layer = 2, 6, 3, 4, 2
+    w = torch.arange(ffn * hidden, dtype=torch.float32).view(ffn, hidden)
+    v = -1.0 - torch.arange(ffn * hidden, dtype=torch.float32).view(ffn, hidden)
+    expected = torch.cat([w, v])  # the global tensor, whatever the TP size
+    rng = random.Random(0)
+    for rank in range(tp):
+        rows = slice(rank * ffn // tp, (rank + 1) * ffn // tp)
+        local = torch.cat([w[rows], v[rows]]).contiguous()  # what linear_fc1 holds on this rank
+        offsets = ((0, layer, layers),)
+        sh = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc1.weight", local,
+                                             *offsets, (1, rank, tp), prepend_axis_num=1)
+        factory = apply_swiglu_sharded_factory(sh, offsets)
+        for _ in range(20):
+            a = rng.randrange(0, local.numel())
+            b = rng.randrange(a + 1, local.numel() + 1)
+            got = torch.full((layers,) + tuple(expected.shape), float("nan"))
+            for key, gshape, goff, shape, flat in param_range_boxes(factory, local, a, b):
+                assert key == sh.key and gshape == (layers, 2 * ffn, hidden)
+                box = tuple(slice(o, o + s) for o, s in zip(goff, shape))
+                got[box] = local.view(-1)[flat:flat + math.prod(shape)].view(shape)
+            mask = ~torch.isnan(got)
+            assert mask.sum() == b - a and bool(mask[layer].any()) and mask.sum() == mask[layer].sum()
+            assert torch.equal(got[layer][mask[layer]], expected[mask[layer]]), (rank, a, b)

@@ -51,6 +51,9 @@ def test_flops_of_a_gpt2_shape_by_hand():
     assert num_floating_point_operations(shape, 8) == 339738624
     # The usual closed form for GPT-2 with the causal half: 72 B s L h^2 (1 + s/12h + V/12Lh).
     assert 72 * 8 * 32 * 4 * 64 ** 2 * (1 + 32 / (12 * 64) + 256 / (12 * 4 * 64)) == 339738624
+    llama = shape_of(config("--swiglu --group-query-attention --num-query-groups 2 "
+                            "--position-embedding-type rope").model)
+    assert llama.swiglu and llama.num_query_groups == 2 and llama.ffn_hidden_size == 128
 
 
 def test_flops_with_grouped_query_attention_and_swiglu_by_hand():

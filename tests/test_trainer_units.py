@@ -35,6 +35,8 @@ def config(extra="", world_size=1):
      "--lazy-save-checksum, --ckpt-drain-timeout configure --async-lazy-save"),
     ("--async-lazy-save --async-save", 1, "two different asynchronous savers"),
     ("--async-lazy-save --ckpt-format torch", 1, "it needs --ckpt-format torch_dist"),
+    ("--async-lazy-save --load /tmp/x", 1, "--async-lazy-save writes checkpoints under --save, "
+     "which is not given"),
     ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist"),
     ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),
     ("--lazy-save-local-keep 3", 1, "--lazy-save-local-keep configure --async-lazy-save"),
@@ -65,7 +67,7 @@ def test_megatron_checkpoint_flags_map_onto_ours(capsys):
     assert "WARNING: --use-dist-ckpt is deprecated" in out
     assert "WARNING: --ckpt-fully-parallel-save is deprecated and has no effect" in out
     assert not config("--no-ckpt-fully-parallel-save").checkpoint.ckpt_fully_parallel_save
-    local = config("--async-lazy-save --lazy-save-local-dir /nvme/{node}").checkpoint
+    local = config("--async-lazy-save --save /s --lazy-save-local-dir /nvme/{node}").checkpoint
     assert local.lazy_save_local_dir == "/nvme/{node}" and local.lazy_save_local_keep == 2
 
 
@@ -141,14 +143,14 @@ def test_host_cache_is_sized_from_the_checkpoint_unless_given(capsys):
     assert checkpoint_bytes_bound(fp32) == 1001000 * 12
     bf16 = [torch.nn.Linear(1000, 1000).to(torch.bfloat16)]  # + fp32 main copy: 14 bytes each
     assert checkpoint_bytes_bound(bf16) == 1001000 * 14
-    sized = size_host_cache(config("--async-lazy-save"), fp32).checkpoint.lazy_save_cache_mb
+    lazy = config("--async-lazy-save --save /s")
+    sized = size_host_cache(lazy, fp32).checkpoint.lazy_save_cache_mb
     assert sized == AUTO_CACHE_MIN_MB  # 11.5 MiB of checkpoint: the smallest default cache
     assert "DataStates host cache: 16 MiB per rank (a checkpoint of rank 0 holds at most 12 MiB" \
         in capsys.readouterr().out
     big = [torch.nn.Linear(12000, 12000, device="meta")]  # ~1.6 GiB of checkpoint: capped
-    assert size_host_cache(config("--async-lazy-save"), big).checkpoint.lazy_save_cache_mb == \
-        AUTO_CACHE_MAX_MB
-    given = config("--async-lazy-save --lazy-save-cache-mb 64")
+    assert size_host_cache(lazy, big).checkpoint.lazy_save_cache_mb == AUTO_CACHE_MAX_MB
+    given = config("--async-lazy-save --save /s --lazy-save-cache-mb 64")
     assert size_host_cache(given, big) is given  # an explicit size is kept
     off = config()
     assert size_host_cache(off, big) is off and off.checkpoint.lazy_save_cache_mb is None

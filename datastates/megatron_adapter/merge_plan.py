@@ -133,13 +133,18 @@ def manifest_fields(source, common: dict, flavor: str) -> dict:
 
 _MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                  "seq_length", "max_position_embeddings", "vocab_size", "padded_vocab_size",
-                 "untie_embeddings_and_output_weights", "bf16", "init_method_std",
-                 "hidden_dropout", "attention_dropout")
+                 "untie_embeddings_and_output_weights", "bf16", "fp16", "init_method_std",
+                 "hidden_dropout", "attention_dropout", "position_embedding_type", "rotary_base",
+                 "rotary_percent", "normalization", "norm_epsilon", "swiglu", "add_bias_linear")
 
 
 def _model_from_megatron_args(args: Any) -> dict:
     """Megatron-LM's own checkpoints carry its argparse Namespace instead of our run config."""
     if args is None:
         return {}
-    return {k: getattr(args, k) for k in _MODEL_FIELDS if hasattr(args, k)}
-
+    model = {k: getattr(args, k) for k in _MODEL_FIELDS if hasattr(args, k)}
+    if hasattr(args, "group_query_attention"):
+        # Megatron-LM ignores --num-query-groups without --group-query-attention.
+        model["num_query_groups"] = (getattr(args, "num_query_groups", None)
+                                     if args.group_query_attention else None)
+    return model

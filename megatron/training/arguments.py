@@ -17,8 +17,12 @@ from megatron.training.config import (
     LoggingConfig,
     LrDecayStyle,
     ModelConfig,
+    Normalization,
     OptimizerConfig,
     ParallelConfig,
+    PositionEmbeddingType,
+    RecomputeGranularity,
+    RecomputeMethod,
     RunConfig,
     SchedulerOnResume,
     TrainingConfig,
@@ -37,74 +41,166 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--num-layers", type=int, required=True,
+                   help="transformer layers (all pipeline stages together)")
+    g.add_argument("--hidden-size", type=int, required=True, help="width of the residual stream")
+    g.add_argument("--num-attention-heads", type=int, required=True,
+                   help="attention (query) heads per layer")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="width of the MLP (default 4 * hidden size; with --swiglu "
+                        "int((4 * hidden size * 2 / 3) / 64) * 64, as Megatron-LM)")
+    g.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="size of the learned position-embedding table (default --seq-length); "
+                        "unused with --position-embedding-type rope")
+    g.add_argument("--position-embedding-type", choices=[t.value for t in PositionEmbeddingType],
+                   default=PositionEmbeddingType.LEARNED_ABSOLUTE.value,
+                   help="learned_absolute (GPT-2, default) or rope (rotary, Llama)")
+    g.add_argument("--rotary-base", type=int, default=None,
+                   help=f"base of the rotary frequencies (rope; default {ROPE_DEFAULTS['rotary_base']})")
+    g.add_argument("--rotary-percent", type=float, default=None,
+                   help="fraction of each head's channels that are rotated (rope; default "
+                        f"{ROPE_DEFAULTS['rotary_percent']})")
+    g.add_argument("--normalization", choices=[n.value for n in Normalization],
+                   default=Normalization.LAYER_NORM.value,
+                   help="norm of every layer and the final norm: LayerNorm (default) or RMSNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every norm")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated MLP with SiLU (fc1 makes two halves: silu(a) * b) instead of GeLU")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention: --num-query-groups key/value heads, each "
+                        "shared by a group of query heads")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads with --group-query-attention (default 1, as "
+                        "Megatron-LM)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases in the attention and MLP linear layers")
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="dropout after attention and MLP")
+    g.add_argument("--attention-dropout", type=float, default=0.1,
+                   help="dropout on attention probabilities")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="std of the normal initialisation of weight matrices")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="give the output layer its own weights instead of the word embeddings")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times TP")
+
+
+def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--bf16", action="store_true",
+                   help="model in bfloat16, fp32 main parameters in the optimizer")
+    g.add_argument("--fp16", action="store_true",
+                   help="model in float16, fp32 main parameters, loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale (with --fp16 or --bf16); default with --fp16: dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=None,
+                   help="dynamic loss scaling: starting scale (default "
+                        f"{LOSS_SCALE_DEFAULTS['initial_loss_scale']:.0f} = 2**32)")
+    g.add_argument("--min-loss-scale", type=float, default=None,
+                   help="dynamic loss scaling: smallest scale (default "
+                        f"{LOSS_SCALE_DEFAULTS['min_loss_scale']})")
+    g.add_argument("--loss-scale-window", type=float, default=None,
+                   help="dynamic loss scaling: iterations without overflow before the scale "
+                        f"doubles (default {LOSS_SCALE_DEFAULTS['loss_scale_window']})")
+    g.add_argument("--hysteresis", type=int, default=None,
+                   help="dynamic loss scaling: overflows tolerated before the scale halves "
+                        f"(default {LOSS_SCALE_DEFAULTS['hysteresis']})")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="ranks that split each layer's matrices (TP)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (PP)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per model chunk for the interleaved pipeline schedule")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="layers on the first pipeline stage (uneven split)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers on the last pipeline stage (uneven split)")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split norm and dropout activations along the sequence over the TP ranks")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over the data-parallel ranks (ZeRO-1)")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=[s.value for s in LrDecayStyle], default="linear")
+    g.add_argument("--micro-batch-size", type=int, required=True,
+                   help="samples per forward/backward on one data-parallel rank")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step (default micro-batch size * DP)")
+    g.add_argument("--train-iters", type=int, required=True, help="optimizer steps of the run")
+    g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay")
+    g.add_argument("--lr-decay-style", choices=[s.value for s in LrDecayStyle], default="linear",
+                   help="learning-rate decay after warm-up")
     g.add_argument("--override-opt_param-scheduler", dest="override_opt_param_scheduler",
                    action="store_true", help="on resume, follow this run's learning-rate and "
                    "weight-decay schedule flags instead of the checkpoint's")
     g.add_argument("--use-checkpoint-opt_param-scheduler",
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on resume, keep the checkpoint's schedule whatever this run's flags say")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="iterations of linear warm-up from 0 to --lr")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of the decay length (instead of --lr-warmup-iters)")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iterations over which the learning rate decays (default --train-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    g.add_argument("--recompute-granularity",
+                   choices=[r.value for r in RecomputeGranularity], default=None,
+                   help="recompute activations in the backward pass: full (whole layers, with "
+                        "--recompute-method and --recompute-num-layers) or selective (core "
+                        "attention only)")
+    g.add_argument("--recompute-method", choices=[r.value for r in RecomputeMethod],
+                   default=None,
+                   help="with --recompute-granularity full: uniform (chunks of "
+                        "--recompute-num-layers layers) or block (the first "
+                        "--recompute-num-layers layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recomputed chunk (uniform) or per stage (block)")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seed of python, numpy, torch and the initial weights")
+    g.add_argument("--log-interval", type=int, default=100,
+                   help="print a training line every N iterations")
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="validate every N iterations (0: never)")
+    g.add_argument("--eval-iters", type=int, default=100, help="batches per validation")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, with --save) when the iteration is a multiple of N")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, save at the end of the current iteration and exit 0")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", type=str, default=None)
-    g.add_argument("--load", type=str, default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-save-rng", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true")
-    g.add_argument("--ckpt-format", choices=[f.value for f in CkptFormat], default="torch_dist")
-    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--save", type=str, default=None, help="directory to save checkpoints in")
+    g.add_argument("--load", type=str, default=None,
+                   help="directory to resume from (a missing tracker: start from scratch)")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every N iterations (and at the end, with --save)")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="save no optimizer or scheduler state")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="do not restore the optimizer and scheduler state")
+    g.add_argument("--no-save-rng", action="store_true", help="save no RNG states")
+    g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only; start at iteration 0 with a fresh optimizer")
+    g.add_argument("--ckpt-format", choices=[f.value for f in CkptFormat], default="torch_dist",
+                   help="torch_dist (megatron-core dist_checkpointing, reshardable; default) or "
+                        "torch (one file per TP/PP rank)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write torch_dist checkpoints in the background (megatron-core)")
     g.add_argument("--async-lazy-save", action="store_true",
                    help="DataStates lazy asynchronous checkpointing: copy the snapshot while the "
                         "next forward/backward runs, write it in the background")
@@ -173,13 +269,19 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--mock-data", action="store_true",
+                   help="megatron-core's synthetic dataset (instead of --data-path)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="PREFIX [PREFIX ...] of .bin/.idx files, or a blend W1 P1 W2 P2 ...")
+    g.add_argument("--split", type=str, default="969,30,1",
+                   help="train,valid,test proportions of each dataset")
     g.add_argument("--tokenizer-type", choices=[t.value for t in TokenizerType],
-                   default="NullTokenizer")
-    g.add_argument("--tokenizer-model", type=str, default=None)
-    g.add_argument("--vocab-size", type=int, default=None)
+                   default="NullTokenizer", help="offline tokenizer")
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="tokenizer file (Megatron-LM's flag; the offline tokenizers here read "
+                        "none, so giving it is an error)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: ids in the text (eod gets id vocab size)")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -198,7 +300,9 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-timers-to-tensorboard", action="store_true", default=None,
                    help="also write iteration-time, throughput and checkpoint save/load times")
     g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
-                   action="store_false", default=None)
+                   action="store_false", default=None,
+                   help="do not write the loss scale (written by default with --tensorboard-dir "
+                        "or --wandb-project)")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true", default=None,
                    help="also write the validation perplexity")
     g.add_argument("--log-memory-to-tensorboard", action="store_true", default=None,
@@ -214,8 +318,8 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pretrain_gpt.py", description="Train a GPT model with megatron-core.",
                 allow_abbrev=False)
-    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_checkpoint_args,
-                _add_data_args, _add_logging_args):
+    for add in (_add_model_args, _add_mixed_precision_args, _add_parallel_args,
+                _add_training_args, _add_checkpoint_args, _add_data_args, _add_logging_args):
         add(p)
     return p
 
@@ -394,6 +498,8 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     _require(a.save_interval is None or a.save_interval > 0,
              f"--save-interval must be > 0, got {a.save_interval}")
     _require(a.save_interval is None or a.save is not None, "--save-interval needs --save DIR")
+    _require(not a.async_lazy_save or a.save is not None, "--async-lazy-save writes checkpoints "
+             "under --save, which is not given: add --save DIR, or drop --async-lazy-save")
     # A --load directory that does not exist yet is not an error: as Megatron-LM, the run starts
     # from scratch with a warning (checkpoint_loading), so `--save D --load D` restarts.
 
@@ -452,6 +558,148 @@ def _logging_config(a: argparse.Namespace) -> LoggingConfig:
                         else os.path.join(a.save, "wandb")))
 
 
+#: Flags that only --position-embedding-type rope reads, and their defaults (Megatron-LM's).
+ROPE_DEFAULTS = {"rotary_base": 10000, "rotary_percent": 1.0}
+#: Flags that only fp16's dynamic loss scaling reads, and their defaults (Megatron-LM's).
+LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0,
+                       "loss_scale_window": 1000.0, "hysteresis": 2}
+
+
+def _flags(a: argparse.Namespace, defaults: dict) -> list:
+    """The flags of `defaults` given on the command line (their default is None until filled)."""
+    return [f"--{k.replace('_', '-')}" for k in defaults if getattr(a, k) is not None]
+
+
+def _fill_defaults(a: argparse.Namespace, defaults: dict) -> None:
+    for key, default in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, default)
+
+
+def _check_position_embedding(a: argparse.Namespace) -> None:
+    rope = a.position_embedding_type == PositionEmbeddingType.ROPE.value
+    given = _flags(a, ROPE_DEFAULTS)
+    _require(rope or not given, f"{', '.join(given)} configure rotary embeddings, but "
+             f"--position-embedding-type is {a.position_embedding_type}: add "
+             "--position-embedding-type rope, or drop the flag (it would be ignored)")
+    _fill_defaults(a, ROPE_DEFAULTS)
+    _require(0.0 < a.rotary_percent <= 1.0,
+             f"--rotary-percent must be in (0, 1], got {a.rotary_percent}")
+    _require(a.rotary_base > 0, f"--rotary-base must be > 0, got {a.rotary_base}")
+    max_pos = a.max_position_embeddings
+    _require(max_pos is None or max_pos >= a.seq_length, f"--max-position-embeddings {max_pos} "
+             f"is smaller than --seq-length {a.seq_length}")
+
+
+def _check_attention(a: argparse.Namespace, tp: int) -> int:
+    """Returns the number of key/value heads megatron-core will build."""
+    if not a.group_query_attention:
+        _require(a.num_query_groups is None, f"--num-query-groups {a.num_query_groups} needs "
+                 "--group-query-attention (without it every query head has its own key/value "
+                 "head)")
+        return a.num_attention_heads
+    groups = 1 if a.num_query_groups is None else a.num_query_groups  # Megatron-LM's default
+    heads = a.num_attention_heads
+    _require(groups >= 1 and heads % groups == 0, f"--num-query-groups {groups} must divide "
+             f"--num-attention-heads {heads}")
+    # megatron-core's rule (TransformerConfig): TP splits whole groups, or whole ranks share one.
+    _require(groups % tp == 0 or tp % groups == 0, f"--num-query-groups {groups} must be a "
+             f"multiple or a divisor of --tensor-model-parallel-size {tp}")
+    return groups
+
+
+def _check_mlp(a: argparse.Namespace, tp: int) -> int:
+    """Returns the MLP width, Megatron-LM's default when not given."""
+    ffn = a.ffn_hidden_size
+    if ffn is None:
+        # Megatron-LM: with swiglu two fc1 halves keep the parameter count near 4 * hidden,
+        # rounded down to a multiple of 64.
+        ffn = int((4 * a.hidden_size * 2 / 3) / 64) * 64 if a.swiglu else 4 * a.hidden_size
+        _require(ffn >= 1, f"--swiglu with --hidden-size {a.hidden_size} gives an MLP width of "
+                 f"{ffn} (int((4 * hidden * 2 / 3) / 64) * 64); pass --ffn-hidden-size")
+    _require(ffn >= 1 and ffn % tp == 0, f"--ffn-hidden-size {ffn} must be >= 1 and divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    return ffn
+
+
+def _check_recompute(a: argparse.Namespace, pp: int) -> None:
+    granularity, method, layers = a.recompute_granularity, a.recompute_method, a.recompute_num_layers
+    if granularity != RecomputeGranularity.FULL.value:
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers)):
+            _require(value is None, f"{flag} {value} needs --recompute-granularity full, got "
+                     f"--recompute-granularity {granularity or '(not given)'}")
+        return
+    _require(method is not None and layers is not None, "--recompute-granularity full needs "
+             "--recompute-method {uniform,block} and --recompute-num-layers N")
+    most = max(ParallelConfig(
+        pipeline_model_parallel_size=pp,
+        decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
+    ).stage_layers(a.num_layers))
+    _require(1 <= layers <= most, f"--recompute-num-layers must be between 1 and the layers of a "
+             f"pipeline stage ({most}), got {layers}")
+
+
+def _check_precision(a: argparse.Namespace) -> None:
+    _require(not (a.fp16 and a.bf16), "--fp16 and --bf16 are two model precisions; pass one")
+    _require(a.loss_scale is None or a.fp16 or a.bf16, f"--loss-scale {a.loss_scale} needs "
+             "--fp16 or --bf16 (fp32 training does not scale the loss)")
+    _require(a.loss_scale is None or a.loss_scale > 0,
+             f"--loss-scale must be > 0, got {a.loss_scale}")
+    given = _flags(a, LOSS_SCALE_DEFAULTS)
+    _require(not given or (a.fp16 and a.loss_scale is None), f"{', '.join(given)} configure "
+             "dynamic loss scaling, which runs only with --fp16 and no --loss-scale; got "
+             + ("--loss-scale" if a.loss_scale is not None else "no --fp16"))
+    _fill_defaults(a, LOSS_SCALE_DEFAULTS)
+    _require(a.initial_loss_scale > 0 and a.min_loss_scale > 0 and a.loss_scale_window > 0
+             and a.hysteresis >= 1, "dynamic loss scaling needs --initial-loss-scale, "
+             "--min-loss-scale and --loss-scale-window > 0 and --hysteresis >= 1")
+    _require(a.min_loss_scale <= a.initial_loss_scale, f"--min-loss-scale {a.min_loss_scale} is "
+             f"above --initial-loss-scale {a.initial_loss_scale}")
+
+
+def _check_warmup(a: argparse.Namespace) -> None:
+    decay = a.lr_decay_iters or a.train_iters
+    if a.lr_warmup_fraction is not None:
+        _require(a.lr_warmup_iters == 0, f"--lr-warmup-fraction {a.lr_warmup_fraction} and "
+                 f"--lr-warmup-iters {a.lr_warmup_iters} both set the warm-up; pass one")
+        _require(0.0 <= a.lr_warmup_fraction < 1.0, "--lr-warmup-fraction must be >= 0 and < 1 "
+                 f"(a fraction of the decay length), got {a.lr_warmup_fraction}")
+        return
+    _require(a.lr_warmup_iters >= 0 and (a.lr_warmup_iters < decay or a.train_iters == 0),
+             f"--lr-warmup-iters must be >= 0 and smaller than the decay length "
+             f"(--lr-decay-iters, default --train-iters) {decay}, got {a.lr_warmup_iters}")
+
+
+def _model_config(a: argparse.Namespace, tp: int, pp: int, vocab_size: int) -> ModelConfig:
+    """Check the model and precision flags; the resolved ModelConfig."""
+    _check_position_embedding(a)
+    groups = _check_attention(a, tp)
+    ffn = _check_mlp(a, tp)
+    _check_recompute(a, pp)
+    _check_precision(a)
+    _require(a.norm_epsilon > 0, f"--norm-epsilon must be > 0, got {a.norm_epsilon}")
+    return ModelConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads, ffn_hidden_size=ffn, seq_length=a.seq_length,
+        max_position_embeddings=a.max_position_embeddings or a.seq_length,
+        vocab_size=vocab_size,
+        padded_vocab_size=_padded_vocab(vocab_size, a.make_vocab_size_divisible_by, tp),
+        hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+        init_method_std=a.init_method_std,
+        untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights, bf16=a.bf16,
+        fp16=a.fp16, position_embedding_type=PositionEmbeddingType(a.position_embedding_type),
+        rotary_base=a.rotary_base, rotary_percent=a.rotary_percent,
+        normalization=Normalization(a.normalization), norm_epsilon=a.norm_epsilon,
+        swiglu=a.swiglu, num_query_groups=groups if a.group_query_attention else None,
+        add_bias_linear=a.add_bias_linear,
+        recompute_granularity=(None if a.recompute_granularity is None
+                               else RecomputeGranularity(a.recompute_granularity)),
+        recompute_method=(None if a.recompute_method is None
+                          else RecomputeMethod(a.recompute_method)),
+        recompute_num_layers=a.recompute_num_layers)
+
+
 def _check_data(a: argparse.Namespace) -> None:
     _require(a.mock_data != bool(a.data_path),
              "give exactly one of --mock-data or --data-path PREFIX [PREFIX ...]")
@@ -486,25 +734,11 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
              "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
              "each other; pass one of them")
     _require(a.log_interval > 0, f"--log-interval must be > 0, got {a.log_interval}")
-    decay = a.lr_decay_iters or a.train_iters
-    _require(a.lr_warmup_iters >= 0 and (a.lr_warmup_iters < decay or a.train_iters == 0),
-             f"--lr-warmup-iters must be >= 0 and smaller than the decay length "
-             f"(--lr-decay-iters, default --train-iters) {decay}, got {a.lr_warmup_iters}")
-    max_pos = a.max_position_embeddings or a.seq_length
-    _require(max_pos >= a.seq_length, f"--max-position-embeddings {max_pos} is smaller than "
-                                      f"--seq-length {a.seq_length}")
+    _check_warmup(a)
     if a.mock_data and a.vocab_size is None and a.tokenizer_type == "NullTokenizer":
         raise ArgumentError("--mock-data with NullTokenizer needs --vocab-size")
     tokenizer = build_tokenizer(a.tokenizer_type, a.vocab_size, a.tokenizer_model)
-    model = ModelConfig(
-        num_layers=a.num_layers, hidden_size=a.hidden_size,
-        num_attention_heads=a.num_attention_heads,
-        ffn_hidden_size=a.ffn_hidden_size or 4 * a.hidden_size, seq_length=a.seq_length,
-        max_position_embeddings=max_pos, vocab_size=tokenizer.vocab_size,
-        padded_vocab_size=_padded_vocab(tokenizer.vocab_size, a.make_vocab_size_divisible_by, tp),
-        hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
-        init_method_std=a.init_method_std,
-        untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights, bf16=a.bf16)
+    model = _model_config(a, tp, pp, tokenizer.vocab_size)
     parallel = ParallelConfig(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=a.sequence_parallel,
@@ -513,12 +747,16 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers)
     optimizer = OptimizerConfig(
         lr=a.lr, min_lr=a.min_lr, lr_decay_style=LrDecayStyle(a.lr_decay_style),
-        lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters,
+        lr_warmup_iters=a.lr_warmup_iters, lr_warmup_fraction=a.lr_warmup_fraction,
+        lr_decay_iters=a.lr_decay_iters,
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
         adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
         scheduler_on_resume=(SchedulerOnResume.OVERRIDE if a.override_opt_param_scheduler else
                              SchedulerOnResume.CHECKPOINT if a.use_checkpoint_opt_param_scheduler
-                             else SchedulerOnResume.MUST_MATCH))
+                             else SchedulerOnResume.MUST_MATCH),
+        loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
+        min_loss_scale=a.min_loss_scale, loss_scale_window=a.loss_scale_window,
+        hysteresis=a.hysteresis)
     training = TrainingConfig(
         micro_batch_size=a.micro_batch_size, global_batch_size=gbs, train_iters=a.train_iters,
         seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,

@@ -9,6 +9,8 @@ loader returned.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
 import random
@@ -22,7 +24,8 @@ import datastates
 from datastates.megatron_adapter import paths
 from datastates.safe_load import torch_load
 
-from megatron.training.config import RunConfig, SchedulerOnResume
+from megatron.training.config import ModelConfig, PositionEmbeddingType, RunConfig, \
+    SchedulerOnResume
 from megatron.training.model import unwrap
 
 CHECKPOINT_VERSION = 3.0
@@ -31,10 +34,18 @@ CHECKPOINT_VERSION = 3.0
 # across TP/PP/DP (see docs/TRAINER.md for the other formats' defects).
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
-# Model-shape fields a checkpoint must agree on before any tensor is read.
+# Model fields a checkpoint must agree on before any tensor is read: the shapes, and the
+# architecture flags that give tensors of the same shape another meaning (rotary vs learned
+# positions, RMSNorm vs LayerNorm weights) or another layout (swiglu's two fc1 halves, GQA's
+# fused qkv rows). A saved run config without one of them predates the field: it had
+# ModelConfig's default, GPT-2 style (learned_absolute, LayerNorm, no swiglu, no GQA, biases).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                 "padded_vocab_size", "max_position_embeddings",
-                "untie_embeddings_and_output_weights")
+                "untie_embeddings_and_output_weights", "position_embedding_type",
+                "rotary_base", "rotary_percent", "normalization", "swiglu", "num_query_groups",
+                "add_bias_linear")
+_ROPE_ONLY = ("rotary_base", "rotary_percent")
+_MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 class CheckpointError(datastates.CheckpointError):
@@ -68,16 +79,35 @@ def parallel_layout(config: RunConfig) -> dict:
 
 
 def model_shape(config: RunConfig) -> dict:
-    return {k: getattr(config.model, k) for k in SHAPE_FIELDS}
+    return _model_fields(json.loads(config.to_json())["model"])
+
+
+def _model_fields(saved: dict) -> dict:
+    """The SHAPE_FIELDS of a model config as JSON (missing ones: their defaults), with key/value
+    heads counted as megatron-core builds them (one per query head without GQA)."""
+    out = {}
+    for k in SHAPE_FIELDS:
+        default = _MODEL_DEFAULTS.get(k)
+        out[k] = saved.get(k, default.value if isinstance(default, enum.Enum) else default)
+    out["num_query_groups"] = out["num_query_groups"] or out["num_attention_heads"]
+    return out
 
 
 def check_model_shape(saved_config_json: str, config: RunConfig, path: str) -> None:
-    """Refuse a checkpoint of another model shape before megatron-core reports it as a
-    tensor-level mismatch."""
-    saved = json.loads(saved_config_json)["model"]
+    """Refuse a checkpoint of another model shape or architecture before megatron-core reports it
+    as a tensor-level mismatch (or, for an architecture flag, loads it into a model that computes
+    something else)."""
+    saved = _model_fields(json.loads(saved_config_json)["model"])
     ours = model_shape(config)
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in ours.items()
-             if saved.get(k) != v]
+    # A rope model has no position table; the rotary fields mean nothing without rope.
+    rope = PositionEmbeddingType.ROPE.value
+    ignored = set()
+    if saved["position_embedding_type"] == ours["position_embedding_type"] == rope:
+        ignored.add("max_position_embeddings")
+    if rope not in (saved["position_embedding_type"], ours["position_embedding_type"]):
+        ignored.update(_ROPE_ONLY)
+    diffs = [f"{k}: checkpoint {saved[k]!r}, this run {v!r}" for k, v in ours.items()
+             if k not in ignored and saved[k] != v]
     if diffs:
         raise CheckpointError("checkpoint was saved for another model shape (" + "; ".join(diffs)
                               + "); pass the same model flags or another --load", path=path)
@@ -157,7 +187,8 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
 
 #: (scheduler attribute, Megatron-LM's name for it in messages) compared on resume.
 _SCHEDULE_FIELDS = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
-                    ("lr_warmup_steps", "--lr-warmup-iters x global batch"),
+                    ("lr_warmup_steps", "warm-up samples (--lr-warmup-iters x global batch, "
+                                        "or --lr-warmup-fraction x decay samples)"),
                     ("lr_decay_steps", "--lr-decay-iters (default --train-iters) x global batch"),
                     ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"),
                     ("end_wd", "--weight-decay"),

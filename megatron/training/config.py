@@ -38,6 +38,40 @@ class CkptFailurePolicy(str, enum.Enum):
     per iteration). Earlier complete checkpoints stay loadable."""
 
 
+class PositionEmbeddingType(str, enum.Enum):
+    """How token positions enter the model (``--position-embedding-type``)."""
+
+    LEARNED_ABSOLUTE = "learned_absolute"
+    """A learned table of max_position_embeddings vectors added to the word embeddings (GPT-2)."""
+    ROPE = "rope"
+    """Rotary embeddings applied to queries and keys in every layer (Llama); no table."""
+
+
+class Normalization(str, enum.Enum):
+    """Norm of every transformer layer and of the final norm (``--normalization``)."""
+
+    LAYER_NORM = "LayerNorm"
+    RMS_NORM = "RMSNorm"
+
+
+class RecomputeGranularity(str, enum.Enum):
+    """Activation recomputation (``--recompute-granularity``), megatron-core's names."""
+
+    FULL = "full"
+    """Keep only each recomputed layer's input; rerun the whole layer in the backward pass."""
+    SELECTIVE = "selective"
+    """Recompute only the core attention (softmax and its inputs), the memory-heavy part."""
+
+
+class RecomputeMethod(str, enum.Enum):
+    """Which layers full recomputation covers (``--recompute-method``)."""
+
+    UNIFORM = "uniform"
+    """Split each stage's layers into chunks of recompute_num_layers; keep each chunk's input."""
+    BLOCK = "block"
+    """Recompute the first recompute_num_layers layers of each pipeline stage, keep the rest."""
+
+
 class LrDecayStyle(str, enum.Enum):
     """Learning-rate decay after warm-up (``--lr-decay-style``), as OptimizerParamScheduler names it."""
 
@@ -56,11 +90,13 @@ class ModelConfig:
     num_attention_heads: int
     """Attention heads per layer; divisible by the tensor-parallel size."""
     ffn_hidden_size: int
-    """Width of the MLP; 4 * hidden_size when not given."""
+    """Width of the MLP; when not given 4 * hidden_size, or with swiglu
+    int((4 * hidden_size * 2 / 3) / 64) * 64 (Megatron-LM's rule: about the same parameters)."""
     seq_length: int
     """Tokens per sample."""
     max_position_embeddings: int
-    """Size of the learned position-embedding table; at least seq_length."""
+    """Size of the learned position-embedding table; at least seq_length (seq_length when not
+    given). Unused by rope, which has no table."""
     vocab_size: int
     """Tokenizer vocabulary (eod included), before padding."""
     padded_vocab_size: int
@@ -75,6 +111,36 @@ class ModelConfig:
     """Give the output layer its own weights instead of reusing the word embeddings."""
     bf16: bool = False
     """Run the model in bfloat16 with fp32 main parameters in the optimizer."""
+    fp16: bool = False
+    """Run the model in float16 with fp32 main parameters and loss scaling (see OptimizerConfig)."""
+    position_embedding_type: PositionEmbeddingType = PositionEmbeddingType.LEARNED_ABSOLUTE
+    """Learned absolute positions (GPT-2) or rotary embeddings (Llama)."""
+    rotary_base: int = 10000
+    """Base of the rotary embedding frequencies (rope only)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that rotary embeddings rotate (rope only)."""
+    normalization: Normalization = Normalization.LAYER_NORM
+    """LayerNorm (GPT-2) or RMSNorm (Llama) in every layer and as the final norm."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every norm."""
+    swiglu: bool = False
+    """Gated MLP with SiLU: fc1 produces two halves, silu(first) * second goes into fc2."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads of grouped-query attention, each shared by num_attention_heads /
+    num_query_groups query heads; None: plain multi-head attention (one per query head)."""
+    add_bias_linear: bool = True
+    """Biases in every linear layer (attention qkv and projection, both MLP layers)."""
+    recompute_granularity: Optional[RecomputeGranularity] = None
+    """Activation recomputation; None keeps every activation for the backward pass."""
+    recompute_method: Optional[RecomputeMethod] = None
+    """Which layers full recomputation covers (required with full, None with selective)."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads as megatron-core counts them (one per query head without GQA)."""
+        return self.num_query_groups or self.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -122,6 +188,9 @@ class OptimizerConfig:
     """Shape of the decay after warm-up."""
     lr_warmup_iters: int = 0
     """Iterations of linear warm-up from 0 to lr."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warm-up as a fraction of the decay length (Megatron-LM's --lr-warmup-fraction); when set,
+    lr_warmup_iters is 0."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which lr decays; train_iters when not given."""
     weight_decay: float = 0.01
@@ -136,6 +205,16 @@ class OptimizerConfig:
     """Adam epsilon."""
     scheduler_on_resume: SchedulerOnResume = SchedulerOnResume.MUST_MATCH
     """Which schedule a resumed run follows when the checkpoint's differs from this run's."""
+    loss_scale: Optional[float] = None
+    """Static loss scale (fp16 or bf16); None: dynamic loss scaling with fp16, none with bf16."""
+    initial_loss_scale: float = 2.0 ** 32
+    """Dynamic loss scaling (fp16): the scale the run starts from."""
+    min_loss_scale: float = 1.0
+    """Dynamic loss scaling (fp16): the scale never drops below this."""
+    loss_scale_window: float = 1000
+    """Dynamic loss scaling (fp16): iterations without overflow before the scale doubles."""
+    hysteresis: int = 2
+    """Dynamic loss scaling (fp16): overflows tolerated before the scale halves."""
 
 
 @dataclass(frozen=True)

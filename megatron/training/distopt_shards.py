@@ -7,6 +7,8 @@ DP rank instead describes the slices it already owns: a DP rank owns a contiguou
 parameter's flattened (TP-local) tensor, which we cut into boxes (each contiguous in memory) of the
 same global tensors, under the same keys (`optimizer.state.{param,exp_avg,exp_avg_sq}.<param key>`).
 The boxes are views of the live tensors, copied by the engine while the next forward/backward runs.
+A parameter that megatron-core saves through a ShardedTensorFactory (swiglu's fc1, whose local rows
+are two slices of the global tensor) is cut into the pieces the factory builds first.
 
 Loading is unchanged: megatron's `fully_reshardable` load asks for whole TP-local boxes of those
 keys, and the DataStates reader assembles any box from the saved pieces, at any TP/PP/DP.
@@ -14,9 +16,11 @@ keys, and the DataStates reader assembles any box from the saved pieces, at any 
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
 import torch
+
+from megatron.training.model import leaf_sharded_tensors
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 Box = Tuple[Tuple[int, ...], Tuple[int, ...], int]  # (offset, shape, flat start)
@@ -72,36 +76,65 @@ def optimizer_common_state(optimizer) -> dict:
     return state
 
 
+def _pieces(entry, param: torch.Tensor) -> List[Tuple[object, int]]:
+    """(ShardedTensor, flat index of its first element in `param`) for each global piece of a
+    parameter: the parameter itself, or the contiguous views a ShardedTensorFactory cuts it into
+    (swiglu's fc1: the first half of its rows belongs to one global row range, the second half to
+    another)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(entry, ShardedTensor):
+        return [(entry, 0)]
+    assert isinstance(entry, ShardedTensorFactory)
+    pieces = []
+    for sh in leaf_sharded_tensors(entry.build()):
+        start, rest = divmod(sh.data.data_ptr() - param.data_ptr(), param.element_size())
+        if rest or not sh.data.is_contiguous() or start < 0 \
+                or start + sh.data.numel() > param.numel():
+            raise ValueError(f"{entry.key}: a checkpoint piece is not a contiguous part of its "
+                             "parameter; the lazy distributed-optimizer save cannot describe it")
+        pieces.append((sh, start))
+    return pieces
+
+
+def param_range_boxes(entry, param: torch.Tensor, start: int, end: int) -> Iterator[tuple]:
+    """Boxes of the flat range [start, end) of `param` (a DP rank's share), whose sharded-state
+    entry is `entry`: (key, global shape, global offset, box shape, flat index in `param`)."""
+    for sh, base in _pieces(entry, param):
+        # The part of the range inside this piece, in the piece's own flat indices.
+        lo, hi = max(start, base) - base, min(end, base + sh.data.numel()) - base
+        local = (1,) * sh.prepend_axis_num + tuple(sh.data.shape)
+        for off, shape, flat in flat_range_boxes(lo, hi, local):
+            goff = tuple(g + o for g, o in zip(sh.global_offset, off))
+            yield sh.key, tuple(sh.global_shape), goff, shape, base + flat
+
+
 def param_state_boxes(optimizer, model_sharded_state_dict) -> List[Tuple[str, torch.Tensor,
                                                                           Tuple[int, ...],
                                                                           Tuple[int, ...]]]:
     """(key, live view, global shape, global offset) for every box of this DP rank's main params
     and Adam moments."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     dopt = _distributed(optimizer)
-    by_param: Dict[int, ShardedTensor] = {
-        id(sh.data): sh for sh in nested_values(model_sharded_state_dict)
-        if isinstance(sh, ShardedTensor)}
+    by_param = {id(sh.data): sh for sh in nested_values(model_sharded_state_dict)
+                if isinstance(sh, (ShardedTensor, ShardedTensorFactory))}
     out = []
     for gbuf_range_maps in dopt.gbuf_ranges:
         for bucket_maps in gbuf_range_maps.values():
             for bucket in bucket_maps:
                 for model_param, ranges in bucket["param_map"].items():
-                    sh: Optional[ShardedTensor] = by_param.get(id(model_param))
-                    if sh is None:
+                    entry = by_param.get(id(model_param))
+                    if entry is None:
                         raise ValueError("a parameter of the distributed optimizer is missing from "
                                          "the model's sharded state dict")
-                    local = (1,) * sh.prepend_axis_num + tuple(model_param.shape)
                     prange = ranges["param"]
                     tensors = dopt._get_main_param_and_optimizer_states(model_param)
-                    for off, shape, flat in flat_range_boxes(prange.start, prange.end, local):
-                        lo = flat - prange.start
-                        n = math.prod(shape)
-                        goff = tuple(g + o for g, o in zip(sh.global_offset, off))
+                    for key, gshape, goff, shape, flat in param_range_boxes(
+                            entry, model_param, prange.start, prange.end):
+                        first, n = flat - prange.start, math.prod(shape)
                         for k in STATE_KEYS:
-                            view = tensors[k].detach().view(-1)[lo:lo + n].view(shape)
-                            out.append((f"optimizer.state.{k}.{sh.key}", view,
-                                        tuple(sh.global_shape), goff))
+                            view = tensors[k].detach().view(-1)[first:first + n].view(shape)
+                            out.append((f"optimizer.state.{k}.{key}", view, gshape, goff))
     return out

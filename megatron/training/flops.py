@@ -52,11 +52,13 @@ class TransformerShape:
 
 
 def shape_of(model: ModelConfig) -> TransformerShape:
-    """The shape of the model this trainer builds (GPT-2: MHA, GeLU MLP)."""
+    """The shape of the model this trainer builds (GPT-2 style or Llama-style: grouped-query
+    attention, SwiGLU)."""
     return TransformerShape(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
-        seq_length=model.seq_length, padded_vocab_size=model.padded_vocab_size)
+        seq_length=model.seq_length, padded_vocab_size=model.padded_vocab_size,
+        num_query_groups=model.num_query_groups, swiglu=model.swiglu)
 
 
 def num_floating_point_operations(shape: TransformerShape, batch_size: int) -> float:

@@ -9,8 +9,8 @@ sharded state dict:
   2) each ShardedTensor is filled with exactly its box of the universal tensor (memory-mapped
      safetensors slice), so a rank reads only its slices; optimizer keys are mapped from the
      universal spelling to the one this run's optimizer uses;
-  3) the common state (iteration, counters, scheduler, param groups, step) comes from the
-     manifest, in the form this run's optimizer expects, and everything is applied as any other
+  3) the common state (iteration, counters, scheduler, param groups, step, fp16's loss scaler)
+     comes from the manifest, in the form this run's optimizer expects, and everything is applied as any other
      checkpoint would be (`apply_loaded_state_dict`). RNG states are per rank and not restored.
 """
 from __future__ import annotations
@@ -71,9 +71,9 @@ def _fill(sd: Any, u: UniversalCheckpoint) -> Any:
     if isinstance(sd, LocalNonpersistentObject):
         return sd.unwrap()
     if isinstance(sd, ShardedTensorFactory):
-        raise datastates.CheckpointError("ShardedTensorFactory (e.g. gated MLP) is not supported "
-                                         "by the universal loader", file=u.directory,
-                                         tensor=sd.key)
+        # e.g. swiglu's fc1: this rank's rows of both halves, read as the ShardedTensors the
+        # factory builds and joined back into the local tensor as dist_checkpointing.load does.
+        return sd.merge_fn(_fill(sd.build(), u))
     return sd
 
 
@@ -86,11 +86,24 @@ def _param_groups_holder(optimizer_sd: dict) -> dict:
     return d
 
 
-def _apply_common(loaded: dict, m: dict, load_optim: bool, distributed: bool) -> None:
+def _restore_grad_scaler(optimizer_sd: dict, saved_common: Callable[[], dict]) -> None:
+    """fp16's loss scaler (scale, growth and hysteresis trackers) as the source saved it in its
+    common state, when both runs have one; else this run's own (a fresh scaler, or none in
+    bf16/fp32). The common state is decoded only then (a Megatron-LM source's holds its args)."""
+    if optimizer_sd.get("grad_scaler") is None:
+        return
+    saved = (saved_common().get("optimizer") or {}).get("grad_scaler")
+    if saved is not None:
+        optimizer_sd["grad_scaler"] = saved
+
+
+def _apply_common(loaded: dict, m: dict, load_optim: bool, distributed: bool,
+                  saved_common: Callable[[], dict]) -> None:
     for k in ("iteration", "consumed_train_samples", "consumed_valid_samples"):
         loaded[k] = m[k]
     if not load_optim:
         return
+    _restore_grad_scaler(loaded["optimizer"], saved_common)
     loaded["opt_param_scheduler"] = dict(m["scheduler"])
     holder = _param_groups_holder(loaded["optimizer"])
     saved_groups, step = m["optimizer"]["param_groups"], m["optimizer"]["step"]
@@ -129,7 +142,7 @@ def load_universal(state: TrainState, config: RunConfig, directory: str) -> None
         except datastates.CheckpointError as err:
             raise CheckpointError(f"could not load the universal checkpoint: {err}",
                                   path=directory) from err
-        _apply_common(loaded, m, load_optim, distributed)
+        _apply_common(loaded, m, load_optim, distributed, u.megatron_common)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=False,
                                    finetune=ckpt.finetune,
                                    schedule=config.optimizer.scheduler_on_resume, path=directory)

@@ -29,10 +29,12 @@ def print_rank_last(message: str) -> None:
 
 def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
                       elapsed_ms: float, lr: float, global_batch_size: int, lm_loss: float,
-                      grad_norm, skipped: int, nans: int,
+                      grad_norm, skipped: int, nans: int, loss_scale: float = 1.0,
                       throughput: Optional[float] = None) -> str:
-    """Megatron-LM's iteration line; `throughput` (TFLOP/s per rank, `--log-throughput`) goes
-    where Megatron puts it, right after the iteration time, with its wording ("per GPU")."""
+    """Megatron-LM's iteration line. `throughput` (TFLOP/s per rank, `--log-throughput`) goes
+    where Megatron puts it, right after the iteration time, with its wording ("per GPU");
+    `loss_scale` is the optimizer's (1.0 unless fp16 or --loss-scale), printed, as Megatron-LM
+    does, between the losses and the grad norm."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
@@ -41,6 +43,7 @@ def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
     line += f" learning rate: {lr:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     line += f" lm loss: {lm_loss:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
     line += f" number of skipped iterations: {skipped:3d} |"

@@ -1,4 +1,9 @@
-"""Build the GPT model chunks: megatron-core GPTModel, Float16Module for bf16, megatron DDP."""
+"""Build the GPT model chunks: megatron-core GPTModel, Float16Module for bf16/fp16, megatron DDP.
+
+GPT-2 style by default; the Llama family's parts (rotary embeddings, RMSNorm, SwiGLU, grouped-query
+attention, no biases) are megatron-core's own modules, selected through TransformerConfig fields
+and GPTModel arguments as Megatron-LM does.
+"""
 from __future__ import annotations
 
 import zlib
@@ -11,11 +16,21 @@ from megatron.training.cpu_compat import cuda_available
 from megatron.training.mcore_fixes import batch_p2p_comm_for
 
 
+def params_dtype(model: ModelConfig) -> torch.dtype:
+    return torch.bfloat16 if model.bf16 else torch.float16 if model.fp16 else torch.float32
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: str):
     """megatron-core TransformerConfig for our model and layout."""
+    import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dtype = torch.bfloat16 if model.bf16 else torch.float32
+    dtype = params_dtype(model)
+    recompute = {"recompute_granularity": None if model.recompute_granularity is None
+                 else model.recompute_granularity.value,
+                 "recompute_method": None if model.recompute_method is None
+                 else model.recompute_method.value,
+                 "recompute_num_layers": model.recompute_num_layers}
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -24,6 +39,14 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: st
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
+        normalization=model.normalization.value,
+        layernorm_epsilon=model.norm_epsilon,
+        # Megatron-LM's --swiglu: a gated MLP with SiLU; the fc1 output holds both halves.
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        num_query_groups=model.num_query_groups,
+        add_bias_linear=model.add_bias_linear,
+        **recompute,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
@@ -34,6 +57,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: st
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=model.bf16,
+        fp16=model.fp16,
         # On CPU this makes initial weights identical for any TP size (full master weight, then
         # split); on GPU it is Megatron's default (initialise on device).
         use_cpu_initialization=not cuda_available(),
@@ -44,8 +68,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: st
     )
 
 
-def layer_spec():
-    """transformer-engine spec when CUDA and TE are importable; the local (torch) spec otherwise."""
+def layer_spec(model: ModelConfig):
+    """transformer-engine spec when CUDA and TE are importable; the local (torch) spec otherwise.
+    (TE's norm follows config.normalization; the local spec is told RMSNorm explicitly.)"""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if cuda_available():
@@ -55,7 +80,16 @@ def layer_spec():
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
         except ImportError:
             pass
-    return gpt_layer_specs.get_gpt_layer_local_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization.value)
+
+
+def gpt_model_args(model: ModelConfig) -> dict:
+    """The GPTModel arguments that describe the architecture (the layout ones apart)."""
+    return dict(transformer_layer_spec=layer_spec(model), vocab_size=model.padded_vocab_size,
+                max_sequence_length=model.max_position_embeddings,
+                share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+                position_embedding_type=model.position_embedding_type.value,
+                rotary_percent=model.rotary_percent, rotary_base=model.rotary_base)
 
 
 def build_model_chunks(model: ModelConfig, parallel: ParallelConfig, config) -> List[torch.nn.Module]:
@@ -69,17 +103,27 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig, config) -> 
         stage = vp_stage if vpp is not None else None
         chunks.append(GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(),
-            vocab_size=model.padded_vocab_size,
-            max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             parallel_output=True,
-            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-            position_embedding_type="learned_absolute",
             vp_stage=stage,
+            **gpt_model_args(model),
         ))
     return chunks
+
+
+def leaf_sharded_tensors(sharded_state_dict):
+    """Every ShardedTensor of a megatron sharded state dict, with each ShardedTensorFactory
+    (swiglu's fc1: one local tensor, two global row ranges) replaced by the ShardedTensors it
+    builds, whose data are views of the factory's tensor."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedTensorFactory):
+            yield from leaf_sharded_tensors(sh.build())
+        elif isinstance(sh, ShardedTensor):
+            yield sh
 
 
 def _seed_for(seed: int, key: str, index: tuple) -> int:
@@ -94,17 +138,15 @@ def initialize_weights_layout_independent(chunks, model: ModelConfig, seed: int)
     Megatron's own initialisation consumes one RNG stream in construction order and offsets the
     seed per pipeline stage, so a PP run starts from other weights than a single-process run.
     Keyed draws make the initial model a function of the seed alone, identical for any TP/PP/VPP/DP
-    layout. Biases and norms are constants already. Returns the number of tensors re-drawn.
+    layout. Biases and norms are constants already. Returns the number of pieces re-drawn (a
+    swiglu fc1 weight counts twice: its two halves sit at different rows of the global tensor).
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
     std = model.init_method_std
     scaled_std = std / (2.0 * model.num_layers) ** 0.5  # Megatron's scaled_init_method_normal
     count = 0
     for chunk in chunks:
-        for sh in nested_values(chunk.sharded_state_dict()):
-            if not isinstance(sh, ShardedTensor) or sh.key.endswith("_extra_state"):
+        for sh in leaf_sharded_tensors(chunk.sharded_state_dict()):
+            if sh.key.endswith("_extra_state"):
                 continue
             pre = sh.prepend_axis_num
             if sh.data.dim() < 2 or len(sh.global_shape) - pre < 2:
@@ -122,14 +164,14 @@ def initialize_weights_layout_independent(chunks, model: ModelConfig, seed: int)
 
 
 def wrap_model(chunks, model: ModelConfig, parallel: ParallelConfig, config):
-    """Float16Module for bf16 (as Megatron does; it also casts norms) and megatron DDP, which
-    megatron's optimizer needs even at DP=1."""
+    """Float16Module for bf16/fp16 (as Megatron does; it also casts norms) and megatron DDP,
+    which megatron's optimizer needs even at DP=1."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     if cuda_available():
         chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
-    if model.bf16:
+    if model.bf16 or model.fp16:
         chunks = [Float16Module(config, c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=model.bf16,

@@ -27,6 +27,7 @@ from megatron.training.model import (
     build_model_chunks,
     count_parameters,
     initialize_weights_layout_independent,
+    params_dtype,
     transformer_config,
     wrap_model,
 )
@@ -51,24 +52,46 @@ def _device() -> torch.device:
         else torch.device("cpu")
 
 
+def megatron_optimizer_config(config: RunConfig):
+    """megatron-core's OptimizerConfig for this run (Adam, precision, loss scaling, sharding)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    o, m = config.optimizer, config.model
+    return OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad, bf16=m.bf16, fp16=m.fp16, params_dtype=params_dtype(m),
+        # megatron-core picks the grad scaler from these as Megatron-LM does: constant with
+        # loss_scale, dynamic with fp16 otherwise, none for bf16 and fp32.
+        loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
+        min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
+        hysteresis=o.hysteresis,
+        use_distributed_optimizer=config.parallel.use_distributed_optimizer)
+
+
+def schedule_steps(config: RunConfig) -> tuple:
+    """(warm-up, decay) lengths of the learning-rate schedule in samples, as Megatron-LM counts
+    them; --lr-warmup-fraction is a fraction of the decay length."""
+    o, t = config.optimizer, config.training
+    gbs = t.global_batch_size
+    decay_steps = max(1, (o.lr_decay_iters or t.train_iters) * gbs)
+    if o.lr_warmup_fraction is not None:
+        return o.lr_warmup_fraction * decay_steps, decay_steps
+    return o.lr_warmup_iters * gbs, decay_steps
+
+
 def _build_optimizer(config: RunConfig, model):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o, t = config.optimizer, config.training
-    opt_config = OptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad, bf16=config.model.bf16,
-        params_dtype=torch.bfloat16 if config.model.bf16 else torch.float32,
-        use_distributed_optimizer=config.parallel.use_distributed_optimizer)
-    optimizer = get_megatron_optimizer(opt_config, model)
+    optimizer = get_megatron_optimizer(megatron_optimizer_config(config), model)
     gbs = t.global_batch_size
-    decay_iters = o.lr_decay_iters or t.train_iters
+    warmup_steps, decay_steps = schedule_steps(config)
     # Megatron counts scheduler steps in samples: one optimizer step advances it by gbs.
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters * gbs, lr_decay_steps=max(1, decay_iters * gbs),
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
         lr_decay_style=o.lr_decay_style.value, start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=max(1, t.train_iters * gbs), wd_incr_style="constant",
         # Megatron-LM's defaults: neither, so a checkpoint with another schedule is refused
@@ -287,7 +310,7 @@ def _log_line(trainer: Trainer, elapsed_ms: float, loss: float, grad_norm, skipp
     print_rank_last(training_log_line(
         state.iteration, t.train_iters, state.consumed_train_samples, elapsed_ms,
         state.optimizer.param_groups[0]["lr"], t.global_batch_size, loss, grad_norm, skipped, 0,
-        throughput=throughput))
+        loss_scale=float(state.optimizer.get_loss_scale()), throughput=throughput))
     trainer.metrics.timing(state.iteration, elapsed_ms / 1000.0, throughput)
 
 

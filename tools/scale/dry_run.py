@@ -114,7 +114,7 @@ def _stage_shapes(model_cfg, parallel_cfg, layers: int, first: bool, last: bool,
     """name -> shape of one rank's parameters, from a GPTModel built on the meta device."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron.training.model import layer_spec, transformer_config
+    from megatron.training.model import gpt_model_args, transformer_config
 
     # Without the first/last-stage counts: megatron-core would otherwise build those counts for
     # every stage of this 1-stage model (a middle stage of 30B with 6 layers instead of 8).
@@ -125,11 +125,8 @@ def _stage_shapes(model_cfg, parallel_cfg, layers: int, first: bool, last: bool,
     config = dataclasses.replace(transformer_config(model_cfg, parallel, "gloo"), num_layers=layers,
                                  perform_initialization=False)
     with _constructing_as_rank(tp, tp_rank) as groups:
-        model = GPTModel(
-            config=config, transformer_layer_spec=layer_spec(), vocab_size=model_cfg.padded_vocab_size,
-            max_sequence_length=model_cfg.max_position_embeddings, pre_process=first, post_process=last,
-            parallel_output=True, share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
-            position_embedding_type="learned_absolute", pg_collection=groups)
+        model = GPTModel(config=config, pre_process=first, post_process=last, parallel_output=True,
+                         pg_collection=groups, **gpt_model_args(model_cfg))
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
