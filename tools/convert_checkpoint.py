@@ -4,7 +4,7 @@
     python tools/convert_checkpoint.py merge           SRC DST   # --async-lazy-save ckpt -> universal
     python tools/convert_checkpoint.py from-torch-dist SRC DST   # Megatron torch_dist -> universal
     python tools/convert_checkpoint.py to-torch-dist   SRC DST   # universal or DataStates -> torch_dist
-    python tools/convert_checkpoint.py to-hf           SRC DST   # universal -> HF GPT-2 safetensors
+    python tools/convert_checkpoint.py to-hf           SRC DST   # any of ours -> HF Llama or GPT-2
     python tools/convert_checkpoint.py inspect         PATH [--json]
     python tools/convert_checkpoint.py upgrade-universal PATH    # format-1 universal: no pickles
 
@@ -99,12 +99,32 @@ def _to_torch_dist(args):
 
 
 def _to_hf(args):
-    from datastates.megatron_adapter import export_hf
+    import shutil
 
-    cfg = export_hf(args.src, args.dst, progress=Progress("to-hf", False),
-                    allow_unsafe_pickle=args.allow_unsafe_pickle)
-    print(f"Hugging Face {cfg['architectures'][0]} ({cfg['n_layer']} layers, hidden {cfg['n_embd']})"
-          f" written to {args.dst}")
+    from datastates.megatron_adapter import export_hf, open_source, paths
+    from datastates.universal import is_universal, write_universal
+
+    src, scratch = args.src, None
+    if not is_universal(src):
+        src = paths.resolve_checkpoint_dir(src)
+    if not is_universal(src):  # DataStates or torch_dist: merge to a scratch universal first
+        scratch = os.path.abspath(args.dst).rstrip("/") + ".tmp-universal"
+        shutil.rmtree(scratch, ignore_errors=True)
+        source = open_source(src, allow_unsafe_pickle=args.allow_unsafe_pickle)
+        try:
+            src = write_universal(source, scratch, progress=Progress("merge", True)).directory
+        finally:
+            source.close()
+    try:
+        cfg = export_hf(src, args.dst, progress=Progress("to-hf", False),
+                        allow_unsafe_pickle=args.allow_unsafe_pickle)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    layers, hidden = (cfg.get("num_hidden_layers", cfg.get("n_layer")),
+                      cfg.get("hidden_size", cfg.get("n_embd")))
+    print(f"Hugging Face {cfg['architectures'][0]} ({layers} layers, hidden {hidden}) written to "
+          f"{args.dst}")
 
 
 def _inspect(args):
@@ -138,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(iter_XXXXXXX dir)")
     s.add_argument("src")
     s.add_argument("dst")
-    s = sub.add_parser("to-hf", help="universal -> Hugging Face safetensors + config.json")
+    s = sub.add_parser("to-hf", help="universal, DataStates or torch_dist -> Hugging Face "
+                       "LlamaForCausalLM or GPT2LMHeadModel (safetensors + config.json)")
     s.add_argument("src")
     s.add_argument("dst")
     s = sub.add_parser("inspect", help="iteration, tensors, shapes, dtypes, sizes, layout")

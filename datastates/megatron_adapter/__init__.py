@@ -15,7 +15,9 @@ public API, nothing else. What lives here:
   merge_sources.py, merge_plan.py, merge.py, background_merge.py
                        Megatron checkpoints -> universal checkpoints (`datastates.universal`),
                        by hand or in a low-priority background process
-  inspect.py, hf_export.py   what a checkpoint holds; universal -> Hugging Face GPT-2
+  inspect.py           what a checkpoint holds
+  hf_export.py, hf_llama.py, hf_common.py
+                       universal -> Hugging Face GPT-2 or Llama (safetensors + config.json)
 
 Names are resolved lazily (PEP 562), so `paths`, the merge process and the tools do not pay for
 importing megatron-core unless they use a strategy.

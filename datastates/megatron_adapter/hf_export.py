@@ -1,40 +1,51 @@
-"""Export a universal checkpoint to Hugging Face safetensors with a GPT-2 `config.json`.
+"""Export a universal checkpoint to Hugging Face safetensors + `config.json`: GPT-2 or Llama.
+
+The architecture is chosen from the run config: rotary position embeddings mean Llama
+(`hf_llama.py`), learned absolute positions mean GPT-2 (here). Either refuses, naming the part, a
+model its Hugging Face class cannot express, rather than exporting names that would load and
+compute something else.
 
 megatron-core's GPT with learned absolute position embeddings, LayerNorm with biases, a non-gated
 GELU MLP and full multi-head attention is GPT-2: the mapping below only renames, unstacks the
 layer axis, transposes (GPT-2's Conv1D stores weights as [in, out]) and reorders the fused QKV
-(megatron interleaves it per head: [head][q|k|v][head_dim]; GPT-2 concatenates [q|k|v]). Any other
-architecture (rotary embeddings, RMSNorm, gated MLP, grouped-query attention, no biases) is refused
-with the reason, rather than exported to names that would load and compute something else.
+(megatron interleaves it per head: [head][q|k|v][head_dim]; GPT-2 concatenates [q|k|v]).
 """
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from ..errors import CheckpointError
 from ..fileio import fsync_dir, fsync_file
 from ..universal import UniversalCheckpoint, write_json
+from .hf_common import (LAYERS as _L, Plan, architecture_fields, hf_dtype, layer_loader, refuse,
+                        special_token_ids)
+from .hf_llama import llama_config, llama_tensors
 
 HF_WEIGHTS = "model.safetensors"
-_L = "decoder.layers."
+_GPT2 = ("Only megatron GPT models with learned position embeddings, LayerNorm, biases, a "
+         "non-gated GELU MLP and full multi-head attention map onto GPT-2 names; rotary models "
+         "export as Llama")
 
 
 def _require(u: UniversalCheckpoint, ok: bool, why: str) -> None:
-    if not ok:
-        raise CheckpointError(f"cannot export to a Hugging Face GPT-2 model: {why}. Only "
-                              "megatron GPT models with learned position embeddings, LayerNorm, "
-                              "biases, a non-gated GELU MLP and full multi-head attention map onto "
-                              "GPT-2 names", file=u.directory)
+    refuse(u, "GPT-2", [] if ok else [why], _GPT2)
 
 
 def gpt2_config(u: UniversalCheckpoint) -> dict:
     """The GPT-2 config.json for `u`, after checking that the architecture maps."""
     mc = u.manifest["model_config"]
     h, heads, layers = mc["hidden_size"], mc["num_attention_heads"], mc["num_layers"]
+    arch = architecture_fields(mc)
+    refuse(u, "GPT-2", [why for bad, why in (
+        (arch["normalization"] != "LayerNorm", f"{arch['normalization']} (GPT-2 has LayerNorm)"),
+        (arch["swiglu"], "a SwiGLU MLP (GPT-2's MLP is GELU, not gated)"),
+        (arch["query_groups"] != heads, f"grouped-query attention ({arch['query_groups']} query "
+                                        f"groups for {heads} heads)"),
+        (not arch["add_bias_linear"], "no biases (--disable-bias-linear)")) if bad], _GPT2)
     _require(u, u.has("embedding.position_embeddings.weight"),
              "no learned position embeddings (rotary or none)")
     _require(u, u.has(_L + "self_attention.linear_qkv.layer_norm_bias"),
@@ -52,12 +63,12 @@ def gpt2_config(u: UniversalCheckpoint) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": vocab, "n_positions": mc["max_position_embeddings"],
             "n_embd": h, "n_layer": layers, "n_head": heads, "n_inner": mc["ffn_hidden_size"],
-            "activation_function": "gelu", "layer_norm_epsilon": 1e-5,
+            "activation_function": "gelu", "layer_norm_epsilon": arch["norm_epsilon"],
             "initializer_range": mc.get("init_method_std", 0.02),
             "resid_pdrop": mc.get("hidden_dropout", 0.1), "embd_pdrop": mc.get("hidden_dropout", 0.1),
             "attn_pdrop": mc.get("attention_dropout", 0.1),
             "tie_word_embeddings": not mc.get("untie_embeddings_and_output_weights", False),
-            "torch_dtype": "bfloat16" if mc.get("bf16") else "float32",
+            **special_token_ids(mc), "torch_dtype": hf_dtype(u),
             "megatron_iteration": u.iteration,
             "megatron_vocab_size": mc.get("vocab_size")}
 
@@ -69,16 +80,15 @@ def _split_qkv(w: torch.Tensor, heads: int) -> torch.Tensor:
     return torch.cat([per_head[:, i].reshape(heads * head_dim, *w.shape[1:]) for i in range(3)])
 
 
-def gpt2_tensors(u: UniversalCheckpoint, cfg: dict) -> List[Tuple[str, Callable[[], torch.Tensor]]]:
+def gpt2_tensors(u: UniversalCheckpoint, cfg: dict) -> Plan:
     """(HF name, loader) pairs in GPT-2's order; loaders read lazily, one tensor at a time."""
     heads = cfg["n_head"]
-    out: List[Tuple[str, Callable[[], torch.Tensor]]] = [
+    out: Plan = [
         ("transformer.wte.weight", lambda: u.read("embedding.word_embeddings.weight")),
         ("transformer.wpe.weight", lambda: u.read("embedding.position_embeddings.weight"))]
 
     def layer(name: str, i: int, fn=lambda t: t):
-        return lambda: fn(u.read(_L + name, (i,) + (0,) * (len(u.info(_L + name).shape) - 1),
-                                 (1,) + u.info(_L + name).shape[1:])[0]).contiguous()
+        return layer_loader(u, name, i, fn)
 
     for i in range(cfg["n_layer"]):
         p = f"transformer.h.{i}."
@@ -105,16 +115,24 @@ def gpt2_tensors(u: UniversalCheckpoint, cfg: dict) -> List[Tuple[str, Callable[
     return out
 
 
+def _config_and_plan(u: UniversalCheckpoint) -> Tuple[dict, Plan]:
+    if architecture_fields(u.manifest["model_config"])["position_embedding_type"] == "rope":
+        cfg = llama_config(u)
+        return cfg, llama_tensors(u, cfg)
+    cfg = gpt2_config(u)
+    return cfg, gpt2_tensors(u, cfg)
+
+
 def export_hf(universal_dir: str, out_dir: str,
               progress: Optional[Callable[[int, int, str], None]] = None,
               allow_unsafe_pickle: bool = False) -> dict:
     """Write ``config.json`` + ``model.safetensors`` (model weights in the model's dtype) into
-    `out_dir` (created; refused if it holds files). Returns the config."""
+    `out_dir` (created; refused if it holds files): ``LlamaForCausalLM`` for a rotary model,
+    ``GPT2LMHeadModel`` otherwise. Returns the config."""
     from safetensors.torch import save_file
 
     with UniversalCheckpoint(universal_dir, allow_unsafe_pickle=allow_unsafe_pickle) as u:
-        cfg = gpt2_config(u)
-        plan = gpt2_tensors(u, cfg)
+        cfg, plan = _config_and_plan(u)
         if os.path.isdir(out_dir) and os.listdir(out_dir):
             raise CheckpointError("output directory is not empty; choose a new one",
                                   file=out_dir)
