@@ -19,8 +19,6 @@ import torch
 
 from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, launch
 
-pytest.importorskip("transformers")
-
 ROPE = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
         "--rotary-base", "500000", "--norm-epsilon", "1e-6"]
 VARIANTS = {

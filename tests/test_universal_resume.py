@@ -122,7 +122,8 @@ def _gpt2_logits(w: dict, cfg: dict, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def test_hf_export_computes_what_megatron_computes(saved, tmp_path):
-    """The exported GPT-2 weights, run through a plain GPT-2 forward, give megatron's logits."""
+    """The exported GPT-2 weights, run through a plain GPT-2 forward and through transformers'
+    GPT2LMHeadModel, give megatron's logits."""
     from safetensors.torch import load_file
 
     from datastates.megatron_adapter import export_hf
@@ -141,6 +142,20 @@ def test_hf_export_computes_what_megatron_computes(saved, tmp_path):
     ours = _gpt2_logits(weights, cfg, ref["tokens"])
     assert ours.shape == ref["logits"].shape
     torch.testing.assert_close(ours, ref["logits"], rtol=1e-4, atol=1e-4)
+    # bos/eos inside the vocabulary (NullTokenizer --vocab-size 255: eod 255), eps from the run.
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["vocab_size"]) == (255, 255, 256)
+    assert (cfg["layer_norm_epsilon"], cfg["torch_dtype"]) == (1e-5, "float32")
+    from transformers import AutoModelForCausalLM  # a test dependency (requirements.txt)
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), output_loading_info=True)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        hf = model.eval()(ref["tokens"]).logits
+    diff = (hf - ref["logits"]).abs().max().item()
+    print(f"gpt2: max |transformers - megatron| logits = {diff:.3g}")
+    assert diff <= 1e-4, diff
 
 
 def test_datastates_to_torch_dist_directly_resumes_bit_exact(saved, tmp_path):
