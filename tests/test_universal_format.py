@@ -15,17 +15,10 @@ from datastates import CheckpointError, CheckpointReader
 from datastates.megatron_adapter import BackgroundMerger, MergerConfig, export_hf, open_source
 from datastates.universal import (INDEX_FILE, MANIFEST_FILE, UniversalCheckpoint, decode_value,
                                   is_committed, write_universal)
-from universal_fixtures import H, L, common_state, global_tensors, write_datastates_checkpoint
+from universal_fixtures import (H, L, common_state, global_tensors, source,  # noqa: F401
+                                write_datastates_checkpoint)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("src") / "iter_0000005")
-    tensors = global_tensors()
-    write_datastates_checkpoint(d, tensors)
-    return d, tensors
 
 
 def _universal_name(key):

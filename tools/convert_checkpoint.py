@@ -6,7 +6,8 @@
     python tools/convert_checkpoint.py to-torch-dist   SRC DST   # universal or DataStates -> torch_dist
     python tools/convert_checkpoint.py to-hf           SRC DST   # universal -> HF GPT-2 safetensors
     python tools/convert_checkpoint.py inspect         PATH [--json]
-    python tools/convert_checkpoint.py upgrade-universal PATH    # format-1 universal: no pickles
+    python tools/convert_checkpoint.py upgrade-universal PATH    # older universal: no pickles,
+                                                                 # checksums added
 
 Reading a checkpoint never runs code from it: a file whose pickle names anything but tensors,
 containers, numbers, strings and numpy RNG states is refused, naming the file and the object.
@@ -115,11 +116,14 @@ def _inspect(args):
 
 
 def _upgrade(args):
-    from datastates.universal import upgrade_universal
+    from datastates.universal import add_checksums, upgrade_universal
 
     n = upgrade_universal(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle)
     print(f"{args.path}: rewrote {n} pickled object(s) without pickles" if n else
           f"{args.path}: holds no pickles; nothing to do")
+    n = add_checksums(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle)
+    print(f"{args.path}: added the checksums of {n} tensor(s), as their files are now" if n else
+          f"{args.path}: has checksums; nothing to do")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("upgrade-universal",
-                       help="rewrite a format-1 universal checkpoint's pickled objects as JSON")
+                       help="rewrite an older universal checkpoint: pickled objects as JSON, "
+                            "checksums added for the files as they are now")
     s.add_argument("path")
     for s in sub.choices.values():
         s.add_argument("--allow-unsafe-pickle", action="store_true",
