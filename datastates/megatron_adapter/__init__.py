@@ -16,6 +16,8 @@ public API, nothing else. What lives here:
                        Megatron checkpoints -> universal checkpoints (`datastates.universal`),
                        by hand or in a low-priority background process
   inspect.py, hf_export.py   what a checkpoint holds; universal -> Hugging Face GPT-2
+  resolve.py           what a path given to a converter names (what --load takes), and what is
+                       missing when it names nothing usable
 
 Names are resolved lazily (PEP 562), so `paths`, the merge process and the tools do not pay for
 importing megatron-core unless they use a strategy.
@@ -45,6 +47,7 @@ _EXPORTS = {
     "BackgroundMerger": "background_merge", "MergeQueue": "background_merge",
     "MergerConfig": "background_merge",
     "describe": "inspect", "render": "inspect", "export_hf": "hf_export",
+    "Located": "resolve", "locate": "resolve", "locate_universal": "resolve",
     "expand_local_dir": "local_tier",
 }
 _RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand"}

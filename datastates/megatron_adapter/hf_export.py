@@ -18,6 +18,7 @@ import torch
 from ..errors import CheckpointError
 from ..fileio import fsync_dir, fsync_file, give_default_mode, hold_for_reading
 from ..universal import UniversalCheckpoint, unchecked_warning, write_json
+from .resolve import locate_universal
 
 HF_WEIGHTS = "model.safetensors"
 _L = "decoder.layers."
@@ -110,13 +111,14 @@ def export_hf(src: str, out_dir: str,
               allow_unsafe_pickle: bool = False,
               warn: Optional[Callable[[str], None]] = None) -> dict:
     """Write ``config.json`` + ``model.safetensors`` (model weights in the model's dtype) into
-    `out_dir` (created; refused if it holds files) from the universal checkpoint `src`. Every
-    weight read is verified against its checksums first; a damaged one fails the export and
-    nothing is left in `out_dir`. Files get the permissions open() gives (0644 under umask 0022).
-    `warn` hears about a checkpoint without checksums. Returns the config."""
+    `out_dir` (created; refused if it holds files). `src` is anything `locate_universal` takes
+    (a universal checkpoint or root, or a --save root whose checkpoint was merged). Every weight
+    read is verified against its checksums first; a damaged one fails the export and nothing is
+    left in `out_dir`. Files get the permissions open() gives (0644 under umask 0022). `warn`
+    hears about a checkpoint without checksums. Returns the config."""
     from safetensors.torch import save_file
 
-    directory = src
+    directory = locate_universal(src).directory
     with hold_for_reading(directory), \
             UniversalCheckpoint(directory, allow_unsafe_pickle=allow_unsafe_pickle) as u:
         if not u.checksummed and warn is not None:
