@@ -100,6 +100,8 @@ def test_truncated_missing_and_mismatched_files_are_refused_naming_file_and_tens
     save_file({FC1: keep[FC1].reshape(2, 8, 32)}, path)  # same bytes, another shape
     _refused(lambda: _read(udir, FC1), f"file {path}", repr(FC1), "F32[2, 8, 32]",
              "F32[2, 32, 8]")
+    os.remove(path)  # the file the manifest names is gone
+    _refused(lambda: _read(udir, FC1), f"file {path}", repr(FC1), "cannot open tensor file")
     open(path, "wb").write(original)
     assert torch.equal(_read(udir, FC1), keep[FC1])
 

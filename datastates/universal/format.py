@@ -250,12 +250,18 @@ class UniversalCheckpoint:
                                   f"{self.names()[:4]}", file=self.directory, tensor=name)
         return self._infos[name]
 
-    def _file(self, file: str) -> TensorFile:
-        if file not in self._files:
-            # Names were checked in __init__; symlinks again here (open_confined, O_NOFOLLOW).
-            self._files[file] = TensorFile(os.path.join(self.directory, file), self.directory,
-                                           what=f"manifest names file {file!r}, which")
-        return self._files[file]
+    def _file(self, info: TensorInfo) -> TensorFile:
+        """The open file holding tensor `info` (opened at its first use; a file that is missing,
+        truncated or not safetensors is refused naming the tensor that needed it)."""
+        if info.file not in self._files:
+            try:
+                # Names were checked in __init__; symlinks again here (open_confined, O_NOFOLLOW).
+                self._files[info.file] = TensorFile(
+                    os.path.join(self.directory, info.file), self.directory,
+                    what=f"manifest names file {info.file!r}, which")
+            except CheckpointError as err:
+                raise CheckpointError(err.reason, file=err.file, tensor=info.name) from err
+        return self._files[info.file]
 
     def _checked_box(self, name: str, offset: Optional[Sequence[int]],
                      shape: Optional[Sequence[int]]):
@@ -274,7 +280,7 @@ class UniversalCheckpoint:
         end); only that box is read, and the checksums of the chunks it touches are verified
         (CheckpointError naming file and tensor on a mismatch)."""
         info, off, shp = self._checked_box(name, offset, shape)
-        f = self._file(info.file)
+        f = self._file(info)
         start, _ = f.span(name, info.dtype, info.shape)
         self._verify(f, info, start, box_chunks(info.shape, info.dtype.itemsize, off, shp,
                                                 self.chunk_bytes) if self.checksummed else ())
@@ -285,14 +291,14 @@ class UniversalCheckpoint:
         """CRC-32C of each chunk of tensor `name` as its file holds it now (to add checksums to
         a checkpoint written without them)."""
         info = self.info(name)
-        f = self._file(info.file)
+        f = self._file(info)
         start, nbytes = f.span(name, info.dtype, info.shape)
         return chunk_checksums(f.bytes_of(start, nbytes), chunk_bytes)
 
     def verify(self, name: str) -> None:
         """Check every chunk of tensor `name` (e.g. before trusting a checkpoint as a fallback)."""
         info = self.info(name)
-        f = self._file(info.file)
+        f = self._file(info)
         start, nbytes = f.span(name, info.dtype, info.shape)
         if self.checksummed:
             self._verify(f, info, start, range(-(-nbytes // self.chunk_bytes)))
