@@ -4,8 +4,14 @@ the Megatron adapter and the trainer. One rule each, written once.
 Writing (durability is explicit):
   `atomic_write`       temp file + fsync + rename + directory fsync: readers see all or nothing
   `fsync_file`, `fsync_dir`, `pwrite_all` (loops over short writes)
+  `give_default_mode`  the permissions open() would have given (0644 under umask 0022), for files
+                       a library created with 0600 (safetensors does)
   `make_spare` / `replace_from_spare` / `release_spare`: a small file (tracker, commit marker)
                        rewritten into blocks allocated earlier, so it can move on a full disk
+Keeping a checkpoint while it is read (retention must not remove what a merge or a converter
+still reads; a lock file beside the directory, so it works on NFS too and dies with its holder):
+  `hold_for_reading`   a shared lock on ``.<name>.lock`` for as long as the block runs
+  `claim_for_removal`  an exclusive lock if nobody reads it; the remover's block runs under it
 Reading untrusted checkpoints (no path outside the checkpoint directory):
   `safe_join`          a file name from a checkpoint's own metadata: plain name, no '..', no link out
   `confined_path`      realpath containment check; `open_confined` / `read_confined` open with
@@ -14,16 +20,20 @@ Reading untrusted checkpoints (no path outside the checkpoint directory):
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import uuid
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from .errors import CheckpointError
 
-__all__ = ["SPARE_BYTES", "TRACKER_MAX_BYTES", "atomic_write", "confined_path", "fsync_dir",
-           "fsync_file", "make_spare", "open_confined", "pwrite_all", "read_confined",
-           "read_iteration", "release_spare", "replace_from_spare", "safe_join", "spare_path"]
+__all__ = ["SPARE_BYTES", "TRACKER_MAX_BYTES", "atomic_write", "claim_for_removal",
+           "confined_path", "fsync_dir", "fsync_file", "give_default_mode", "hold_for_reading",
+           "lock_path", "make_spare", "open_confined", "pwrite_all", "read_confined",
+           "read_iteration", "release_spare", "replace_from_spare", "safe_join", "spare_path",
+           "umask"]
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -115,6 +125,28 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask can only set it, and setting it
+    to read it races with threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)  # no /proc (not Linux): the only portable way
+    os.umask(old)
+    return old
+
+
+def give_default_mode(path: str) -> None:
+    """Give a file the permissions a plain open() would have created it with: 0o666 minus the
+    umask (0644 under umask 0022). For files written by libraries that create them 0600
+    (safetensors' save_file does), so teammates on a shared file system can read them."""
+    os.chmod(path, 0o666 & ~umask())
 
 
 def pwrite_all(fd: int, mv, offset: int) -> None:
@@ -229,3 +261,108 @@ def replace_from_spare(path: str, data: bytes, *, renew: bool = True) -> None:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
     if renew:
         make_spare(path)
+
+
+# ----------------------------------------------------------------------------- leases
+
+def lock_path(directory: str) -> str:
+    """The lock file of a checkpoint directory: ``.<name>.lock`` beside it."""
+    directory = os.path.abspath(directory)
+    return os.path.join(os.path.dirname(directory), f".{os.path.basename(directory)}.lock")
+
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF,
+             errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP)
+
+
+def _lock(path: str, how: int) -> Optional[int]:
+    """A descriptor of lock file `path` locked with flock(`how`); None if `how` is non-blocking
+    and another process holds a conflicting lock. OSError with an errno of `_NO_LOCKS` where the
+    file system cannot lock (or the directory is read-only). A lock file unlinked by its last
+    holder while we waited is not ours: we retry on the new one."""
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        try:
+            fcntl.flock(fd, how)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:
+            os.close(fd)
+            raise
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _unlock(fd: int, path: str) -> None:
+    """Release; the last holder removes the lock file (so none is left behind)."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+    except OSError:
+        pass  # someone else holds it: they remove it
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def hold_for_reading(directory: str) -> Iterator[None]:
+    """Every process that reads a checkpoint directory for long (a merge, a converter): while
+    the block runs, `claim_for_removal` of `directory` fails, in this process or another (locks
+    die with their process: a killed reader leaves nothing that blocks retention). Where locks
+    cannot be taken (a read-only directory, a file system without locks) the block runs
+    unprotected. Refused with CheckpointError if `directory` was removed before the lock."""
+    import fcntl
+
+    path = lock_path(directory)
+    try:
+        fd = _lock(path, fcntl.LOCK_SH)
+    except OSError as err:
+        if err.errno not in _NO_LOCKS:
+            raise
+        fd = None
+    if fd is not None and not os.path.isdir(directory):
+        _unlock(fd, path)
+        raise CheckpointError("the checkpoint was removed (by retention?) before it could be "
+                              "read", file=directory)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            _unlock(fd, path)
+
+
+@contextlib.contextmanager
+def claim_for_removal(directory: str) -> Iterator[bool]:
+    """Retention, for each directory it would remove: yields False while a reader holds it
+    (`hold_for_reading`; keep it for now), True otherwise (remove it inside the block: a reader
+    that starts meanwhile waits, then finds it gone). True as well where locks cannot be taken."""
+    import fcntl
+
+    path = lock_path(directory)
+    try:
+        fd = _lock(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in _NO_LOCKS:
+            raise
+        yield True
+        return
+    if fd is None:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        os.close(fd)

@@ -19,7 +19,7 @@ from datastates.layout import COMMIT_FILE
 from datastates.megatron_adapter import advance_tracker, open_source
 from datastates.megatron_adapter.paths import resolve_checkpoint_dir
 from datastates.universal import INDEX_FILE, MANIFEST_FILE, UniversalCheckpoint, write_universal
-from universal_fixtures import global_tensors, write_datastates_checkpoint
+from universal_fixtures import global_tensors, reseal, write_datastates_checkpoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
 INDEX, MARKER, SHARD = "index_r00000.json", "done_r00000.json", "shard_r00000.bin"
@@ -217,13 +217,15 @@ def ucopy(universal, tmp_path):
 
 
 def forge_universal_file(d, name, file):
-    """Point tensor `name` at `file` in both the weight_map and the manifest."""
+    """Point tensor `name` at `file` in both the weight_map and the manifest, and record their new
+    checksums in the commit marker (a consistent forgery: only the file-name checks stop it)."""
     index = _json(os.path.join(d, INDEX_FILE))
     index["weight_map"][name] = file
     _write(os.path.join(d, INDEX_FILE), index)
     manifest = _json(os.path.join(d, MANIFEST_FILE))
     manifest["tensors"][name]["file"] = file
     _write(os.path.join(d, MANIFEST_FILE), manifest)
+    reseal(d)
 
 
 def read_one(d, name):
@@ -261,6 +263,7 @@ def test_universal_weight_map_that_disagrees_with_the_manifest_is_refused(ucopy)
     other = next(f for f in sorted(set(index["weight_map"].values())) if f != file)
     index["weight_map"][name] = other
     _write(os.path.join(d, INDEX_FILE), index)
+    reseal(d)
     refused(lambda: UniversalCheckpoint(d), repr(other), repr(file), name, INDEX_FILE)
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, launch
+from universal_fixtures import reseal
 
 ARGS = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--train-iters", "2",
                                   "--use-distributed-optimizer"]
@@ -139,13 +140,15 @@ def plant_index_pickle(iter_dir, marker):
 
 
 def plant_universal_object(u_dir, value):
-    """A format-1 universal manifest whose first object is `value` as a torch_b64 pickle."""
+    """A format-1 universal manifest whose first object is `value` as a torch_b64 pickle (its
+    checksum recorded in the commit marker: only the pickle checks stop it)."""
     path = u_dir / "manifest.json"
     m = json.loads(path.read_text())
     key = sorted(m["objects"])[0]
     m["objects"][key] = {"torch_b64": base64.b64encode(_torch_bytes(value)).decode()}
     m["format_version"] = 1
     path.write_text(json.dumps(m))
+    reseal(str(u_dir))
     return key
 
 

@@ -18,6 +18,10 @@ def config(extra):
     ("--async-lazy-save --universal-checkpoint-interval 2", "it needs --async-lazy-save and --save"),
     ("--save /tmp/x --async-lazy-save --universal-save /tmp/u",
      "--universal-save needs --universal-checkpoint-interval N"),
+    ("--save /tmp/x --async-lazy-save --keep-last-n-universal 2",
+     "--keep-last-n-universal needs --universal-checkpoint-interval N"),
+    ("--save /tmp/x --async-lazy-save --universal-checkpoint-interval 1 --keep-last-n-universal 0",
+     "--keep-last-n-universal must be >= 1, got 0"),
 ])
 def test_bad_merge_flags_get_a_clear_error(extra, message):
     with pytest.raises(ArgumentError) as err:
@@ -27,6 +31,8 @@ def test_bad_merge_flags_get_a_clear_error(extra, message):
 
 def test_merge_flags_resolve_into_the_checkpoint_config():
     ckpt = config("--save /tmp/x --async-lazy-save --universal-checkpoint-interval 3 "
-                  "--universal-save /tmp/u").checkpoint
+                  "--universal-save /tmp/u --keep-last-n-universal 2").checkpoint
     assert ckpt.universal_checkpoint_interval == 3 and ckpt.universal_save == "/tmp/u"
-    assert config("--save /tmp/x --async-lazy-save").checkpoint.universal_checkpoint_interval is None
+    assert ckpt.keep_last_n_universal == 2
+    plain = config("--save /tmp/x --async-lazy-save").checkpoint
+    assert plain.universal_checkpoint_interval is None and plain.keep_last_n_universal is None

@@ -15,17 +15,10 @@ from datastates import CheckpointError, CheckpointReader
 from datastates.megatron_adapter import BackgroundMerger, MergerConfig, export_hf, open_source
 from datastates.universal import (INDEX_FILE, MANIFEST_FILE, UniversalCheckpoint, decode_value,
                                   is_committed, write_universal)
-from universal_fixtures import H, L, common_state, global_tensors, write_datastates_checkpoint
+from universal_fixtures import (H, L, common_state, global_tensors, source,  # noqa: F401
+                                write_datastates_checkpoint)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("src") / "iter_0000005")
-    tensors = global_tensors()
-    write_datastates_checkpoint(d, tensors)
-    return d, tensors
 
 
 def _universal_name(key):
@@ -204,9 +197,11 @@ def test_background_merger_runs_one_at_a_time_and_keeps_the_newest_waiting(sourc
     for it in (1, 2, 3, 4, 5, 6):  # commits 2, 4, 6 are merged; 4 waits and is replaced by 6
         merger.on_commit(it, d)
     assert merger.running.iteration == 2 and merger.pending.iteration == 6
+    assert merger.iterations_in_use() == [2, 6]  # what retention must keep meanwhile
     assert "skipped" in lines[0] and lines[0].startswith(" universal merge iteration        4")
     assert merger.running.proc.args[:3] == ["nice", "-n", "19"]
     merger.wait()
+    assert merger.iterations_in_use() == []
     assert [r["directory"] for r in merger.results] == [os.path.join(root, "iter_0000002"),
                                                         os.path.join(root, "iter_0000006")]
     assert all(is_committed(r["directory"]) for r in merger.results)

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from datastates import CheckpointEngine, CommitPolicy, EngineConfig, TensorShard
@@ -59,6 +60,16 @@ def common_state(iteration: int) -> dict:
             "content_metadata": {"distrib_optim_sharding_type": "fully_reshardable"}}
 
 
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """(iter_0000005 of a DataStates checkpoint with `global_tensors()`, those tensors), once per
+    test module (import it into the module to use it)."""
+    d = str(tmp_path_factory.mktemp("src") / "iter_0000005")
+    tensors = global_tensors()
+    write_datastates_checkpoint(d, tensors)
+    return d, tensors
+
+
 def write_datastates_checkpoint(directory: str, tensors: dict, iteration: int = 5,
                                 world: int = 2) -> None:
     """Every tensor split over `world` ranks along its last dimension (as TP splits columns),
@@ -91,3 +102,55 @@ def write_datastates_checkpoint(directory: str, tensors: dict, iteration: int = 
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "datastates", "sharded_backend_version": 1,
                    "common_backend": "torch", "common_backend_version": 1}, f)
+
+
+# ----------------------------------------------------------------- universal files, by hand
+
+def tensor_span(udir: str, name: str):
+    """(safetensors file, absolute byte offset, nbytes) of universal tensor `name`, read from
+    the file's own header (independently of the library's reader)."""
+    import struct
+
+    file = json.load(open(os.path.join(udir, "model.safetensors.index.json")))["weight_map"][name]
+    path = os.path.join(udir, file)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        begin, end = json.loads(f.read(n))[name]["data_offsets"]
+    return path, 8 + n + begin, end - begin
+
+
+def flip_byte(path: str, offset: int, mask: int = 0x40) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ mask]))
+
+
+def reseal(udir: str) -> None:
+    """After a deliberate edit of manifest.json or the index (a forgery, not damage): record their
+    new checksums in the commit marker, as a forger would."""
+    import crc32c
+
+    path = os.path.join(udir, "UNIVERSAL_COMMIT.json")
+    commit = json.load(open(path))
+    for field, name in (("manifest_crc32c", "manifest.json"),
+                        ("index_crc32c", "model.safetensors.index.json")):
+        if field in commit:
+            commit[field] = crc32c.crc32c(open(os.path.join(udir, name), "rb").read())
+    json.dump(commit, open(path, "w"))
+
+
+def strip_checksums(udir: str) -> None:
+    """Make `udir` look like a universal checkpoint written before checksums existed."""
+    path = os.path.join(udir, "manifest.json")
+    m = json.load(open(path))
+    m.pop("checksum")
+    for entry in m["tensors"].values():
+        entry.pop("crc32c")
+    json.dump(m, open(path, "w"), indent=1, sort_keys=True)
+    path = os.path.join(udir, "UNIVERSAL_COMMIT.json")
+    commit = json.load(open(path))
+    commit.pop("manifest_crc32c")
+    commit.pop("index_crc32c")
+    json.dump(commit, open(path, "w"))

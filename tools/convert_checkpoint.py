@@ -6,16 +6,23 @@
     python tools/convert_checkpoint.py to-torch-dist   SRC DST   # universal or DataStates -> torch_dist
     python tools/convert_checkpoint.py to-hf           SRC DST   # any of ours -> HF Llama or GPT-2
     python tools/convert_checkpoint.py inspect         PATH [--json]
-    python tools/convert_checkpoint.py upgrade-universal PATH    # format-1 universal: no pickles
+    python tools/convert_checkpoint.py upgrade-universal PATH    # older universal: no pickles,
+                                                                 # checksums added
 
 Reading a checkpoint never runs code from it: a file whose pickle names anything but tensors,
 containers, numbers, strings and numpy RNG states is refused, naming the file and the object.
 ``--allow-unsafe-pickle`` (every subcommand) reads such files with plain pickle: only for legacy
 files you trust.
 
-SRC may be an ``iter_XXXXXXX`` directory or a --save root (its tracker picks the iteration).
-Universal outputs are committed atomically; rerunning a finished merge does nothing (--overwrite
-rewrites it). Errors end with one line on stderr and exit status 2.
+SRC is what ``pretrain_gpt.py --load`` takes: an ``iter_XXXXXXX`` directory, or a root with a
+tracker (a --save root, a universal root such as ``SAVE/universal``; the tracker picks the
+iteration). to-hf also takes a --save root or checkpoint whose universal copy the background merge
+wrote (``SAVE/universal/iter_XXXXXXX``); when there is none, the error names what is missing and
+the command that makes it; the directory read is said on stdout. Every tensor read from a universal checkpoint is verified against its
+checksums. Universal outputs are committed atomically; rerunning a finished merge does nothing
+(--overwrite rewrites it); a failed conversion leaves nothing in its output. Files are written
+with the permissions the umask gives (0644 under 0022). Errors end with one line on stderr and
+exit status 2.
 """
 import argparse
 import json
@@ -49,13 +56,28 @@ class Progress:
         sys.stderr.flush()
 
 
+def _warn(message: str) -> None:
+    print(f"convert_checkpoint.py: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _located(found) -> str:
+    """The directory a converter reads, said on stdout when the path given was a root (stderr
+    keeps its one line for an error)."""
+    if found.note:
+        print(f"reading {found.directory} ({found.note})", flush=True)
+    return found.directory
+
+
 def _merge(args, kind):
     from datastates import CheckpointError
-    from datastates.megatron_adapter import open_source, paths
+    from datastates.megatron_adapter import locate, open_source
     from datastates.universal import write_universal
 
-    source = open_source(paths.resolve_checkpoint_dir(args.src),
-                         allow_unsafe_pickle=args.allow_unsafe_pickle)
+    found = locate(args.src)
+    if found.kind == "universal":
+        raise CheckpointError("this is already a universal checkpoint; to-hf, to-torch-dist and "
+                              "pretrain_gpt.py --load read it as it is", file=found.directory)
+    source = open_source(_located(found), allow_unsafe_pickle=args.allow_unsafe_pickle)
     try:
         if source.kind != kind:
             other = "merge" if source.kind == "datastates" else "from-torch-dist"
@@ -76,22 +98,26 @@ def _merge(args, kind):
 
 
 def _to_torch_dist(args):
-    from datastates.megatron_adapter import paths
-    from datastates.universal import is_universal
+    from datastates import CheckpointError
+    from datastates.megatron_adapter import locate
+    from datastates.megatron_adapter.merge import advance_tracker
 
-    src = args.src
-    if not is_universal(src):  # a DataStates iter dir, or a --save root whose tracker names one
-        src = paths.resolve_checkpoint_dir(src)
-    if not is_universal(src) and os.path.isfile(os.path.join(src, paths.METADATA_FILENAME)):
+    found = locate(args.src)
+    if found.kind not in ("datastates", "universal"):
+        raise CheckpointError(f"expected a DataStates checkpoint (--async-lazy-save) or a "
+                              f"universal one, found {found.kind}", file=found.directory)
+    if os.path.isdir(args.dst) and os.listdir(args.dst):
+        raise CheckpointError("output directory is not empty; choose a new one", file=args.dst)
+    if found.kind == "datastates":  # converted directly, without a universal merge
         from megatron.training.to_torch_dist import datastates_to_torch_dist as convert
     else:
         from megatron.training.from_universal import universal_to_torch_dist as convert
-    it = convert(src, args.dst, progress=Progress("to-torch-dist", False),
-                 allow_unsafe_pickle=args.allow_unsafe_pickle)
+    opts = {"warn": _warn} if found.kind == "universal" else {}
+    it = convert(_located(found), args.dst, progress=Progress("to-torch-dist", False),
+                 allow_unsafe_pickle=args.allow_unsafe_pickle, **opts)
     parent, name = os.path.split(os.path.abspath(args.dst))
     if name == f"iter_{it:07d}":  # a Megatron save root: make it loadable with --load parent
-        with open(os.path.join(parent, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(it))
+        advance_tracker(parent, it)  # never backwards: newer checkpoints there stay the latest
         print(f"torch_dist checkpoint of iteration {it} written to {args.dst}; --load {parent}")
     else:
         print(f"torch_dist checkpoint of iteration {it} written to {args.dst} (name it "
@@ -101,23 +127,32 @@ def _to_torch_dist(args):
 def _to_hf(args):
     import shutil
 
-    from datastates.megatron_adapter import export_hf, open_source, paths
-    from datastates.universal import is_universal, write_universal
+    from datastates import CheckpointError
+    from datastates.megatron_adapter import (export_hf, locate, locate_universal, open_source,
+                                             UNIVERSAL_KIND)
+    from datastates.universal import write_universal
 
-    src, scratch = args.src, None
-    if not is_universal(src):
-        src = paths.resolve_checkpoint_dir(src)
-    if not is_universal(src):  # DataStates or torch_dist: merge to a scratch universal first
+    scratch = None
+    try:
+        src = _located(locate_universal(args.src))
+    except CheckpointError:
+        found = locate(args.src)  # raises itself when the path names no checkpoint at all
+        if found.kind == UNIVERSAL_KIND or found.kind == "torch":
+            raise
+        # A DataStates or torch_dist checkpoint without a universal copy: merged to a scratch
+        # universal beside the output first, removed afterwards.
         scratch = os.path.abspath(args.dst).rstrip("/") + ".tmp-universal"
         shutil.rmtree(scratch, ignore_errors=True)
-        source = open_source(src, allow_unsafe_pickle=args.allow_unsafe_pickle)
+        print(f"{found.directory} has no universal copy: merging it to {scratch} first",
+              flush=True)
+        source = open_source(found.directory, allow_unsafe_pickle=args.allow_unsafe_pickle)
         try:
             src = write_universal(source, scratch, progress=Progress("merge", True)).directory
         finally:
             source.close()
     try:
         cfg = export_hf(src, args.dst, progress=Progress("to-hf", False),
-                        allow_unsafe_pickle=args.allow_unsafe_pickle)
+                        allow_unsafe_pickle=args.allow_unsafe_pickle, warn=_warn)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -135,11 +170,21 @@ def _inspect(args):
 
 
 def _upgrade(args):
-    from datastates.universal import upgrade_universal
+    from datastates import CheckpointError
+    from datastates.megatron_adapter import locate
+    from datastates.universal import add_checksums, upgrade_universal
 
-    n = upgrade_universal(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle)
-    print(f"{args.path}: rewrote {n} pickled object(s) without pickles" if n else
-          f"{args.path}: holds no pickles; nothing to do")
+    found = locate(args.path)
+    if found.kind != "universal":
+        raise CheckpointError(f"this is a {found.kind} checkpoint; upgrade-universal rewrites "
+                              "universal ones", file=found.directory)
+    path = _located(found)
+    n = upgrade_universal(path, allow_unsafe_pickle=args.allow_unsafe_pickle)
+    print(f"{path}: rewrote {n} pickled object(s) without pickles" if n else
+          f"{path}: holds no pickles; nothing to do")
+    n = add_checksums(path, allow_unsafe_pickle=args.allow_unsafe_pickle)
+    print(f"{path}: added the checksums of {n} tensor(s), as their files are now" if n else
+          f"{path}: has checksums; nothing to do")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("upgrade-universal",
-                       help="rewrite a format-1 universal checkpoint's pickled objects as JSON")
+                       help="rewrite an older universal checkpoint: pickled objects as JSON, "
+                            "checksums added for the files as they are now")
     s.add_argument("path")
     for s in sub.choices.values():
         s.add_argument("--allow-unsafe-pickle", action="store_true",

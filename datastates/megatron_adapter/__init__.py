@@ -18,6 +18,8 @@ public API, nothing else. What lives here:
   inspect.py           what a checkpoint holds
   hf_export.py, hf_llama.py, hf_common.py
                        universal -> Hugging Face GPT-2 or Llama (safetensors + config.json)
+  resolve.py           what a path given to a converter names (what --load takes), and what is
+                       missing when it names nothing usable
 
 Names are resolved lazily (PEP 562), so `paths`, the merge process and the tools do not pay for
 importing megatron-core unless they use a strategy.
@@ -47,6 +49,8 @@ _EXPORTS = {
     "BackgroundMerger": "background_merge", "MergeQueue": "background_merge",
     "MergerConfig": "background_merge",
     "describe": "inspect", "render": "inspect", "export_hf": "hf_export",
+    "Located": "resolve", "locate": "resolve", "locate_universal": "resolve",
+    "UNIVERSAL_KIND": "resolve",
     "expand_local_dir": "local_tier",
 }
 _RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand"}

@@ -8,6 +8,7 @@ Call order (one process, e.g. rank 0 of the trainer):
   1) `on_commit(iteration, directory)` after each checkpoint is committed (every N-th is merged);
   2) `poll()` now and then (e.g. every iteration): reaps a finished merge, starts the pending one;
   3) `wait()` before exiting: lets the running and the pending merge finish.
+Retention asks `iterations_in_use()` (any time) which sources it must keep.
 The merge runs as ``nice -n <nice> [ionice -c 3] python -m datastates.megatron_adapter.merge``: a process,
 not a thread, so its reads, copies and writes never hold the trainer's GIL, and the scheduler
 gives it only the CPU and disk time training leaves idle.
@@ -111,6 +112,11 @@ class BackgroundMerger:
         if self.running is None and self.pending is not None:
             job, self.pending = self.pending, None
             self._start(job)
+
+    def iterations_in_use(self) -> List[int]:
+        """The sources of the running and the waiting merge, which retention must keep: the
+        merge process holds its source (`fileio.hold_for_reading`) only once it has started."""
+        return [job.iteration for job in (self.running, self.pending) if job is not None]
 
     # 3) ---------------------------------------------------------------------------------------
     def wait(self) -> None:

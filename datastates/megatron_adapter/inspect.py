@@ -5,14 +5,18 @@ import json
 import os
 from typing import Any, Dict
 
-from ..universal import DTYPE_NAMES, UniversalCheckpoint, is_universal
+from ..universal import DTYPE_NAMES, UniversalCheckpoint
+from .resolve import UNIVERSAL_KIND, locate
 from .merge_sources import open_source
-from .paths import resolve_checkpoint_dir
 
 
 def describe(path: str, allow_unsafe_pickle: bool = False) -> Dict[str, Any]:
-    directory = resolve_checkpoint_dir(path)
-    if is_universal(directory):
+    """What the checkpoint `path` names (anything `locate` takes) holds. Reads metadata only:
+    a universal checkpoint's manifest and index are verified against its commit marker, its
+    tensor data is not read."""
+    found = locate(path)
+    directory = found.directory
+    if found.kind == UNIVERSAL_KIND:
         with UniversalCheckpoint(directory, allow_unsafe_pickle=allow_unsafe_pickle) as u:
             m = u.manifest
             tensors = {n: {"dtype": e["dtype"], "shape": e["shape"], "role": e["role"],
@@ -25,6 +29,8 @@ def describe(path: str, allow_unsafe_pickle: bool = False) -> Dict[str, Any]:
                     "layout": m["source"]["layout"], "source_format": m["source"]["format"],
                     "optimizer": None if opt is None else {"flavor": opt["flavor"],
                                                            "step": opt["step"]},
+                    "checksums": (f"crc32c per {u.chunk_bytes}-byte chunk" if u.checksummed
+                                  else "none (written before checksums existed)"),
                     "files": len(set(u.weight_map.values())), "tensors": tensors}
     source = open_source(directory, allow_unsafe_pickle=allow_unsafe_pickle)
     try:
@@ -62,6 +68,8 @@ def render(info: Dict[str, Any]) -> str:
              f"layout:      {info['layout']}"]
     if "optimizer" in info:
         lines.append(f"optimizer:   {info['optimizer']}")
+    if "checksums" in info:
+        lines.append(f"checksums:   {info['checksums']}")
     lines.append(f"tensors:     {len(info['tensors'])}, {total} bytes ({total / 2**20:.1f} MiB) in "
                  f"{info['files']} files")
     width = max((len(n) for n in info["tensors"]), default=0)

@@ -10,7 +10,9 @@
         COMMIT.json                       DataStates only: every rank's shards are durable
         mp_rank_00[_001]/model_optim_rng.pt, distrib_optim.pt   the legacy torch format instead
 
-Needs no megatron import: the trainer, the tools and the background merge all use it. Every name
+A universal root (``SAVE/universal``) has the same tracker and ``iter_XXXXXXX`` names; its
+directories count as complete once committed. Needs no megatron import: the trainer, the tools
+and the background merge all use it. Every name
 read from a checkpoint (the tracker, directory listings) is confined to the root (`fileio`).
 """
 from __future__ import annotations
@@ -156,10 +158,12 @@ def saved_common(directory: str, allow_unsafe_pickle: bool = False) -> dict:
 
 def is_complete(directory: str) -> bool:
     """A dist_checkpointing checkpoint whose save finished: metadata.json present and, for
-    DataStates checkpoints, the commit marker too."""
+    DataStates checkpoints, the commit marker too; or a committed universal checkpoint."""
     backend = sharded_backend(directory)
     if backend is None:
-        return False
+        from ..universal import is_committed as universal_committed
+
+        return universal_committed(directory)
     return backend != Format.DATASTATES.value or is_committed(directory)
 
 

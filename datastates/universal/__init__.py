@@ -1,7 +1,8 @@
 """Universal checkpoints: parallelism-agnostic safetensors + manifest (framework-agnostic).
 
 This package is the format: what is on disk (`format`), how small objects are stored without
-pickles (`objects`), and how any `MergeSource` is written atomically (`writer`). Reading a
+pickles (`objects`), how tensor files are read and verified per chunk (`tensor_files`), and how
+any `MergeSource` is written atomically (`writer`). Reading a
 Megatron checkpoint into it (sources, merge CLI, background merge, inspect, Hugging Face export)
 is on the Megatron side: `datastates.megatron_adapter`.
 
@@ -10,16 +11,17 @@ is on the Megatron side: `datastates.megatron_adapter`.
         box = u.read("decoder.layers.mlp.linear_fc1.weight", (0, 0, 0), (1, 128, 64))
 """
 from .format import (COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, Entry,
-                     Role, TensorInfo, UniversalCheckpoint, is_committed, is_universal, split_name,
-                     tensor_name)
+                     Role, TensorInfo, UniversalCheckpoint, is_committed, is_universal, read_commit,
+                     split_name, tensor_name, unchecked_warning)
 from .objects import DTYPE_NAMES, decode_object, decode_value, encode_object, encode_value, \
     upgrade_command
-from .writer import (MergeResult, MergeSource, remove_stale_temporaries, upgrade_universal,
-                     write_json, write_universal)
+from .tensor_files import CHUNK_BYTES
+from .writer import (MergeResult, MergeSource, add_checksums, remove_stale_temporaries,
+                     upgrade_universal, write_json, write_universal)
 
-__all__ = ["COMMIT_FILE", "DTYPE_NAMES", "Entry", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE",
-           "MANIFEST_FILE", "MergeResult", "MergeSource", "Role", "TensorInfo",
-           "UniversalCheckpoint", "decode_object", "decode_value", "encode_object",
-           "encode_value", "is_committed", "is_universal", "remove_stale_temporaries",
-           "split_name", "tensor_name", "upgrade_command", "upgrade_universal", "write_json",
-           "write_universal"]
+__all__ = ["CHUNK_BYTES", "COMMIT_FILE", "DTYPE_NAMES", "Entry", "FORMAT_NAME", "FORMAT_VERSION",
+           "INDEX_FILE", "MANIFEST_FILE", "MergeResult", "MergeSource", "Role", "TensorInfo",
+           "UniversalCheckpoint", "add_checksums", "decode_object", "decode_value",
+           "encode_object", "encode_value", "is_committed", "is_universal", "read_commit",
+           "remove_stale_temporaries", "split_name", "tensor_name", "unchecked_warning",
+           "upgrade_command", "upgrade_universal", "write_json", "write_universal"]

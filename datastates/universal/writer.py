@@ -7,12 +7,14 @@ Order (one process):
   1) plan the tensors and group them into files of at most `max_file_bytes` (a tensor larger than
      that gets a file of its own);
   2) write every safetensors file into ``<dst>.tmp-<pid>/``, one file's tensors in memory at a
-     time, each fsynced;
-  3) write the index and the manifest (fsynced), then the commit marker, fsync the directory;
+     time, each fsynced, with the CRC-32C of every 1 MiB chunk of every tensor (`tensor_files`);
+  3) write the index and the manifest (with the checksums; fsynced), then the commit marker
+     (with the CRC-32C of both), fsync the directory;
   4) rename the temporary directory to ``<dst>`` and fsync the parent.
 A process killed anywhere before 4) leaves only a ``.tmp-`` directory, which no reader accepts and
-the next merge into the same parent removes. A committed ``<dst>`` is never rewritten unless asked,
-so running the same merge twice is a no-op.
+the next merge into the same parent removes; a merge that fails (a damaged source, a full disk)
+removes its own. A committed ``<dst>`` is never rewritten unless asked, so running the same merge
+twice is a no-op. Files get the permissions open() gives (0644 under umask 0022).
 """
 from __future__ import annotations
 
@@ -29,10 +31,12 @@ import torch
 
 from ..errors import CheckpointError
 from ..faults import fault_point
-from ..fileio import fsync_dir, fsync_file
+from ..fileio import atomic_write, fsync_dir, fsync_file, give_default_mode, hold_for_reading, \
+    read_confined
 from .format import COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, Entry, \
-    UniversalCheckpoint, is_committed, shard_file_name
+    UniversalCheckpoint, is_committed, read_commit, shard_file_name
 from .objects import DTYPE_NAMES, encode_object
+from .tensor_files import CHUNK_BYTES, checksum_fields, chunk_checksums, crc32c, tensor_bytes
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current tensor)
 
@@ -98,12 +102,14 @@ def group_files(entries: List[Entry], max_file_bytes: int) -> List[List[Entry]]:
     return [g for g in groups if g]
 
 
-def write_json(path: str, doc) -> None:
-    """A JSON file, fsync'd (inside a temporary directory renamed later)."""
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
+def write_json(path: str, doc) -> bytes:
+    """A JSON file, fsync'd (inside a temporary directory renamed later); returns its bytes."""
+    raw = json.dumps(doc, indent=1, sort_keys=True).encode()
+    with open(path, "wb") as f:
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
+    return raw
 
 
 def _encode_named(key: str, value: Any) -> dict:
@@ -114,10 +120,35 @@ def _encode_named(key: str, value: Any) -> dict:
                               f"{err.reason}", tensor=key) from None
 
 
-def _tensor_table(entries: List[Entry], weight_map: Dict[str, str]) -> Dict[str, dict]:
+def _tensor_table(entries: List[Entry], weight_map: Dict[str, str],
+                  crcs: Dict[str, List[int]]) -> Dict[str, dict]:
     return {e.name: {"role": e.role.value, "param": e.key, "source_key": e.source_key,
                      "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
-                     "file": weight_map[e.name]} for e in entries}
+                     "file": weight_map[e.name], "crc32c": crcs[e.name]} for e in entries}
+
+
+def new_commit_marker(iteration: int, files: int, total: int, manifest: bytes,
+                      index: bytes) -> dict:
+    """The commit marker's content: what readers check first (format, and the checksums of the
+    manifest and the index, which hold everything else's)."""
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "iteration": iteration,
+            "files": files, "total_size": total, "time": time.time(),
+            "manifest_crc32c": crc32c(manifest), "index_crc32c": crc32c(index)}
+
+
+def publish(tmp: str, dst: str) -> None:
+    """Rename the finished temporary directory `tmp` to `dst` and fsync the parent. Something
+    already at `dst` (a committed checkpoint being overwritten, or an uncommitted leftover) is
+    moved aside first and removed after, so `dst` never holds a mix of both."""
+    parent = os.path.dirname(dst)
+    aside = None
+    if os.path.exists(dst):
+        aside = f"{dst}.tmp-replaced-{os.getpid()}"
+        os.rename(dst, aside)
+    os.rename(tmp, dst)
+    fsync_dir(parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def remove_stale_temporaries(dst: str) -> None:
@@ -128,11 +159,13 @@ def remove_stale_temporaries(dst: str) -> None:
 
 def write_universal(source: MergeSource, dst: str, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                     progress: Optional[Progress] = None, overwrite: bool = False,
-                    max_bytes_per_s: Optional[float] = None) -> MergeResult:
+                    max_bytes_per_s: Optional[float] = None,
+                    chunk_bytes: int = CHUNK_BYTES) -> MergeResult:
     """Merge `source` into the universal checkpoint `dst` and commit it (see module docstring).
 
     `max_bytes_per_s` throttles a background merge so its reads and writes leave the disk to
-    the training job's own checkpoints."""
+    the training job's own checkpoints. `chunk_bytes`: the piece each checksum covers (readers
+    take it from the manifest)."""
     t0 = time.perf_counter()
     iteration = source.iteration()
     dst = os.path.abspath(dst)
@@ -141,19 +174,38 @@ def write_universal(source: MergeSource, dst: str, *, max_file_bytes: int = DEFA
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     remove_stale_temporaries(dst)
-    # Small objects first: a forged or unreadable one fails the merge before any tensor is read.
-    objects = {k: _encode_named(k, v) for k, v in sorted(source.objects().items())}
-    entries = source.entries()
-    groups = group_files(entries, max_file_bytes)
-    weight_map = {e.name: shard_file_name(i + 1, len(groups))
-                  for i, g in enumerate(groups) for e in g}
-    total = sum(e.nbytes for e in entries)
     tmp = f"{dst}.tmp-{os.getpid()}"
-    os.makedirs(tmp)
+    # Retention (of this process or another) keeps the source until the merge is done.
+    with hold_for_reading(source.directory):
+        # Small objects first: a forged or unreadable one fails the merge before any tensor is
+        # read.
+        objects = {k: _encode_named(k, v) for k, v in sorted(source.objects().items())}
+        entries = source.entries()
+        groups = group_files(entries, max_file_bytes)
+        weight_map = {e.name: shard_file_name(i + 1, len(groups))
+                      for i, g in enumerate(groups) for e in g}
+        total = sum(e.nbytes for e in entries)
+        os.makedirs(tmp)
+        try:
+            _write_files(source, tmp, entries, groups, weight_map, objects, iteration, total,
+                         t0, progress, max_bytes_per_s, chunk_bytes)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed merge leaves nothing behind
+            raise
+    publish(tmp, dst)
+    return MergeResult(dst, iteration, total, time.perf_counter() - t0, skipped=False)
+
+
+def _write_files(source: MergeSource, tmp: str, entries: List[Entry], groups: List[List[Entry]],
+                 weight_map: Dict[str, str], objects: dict, iteration: int, total: int, t0: float,
+                 progress: Optional[Progress], max_bytes_per_s: Optional[float],
+                 chunk_bytes: int) -> None:
+    """Steps 2) and 3) of the module docstring, into the temporary directory `tmp`."""
+    from safetensors.torch import save_file
+
+    crcs: Dict[str, List[int]] = {}
     done = 0
     for i, group in enumerate(groups):
-        from safetensors.torch import save_file
-
         tensors: Dict[str, torch.Tensor] = {}
         for e in group:
             t = source.read(e.source_key)
@@ -164,6 +216,7 @@ def write_universal(source: MergeSource, dst: str, *, max_file_bytes: int = DEFA
             # Every read returns fresh memory (safetensors refuses tensors that share storage,
             # e.g. an fp32 weight and its main-weight copy read from the same source key).
             tensors[e.name] = t.contiguous()
+            crcs[e.name] = chunk_checksums(tensor_bytes(tensors[e.name]), chunk_bytes)
             done += e.nbytes
             if max_bytes_per_s:
                 ahead = done / max_bytes_per_s - (time.perf_counter() - t0)
@@ -173,34 +226,48 @@ def write_universal(source: MergeSource, dst: str, *, max_file_bytes: int = DEFA
                 progress(done, total, e.name)
         path = os.path.join(tmp, shard_file_name(i + 1, len(groups)))
         save_file(tensors, path, metadata={"format": "pt", "producer": FORMAT_NAME})
+        give_default_mode(path)
         fsync_file(path)
         del tensors
         if i == 0:  # crash tests: a kill here leaves a half-written .tmp- directory
             fault_point("merge", iteration, 0)
-    write_json(os.path.join(tmp, INDEX_FILE),
-                {"metadata": {"total_size": total, "format": FORMAT_NAME,
-                              "format_version": FORMAT_VERSION}, "weight_map": weight_map})
-    write_json(os.path.join(tmp, MANIFEST_FILE),
-                dict(source.manifest_fields(), format=FORMAT_NAME, format_version=FORMAT_VERSION,
-                     objects=objects, tensors=_tensor_table(entries, weight_map)))
+    index = write_json(os.path.join(tmp, INDEX_FILE),
+                       {"metadata": {"total_size": total, "format": FORMAT_NAME,
+                                     "format_version": FORMAT_VERSION}, "weight_map": weight_map})
+    manifest = write_json(os.path.join(tmp, MANIFEST_FILE),
+                          dict(source.manifest_fields(), format=FORMAT_NAME,
+                               format_version=FORMAT_VERSION, objects=objects,
+                               checksum=checksum_fields(chunk_bytes),
+                               tensors=_tensor_table(entries, weight_map, crcs)))
     write_json(os.path.join(tmp, COMMIT_FILE),
-                {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "iteration": iteration,
-                 "files": len(groups), "total_size": total, "time": time.time()})
+               new_commit_marker(iteration, len(groups), total, manifest, index))
     fsync_dir(tmp)
-    if os.path.exists(dst):  # an uncommitted leftover with the final name (written by hand?)
-        shutil.rmtree(dst)
-    os.rename(tmp, dst)
-    fsync_dir(parent)
-    return MergeResult(dst, iteration, total, time.perf_counter() - t0, skipped=False)
+
+
+def rewrite_manifest(directory: str, manifest: dict) -> None:
+    """Replace the manifest of the committed universal checkpoint `directory` so that a crash
+    anywhere leaves a checkpoint that loads: 1) the commit marker loses the manifest's checksum
+    (the old manifest still loads, unverified); 2) the new manifest replaces the old atomically;
+    3) the commit marker gets the new manifest's checksum and format version."""
+    commit_path = os.path.join(directory, COMMIT_FILE)
+    commit = read_commit(directory)
+    if commit is None:
+        raise CheckpointError(f"not a committed universal checkpoint (no valid {COMMIT_FILE})",
+                              file=directory)
+    commit.pop("manifest_crc32c", None)
+    atomic_write(commit_path, json.dumps(commit, indent=1, sort_keys=True).encode())
+    raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    atomic_write(os.path.join(directory, MANIFEST_FILE), raw)
+    commit.update(manifest_crc32c=crc32c(raw), format_version=FORMAT_VERSION)
+    atomic_write(commit_path, json.dumps(commit, indent=1, sort_keys=True).encode())
 
 
 def upgrade_universal(directory: str, allow_unsafe_pickle: bool = False) -> int:
     """Rewrite a format-1 universal checkpoint's manifest so that its objects hold no pickles
     (format 2); tensors are untouched. Pickles `weights_only=True` can read are converted without
     the opt-in; any other needs `allow_unsafe_pickle` (the file is then trusted, its code runs).
-    The manifest is replaced atomically, then the commit marker's version: a crash in between
-    leaves a checkpoint that loads. Returns how many objects were rewritten (0: nothing to do)."""
-    from ..fileio import atomic_write
+    The manifest is replaced with `rewrite_manifest` (a crash leaves a checkpoint that loads).
+    Returns how many objects were rewritten (0: nothing to do)."""
     from .objects import decode_object, decode_value, encode_object, encode_value, legacy_pickles
 
     manifest_path = os.path.join(directory, MANIFEST_FILE)
@@ -217,10 +284,27 @@ def upgrade_universal(directory: str, allow_unsafe_pickle: bool = False) -> int:
     if in_common:
         m["megatron_common"] = encode_value(decode_value(m["megatron_common"], **opts))
     m["format_version"] = FORMAT_VERSION
-    atomic_write(manifest_path, json.dumps(m, indent=1, sort_keys=True).encode())
-    commit_path = os.path.join(directory, COMMIT_FILE)
-    with open(commit_path) as f:
-        commit = json.load(f)
-    commit["format_version"] = FORMAT_VERSION
-    atomic_write(commit_path, json.dumps(commit, indent=1, sort_keys=True).encode())
+    rewrite_manifest(directory, m)
     return len(pickled) + int(in_common)
+
+
+def add_checksums(directory: str, allow_unsafe_pickle: bool = False) -> int:
+    """Give a universal checkpoint written before checksums existed the CRC-32C of every chunk of
+    its tensors, as its files are now (damage that happened before cannot be detected), and the
+    commit marker the checksum of its index and manifest. Returns how many tensors were
+    checksummed (0: it had checksums already)."""
+    with UniversalCheckpoint(directory, allow_unsafe_pickle=allow_unsafe_pickle) as u:
+        if u.checksummed:
+            return 0
+        m = dict(u.manifest)
+        m["tensors"] = {name: dict(entry, crc32c=u.file_checksums(name, CHUNK_BYTES))
+                        for name, entry in u.manifest["tensors"].items()}
+    m["checksum"] = checksum_fields(CHUNK_BYTES)
+    commit = read_commit(directory)
+    if commit is not None and "index_crc32c" not in commit:
+        index = read_confined(os.path.join(directory, INDEX_FILE), what=INDEX_FILE)
+        commit["index_crc32c"] = crc32c(index)
+        atomic_write(os.path.join(directory, COMMIT_FILE),
+                     json.dumps(commit, indent=1, sort_keys=True).encode())
+    rewrite_manifest(directory, m)
+    return len(m["tensors"])

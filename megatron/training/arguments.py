@@ -265,6 +265,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "(any-layout) checkpoint in a background low-priority process")
     g.add_argument("--universal-save", type=str, default=None,
                    help="root of the universal checkpoints (default: <save>/universal)")
+    g.add_argument("--keep-last-n-universal", type=int, default=None,
+                   help="keep only the newest N universal checkpoints under the universal root "
+                        "(one a merge or a converter still reads is kept until it is done)")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -488,6 +491,10 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
                  "merges --async-lazy-save checkpoints; it needs --async-lazy-save and --save")
     _require(a.universal_save is None or a.universal_checkpoint_interval is not None,
              "--universal-save needs --universal-checkpoint-interval N")
+    _require(a.keep_last_n_universal is None or a.universal_checkpoint_interval is not None,
+             "--keep-last-n-universal needs --universal-checkpoint-interval N")
+    _require(a.keep_last_n_universal is None or a.keep_last_n_universal > 0,
+             f"--keep-last-n-universal must be >= 1, got {a.keep_last_n_universal}")
     _require(a.keep_last_n_checkpoints is None or a.keep_last_n_checkpoints > 0,
              f"--keep-last-n-checkpoints must be >= 1, got {a.keep_last_n_checkpoints}")
     _require(not a.async_save or a.ckpt_format == "torch_dist",
@@ -777,7 +784,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         allow_unsafe_pickle=a.allow_unsafe_pickle,
         ckpt_drain_timeout=a.ckpt_drain_timeout,
         universal_checkpoint_interval=a.universal_checkpoint_interval,
-        universal_save=a.universal_save)
+        universal_save=a.universal_save, keep_last_n_universal=a.keep_last_n_universal)
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
         tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size,

@@ -91,8 +91,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                      "yet, starting from scratch")
         return False
     iteration = _read_tracker(ckpt.load)
-    if ckpt.ckpt_fallback_to_previous and \
-            not _is_universal(paths.checkpoint_dir(ckpt.load, iteration)):
+    if ckpt.ckpt_fallback_to_previous:  # universal roots too: their checksums are verified
         iteration = newest_intact(ckpt.load, iteration, config)
     directory = paths.checkpoint_dir(ckpt.load, iteration)
     if not os.path.isdir(directory):
@@ -188,15 +187,22 @@ def _read_tracker(root: str) -> int:
         raise CheckpointError(err.reason, path=err.file) from err
 
 
-def _is_universal(directory: str) -> bool:
-    return os.path.isdir(directory) and is_universal(directory)
-
-
 def _load_if_universal(state: TrainState, config: RunConfig, directory: str) -> bool:
     if not is_universal(directory):
         return False
-    load_universal(state, config, directory)
+    load_universal(state, config, directory, damage_hint=lambda: _universal_hint(directory))
     return True
+
+
+def _universal_hint(directory: str) -> str:
+    """`damage_hint` for an iteration of a universal root (nothing for a lone directory)."""
+    try:
+        root, iteration = _split(directory)
+    except datastates.CheckpointError:
+        return ""
+    if not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
+        return ""
+    return damage_hint(root, iteration)
 
 
 def _layout_of(saved: dict) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -133,8 +133,18 @@ class CheckpointManager:
 
     def _after_commit(self, iteration: int) -> None:
         """Rank 0, right after the tracker moved to `iteration`: retention. Saves still in
-        flight are newer than `iteration`, so retention never reaches them."""
-        apply_retention(self.ckpt.save, self.ckpt.keep_last_n_checkpoints, iteration)
+        flight are newer than `iteration`, so retention never reaches them; checkpoints that
+        `_in_use` names or another process reads are kept for now."""
+        done = apply_retention(self.ckpt.save, self.ckpt.keep_last_n_checkpoints, iteration,
+                               in_flight=self._in_use())
+        if done.kept_in_use:
+            print_rank_0(f"retention: keeping iteration(s) {done.kept_in_use} under "
+                         f"{self.ckpt.save} for now: a merge or a converter is reading them")
+
+    def _in_use(self) -> List[int]:
+        """Rank 0: iterations under --save that retention must keep for now although they are
+        old enough to go (e.g. the source of a merge that waits or is starting)."""
+        return []
 
 
 def _directory_bytes(directory: str) -> int:

@@ -4,7 +4,8 @@
   1) candidates: the iteration the tracker names, then every older complete one, newest first;
   2) every rank verifies its share of a candidate (for DataStates checkpoints: every tensor of the
      saved ranks r with r % world == rank, all checksums; plus metadata.json, common.pt and the
-     model shape);
+     model shape; for universal ones: the manifest and index against the commit marker, the model
+     shape, and every chunk of the tensors i with i % world == rank);
   3) one all-reduce: the first candidate intact on every rank is loaded. Verifying first (instead
      of catching a failed load) keeps the ranks in step: a load that fails on one rank only would
      leave the others waiting in megatron's collectives.
@@ -16,9 +17,11 @@ import torch.distributed as dist
 from datastates import CheckpointReader
 from datastates import control_plane
 from datastates.megatron_adapter import paths
+from datastates.universal import is_universal
 
 from megatron.training.checkpoint_contents import CheckpointError, check_model_shape, \
     saved_run_config
+from megatron.training.from_universal import verify_universal_share
 from megatron.training.log import print_rank_0
 
 
@@ -35,6 +38,9 @@ def damage_hint(root: str, iteration: int) -> str:
 
 def verify_local_share(directory: str, config) -> None:
     """Raise CheckpointError if this rank's share of `directory` is damaged (see module doc)."""
+    if is_universal(directory):  # a universal root's iteration: tensors shared out by rank
+        verify_universal_share(directory, config, dist.get_rank(), dist.get_world_size())
+        return
     fmt = paths.detect_format(directory)
     if fmt is not paths.Format.TORCH and paths.sharded_backend(directory) is None:
         raise CheckpointError(f"{paths.METADATA_FILENAME} is unreadable or names no sharded "

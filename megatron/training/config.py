@@ -304,6 +304,9 @@ class CheckpointConfig:
     universal_save: Optional[str] = None
     """Root of the merged universal checkpoints (None: <save>/universal); --load it to resume at
     any TP/PP/DP."""
+    keep_last_n_universal: Optional[int] = None
+    """Keep only the newest N universal checkpoints under the universal root (None: keep all);
+    one that a merge or a converter still reads is kept until it is done."""
 
 
 @dataclass(frozen=True)

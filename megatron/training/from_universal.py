@@ -12,6 +12,8 @@ sharded state dict:
   3) the common state (iteration, counters, scheduler, param groups, step, fp16's loss scaler)
      comes from the manifest, in the form this run's optimizer expects, and everything is applied as any other
      checkpoint would be (`apply_loaded_state_dict`). RNG states are per rank and not restored.
+Every byte read is verified against the checkpoint's per-chunk checksums (`datastates.universal`);
+`verify_universal_share` verifies a whole checkpoint, shared out over the ranks, for the fallback.
 """
 from __future__ import annotations
 
@@ -21,11 +23,15 @@ import tempfile
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 import datastates
+from datastates import control_plane
+from datastates.fileio import hold_for_reading
 from datastates.megatron_adapter import read_sharded_tensor
 from datastates.safe_load import UnsafePickleError
-from datastates.universal import Role, UniversalCheckpoint, split_name, tensor_name
+from datastates.universal import Role, UniversalCheckpoint, split_name, tensor_name, \
+    unchecked_warning
 
 from megatron.training.checkpoint_contents import (
     CheckpointError,
@@ -118,30 +124,68 @@ def _apply_common(loaded: dict, m: dict, load_optim: bool, distributed: bool,
         holder.setdefault("state", {})["common_step"] = torch.tensor(step, dtype=torch.float32)
 
 
-def load_universal(state: TrainState, config: RunConfig, directory: str) -> None:
-    """Every rank: restore `state` from the universal checkpoint `directory` at this run's
-    layout (see the module docstring for the order)."""
-    ckpt = config.checkpoint
+def open_universal(directory: str, config: RunConfig,
+                   damage_hint: Callable[[], str] = lambda: "") -> UniversalCheckpoint:
+    """Every rank: the universal checkpoint `directory`, its model checked against this run's
+    (the trainer's CheckpointError on failure, with `damage_hint()` appended when a file is
+    damaged); rank 0 warns about one without checksums."""
     try:
-        u = UniversalCheckpoint(directory, allow_unsafe_pickle=ckpt.allow_unsafe_pickle)
-    except datastates.CheckpointError as err:
+        u = UniversalCheckpoint(directory,
+                                allow_unsafe_pickle=config.checkpoint.allow_unsafe_pickle)
+    except UnsafePickleError as err:
         raise CheckpointError(str(err), path=directory) from err
-    with u:
+    except datastates.CheckpointError as err:
+        raise CheckpointError(str(err) + damage_hint(), path=directory) from err
+    try:
+        check_model_shape(json.dumps({"model": u.manifest["model_config"]}), config, directory)
+    except BaseException:
+        u.close()
+        raise
+    if not u.checksummed:
+        print_rank_0("WARNING: " + unchecked_warning(directory))
+    return u
+
+
+def verify_universal_share(directory: str, config: RunConfig, rank: int, world: int) -> None:
+    """Every rank, for --ckpt-fallback-to-previous: the checksums of every chunk of the tensors
+    i with i % world == rank (together the ranks verify every tensor once)."""
+    with open_universal(directory, config) as u:
+        for i, name in enumerate(u.names()):
+            if i % world == rank:
+                u.verify(name)
+
+
+def load_universal(state: TrainState, config: RunConfig, directory: str,
+                   damage_hint: Callable[[], str] = lambda: "") -> None:
+    """Every rank: restore `state` from the universal checkpoint `directory` at this run's
+    layout (see the module docstring for the order). Each rank verifies the checksums of what
+    it reads; the ranks agree before applying anything, so a box damaged on one rank fails the
+    load on every rank (none is left waiting in a collective). `damage_hint()` says what to do
+    about a damaged file (e.g. the older checkpoints to fall back to)."""
+    ckpt = config.checkpoint
+    with open_universal(directory, config, damage_hint) as u:
         m = u.manifest
-        check_model_shape(json.dumps({"model": m["model_config"]}), config, directory)
         load_optim = ckpt.load_optim and not ckpt.finetune and m["optimizer"] is not None
         distributed = config.parallel.use_distributed_optimizer
         if load_optim and distributed:
             init_distributed_optimizer_state(state.optimizer)
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=False)
+        error: Optional[BaseException] = None
         try:
             loaded = _fill(sd, u)
         except UnsafePickleError:
-            raise  # names the manifest, the object and the command that rewrites it
+            raise  # the same on every rank (objects are read by all): names the manifest
         except datastates.CheckpointError as err:
-            raise CheckpointError(f"could not load the universal checkpoint: {err}",
-                                  path=directory) from err
+            error = CheckpointError(f"could not load the universal checkpoint: {err}"
+                                    + damage_hint(), path=directory)
+            error.__cause__ = err
+        (ok,) = control_plane.all_reduce([0 if error is not None else 1], op=dist.ReduceOp.MIN)
+        if error is not None:
+            raise error
+        if not ok:
+            raise CheckpointError("could not load the universal checkpoint: another rank found "
+                                  "it damaged (see that rank's error)", path=directory)
         _apply_common(loaded, m, load_optim, distributed, u.megatron_common)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=False,
                                    finetune=ckpt.finetune,
@@ -167,14 +211,20 @@ def single_process_group() -> None:
 
 def universal_to_torch_dist(universal_dir: str, out_dir: str,
                             progress: Optional[Callable[[int, int, str], None]] = None,
-                            allow_unsafe_pickle: bool = False) -> int:
+                            allow_unsafe_pickle: bool = False,
+                            warn: Optional[Callable[[str], None]] = None) -> int:
     """Write the universal checkpoint as a megatron ``torch_dist`` checkpoint in `out_dir` (an
     ``iter_XXXXXXX`` directory), with the source's own key spelling and common state, so that
-    a round trip reproduces the source. Returns the iteration."""
+    a round trip reproduces the source. Every tensor is read (and its checksums verified) before
+    anything is written. `warn` hears about a checkpoint without checksums. Returns the
+    iteration."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     single_process_group()
-    with UniversalCheckpoint(universal_dir, allow_unsafe_pickle=allow_unsafe_pickle) as u:
+    with hold_for_reading(universal_dir), \
+            UniversalCheckpoint(universal_dir, allow_unsafe_pickle=allow_unsafe_pickle) as u:
+        if not u.checksummed and warn is not None:
+            warn(unchecked_warning(universal_dir))
         m = u.manifest
         sd: dict = u.megatron_common()
         content_metadata = sd.pop("content_metadata", None)

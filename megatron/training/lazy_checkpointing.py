@@ -9,7 +9,8 @@ order is in its module docstring:
   maybe_save -> LazyCheckpointer.save          (right after optimizer step i, returns at once)
   before_optimizer_step -> before_optimizer_step   (before step i+1: waits only if not copied yet)
   after_iteration -> poll                       (agree, commit, tracker, retention, merge)
-  finalize -> finish                            (drain and commit before exit)
+                     then universal retention     (after a merge committed: --keep-last-n-universal)
+  finalize -> finish                            (drain and commit before exit, wait for merges)
 
 Each committed checkpoint's record (bytes, stall, copy, durable time; what the checkpointer logs
 and appends to SAVE/datastates_checkpoints.jsonl) reaches `metrics` on rank 0 through the
@@ -18,13 +19,13 @@ checkpointer's `on_record` callback.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import List, Optional
 
 import torch.distributed as dist
 
 from datastates import Checksum, TensorShard
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
-    expand_local_dir
+    expand_local_dir, paths
 
 from megatron.training import distopt_shards
 from megatron.training.checkpoint_contents import (
@@ -37,6 +38,7 @@ from megatron.training.arguments import host_cache_budget_mb
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
 from megatron.training.metrics import CheckpointRecord
+from megatron.training.retention import apply_retention
 
 
 def local_dir_of_this_rank(config: RunConfig) -> Optional[str]:
@@ -98,6 +100,7 @@ class LazyCheckpointManager(CheckpointManager):
 
     def __init__(self, config: RunConfig):
         super().__init__(config)
+        self._merges_retained = 0  # merges whose universal retention has run (rank 0)
         self.checkpointer = LazyCheckpointer(
             lazy_save_config(config), log=print_rank_0, after_commit=self._after_commit,
             on_record=lambda r: self.metrics.checkpoint(CheckpointRecord.from_telemetry(r)))
@@ -143,6 +146,30 @@ class LazyCheckpointManager(CheckpointManager):
 
     def after_iteration(self, iteration: int) -> None:
         self.checkpointer.poll(iteration)
+        self._universal_retention()
 
     def finalize(self) -> None:
         self.checkpointer.finish()
+        self._universal_retention()
+
+    def _in_use(self) -> List[int]:
+        """The sources of the merge that runs and of the one that waits: a merge process holds
+        its source (`fileio.hold_for_reading`) only once it has started, and a waiting one not
+        at all, so rank 0 asks its merger too."""
+        merger = self.checkpointer.universal
+        return [] if merger is None else merger.iterations_in_use()
+
+    def _universal_retention(self) -> None:
+        """Rank 0, after each merge that committed: --keep-last-n-universal under the
+        universal root (its tracker names the newest universal checkpoint)."""
+        merger, keep = self.checkpointer.universal, self.ckpt.keep_last_n_universal
+        if merger is None or not keep or len(merger.results) == self._merges_retained:
+            return
+        self._merges_retained = len(merger.results)
+        latest = paths.tracked_iteration(merger.config.root)
+        if latest is None:
+            return
+        done = apply_retention(merger.config.root, keep, latest)
+        if done.kept_in_use:
+            print_rank_0(f"retention: keeping universal iteration(s) {done.kept_in_use} under "
+                         f"{merger.config.root} for now: a converter is reading them")

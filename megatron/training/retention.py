@@ -1,19 +1,35 @@
-"""When old checkpoints go: keep the newest K complete ones (`--keep-last-n-checkpoints`).
+"""When old checkpoints go: keep the newest K complete ones (`--keep-last-n-checkpoints` under
+--save, `--keep-last-n-universal` under the universal root).
 
-Only rank 0 calls this, right after the tracker moved to a newly complete iteration. It never
-touches the iteration the tracker names, anything newer (saves still in flight), or an iteration
-listed as in flight. A directory is first renamed out of the `iter_*` namespace, then removed, so
-a crash half-way through a removal never leaves a partial directory that looks like a checkpoint.
+Only rank 0 calls this, right after the tracker of a root moved to a newly complete iteration. It
+never touches the iteration the tracker names, anything newer (saves still in flight), an
+iteration listed as in use (e.g. the source of a merge that is waiting or starting), nor a
+directory another process is reading (a merge or a converter holds `fileio.hold_for_reading` on
+it): those are kept and go at a later call, once free. A directory is first renamed out of the
+`iter_*` namespace, then removed, so a crash half-way through a removal never leaves a partial
+directory that looks like a checkpoint.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+from dataclasses import dataclass, field
 from typing import Iterable, List, Optional
+
+from datastates.fileio import claim_for_removal
 
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 TRASH_PREFIX = ".deleting-"
+
+
+@dataclass
+class Removal:
+    """What one retention pass did."""
+
+    removed: List[int] = field(default_factory=list)
+    kept_in_use: List[int] = field(default_factory=list)
+    """Old enough to go, but read by a merge or a converter: kept until a later pass."""
 
 
 def iteration_dirs(root: str) -> List[int]:
@@ -25,17 +41,22 @@ def iteration_dirs(root: str) -> List[int]:
 
 
 def apply_retention(root: str, keep: Optional[int], latest: int,
-                    in_flight: Iterable[int] = ()) -> List[int]:
-    """Remove checkpoints older than the newest `keep` ones up to `latest`; returns what went."""
+                    in_flight: Iterable[int] = ()) -> Removal:
+    """Remove checkpoints older than the newest `keep` ones up to `latest` (see module doc)."""
+    out = Removal()
     if not keep or keep <= 0:
-        return []
+        return out
     protected = set(in_flight) | {latest}
     candidates = [it for it in iteration_dirs(root) if it <= latest and it not in protected]
     # `latest` itself counts as one of the kept checkpoints.
-    doomed = candidates[:max(0, len(candidates) - (keep - 1))]
-    for it in doomed:
+    for it in candidates[:max(0, len(candidates) - (keep - 1))]:
         name = f"iter_{it:07d}"
-        trash = os.path.join(root, TRASH_PREFIX + name)
-        os.replace(os.path.join(root, name), trash)
+        path, trash = os.path.join(root, name), os.path.join(root, TRASH_PREFIX + name)
+        with claim_for_removal(path) as free:
+            if not free:
+                out.kept_in_use.append(it)
+                continue
+            os.replace(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
-    return doomed
+        out.removed.append(it)
+    return out
