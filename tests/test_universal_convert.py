@@ -145,11 +145,16 @@ def test_sources_resolve_like_load_and_say_what_is_missing(save_root, tmp_path):
     _located_error(lambda: locate(str(tmp_path / "nope")), "does not exist")
 
 
-def test_to_hf_takes_a_universal_root_and_says_what_is_missing(save_root, tmp_path):
+def test_to_hf_takes_what_load_takes(save_root, tmp_path):
     save = save_root
-    out = _tool("to-hf", save, tmp_path / "hf")  # not merged yet: what is missing, and the fix
-    assert out.returncode == 2 and "iteration 5 is a datastates checkpoint" in out.stderr
-    assert "convert_checkpoint.py merge" in out.stderr and not (tmp_path / "hf").exists()
+    out = _tool("to-hf", save, tmp_path / "direct")  # not merged yet: merged to a scratch copy
+    assert out.returncode == 0, out.stderr
+    assert f"{save / 'iter_0000005'} has no universal copy: merging it to" in out.stdout
+    assert (tmp_path / "direct" / "config.json").is_file()
+    assert not (tmp_path / "direct.tmp-universal").exists()
+    out = _tool("to-hf", tmp_path / "nope", tmp_path / "hf")  # names nothing: what is missing
+    assert out.returncode == 2 and "checkpoint path does not exist" in out.stderr
+    assert not (tmp_path / "hf").exists()
     uroot = save / "universal"
     write_universal(open_source(str(save / "iter_0000005")), str(uroot / "iter_0000005"))
     (uroot / "latest_checkpointed_iteration.txt").write_text("5")
