@@ -190,7 +190,7 @@ def test_dp16_disagreement_is_both_legs_as_docs_scale_md_says():
     from tools.scale.architecture import paper_model
     from tools.scale.paper import paper_case
     spread = paper_case(paper_model("30B"), inputs.phases["30B"], 5, 1, dp=16, writer=WeightsWriter.SPREAD_OVER_DP)
-    assert predict(spread, inputs.platform, Variant.TORCH_SAVE).checkpoint_throughput_gbps == pytest.approx(229.3, rel=0.01)
+    assert predict(spread, inputs.platform, Variant.TORCH_SAVE).checkpoint_throughput_gbps == pytest.approx(228.0, rel=0.01)
     assert predict(spread, inputs.platform, Variant.DATASTATES_LAZY).checkpoint_throughput_gbps == pytest.approx(
         lazy_row.predicted)
 
