@@ -1,16 +1,20 @@
 """Dry run: models built on the meta device per (stage, TP rank) agree with the architecture
-formula, for small layouts and the paper's five models, and through pretrain_gpt.py's parser."""
+formula, for small GPT-2 and Llama layouts and the paper's five (Llama) models, and through
+pretrain_gpt.py's parser; the paper's models fit a 40 GB GPU at the paper's layout."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from megatron.training.config import ModelConfig, ParallelConfig
+from megatron.training.config import ModelConfig, Normalization, ParallelConfig, PositionEmbeddingType
 from tools import dry_run as dry_run_cli
-from tools.scale.architecture import PAPER_MODELS, GPTArch, checkpoint_bytes_per_rank, rank_params, unique_parameters
+from tools.scale.architecture import (PAPER_MODELS, GPTArch, architecture_args, checkpoint_bytes_per_rank,
+                                      rank_params, unique_parameters)
 from tools.scale.dry_run import dry_run
+from tools.scale.memory import A100_40GB_BYTES, RESERVE_FRACTION
 
 
 def _configs(arch: GPTArch, tp: int, pp: int, dp: int = 1, bf16: bool = True):
@@ -18,7 +22,12 @@ def _configs(arch: GPTArch, tp: int, pp: int, dp: int = 1, bf16: bool = True):
                         num_attention_heads=arch.num_attention_heads, ffn_hidden_size=arch.ffn,
                         seq_length=arch.seq_length, max_position_embeddings=arch.seq_length,
                         vocab_size=arch.vocab_size, padded_vocab_size=arch.padded_vocab(tp), bf16=bf16,
-                        untie_embeddings_and_output_weights=arch.untie_embeddings_and_output_weights)
+                        untie_embeddings_and_output_weights=arch.untie_embeddings_and_output_weights,
+                        position_embedding_type=(PositionEmbeddingType.ROPE if arch.rope
+                                                 else PositionEmbeddingType.LEARNED_ABSOLUTE),
+                        normalization=Normalization.RMS_NORM if arch.rms_norm else Normalization.LAYER_NORM,
+                        swiglu=arch.swiglu, num_query_groups=arch.num_query_groups,
+                        add_bias_linear=arch.add_bias_linear)
     uneven = pp > 1 and arch.first_stage_layers is not None  # as pretrain_gpt.py's flags set them
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               use_distributed_optimizer=True, world_size=tp * pp * dp,
@@ -29,6 +38,11 @@ def _configs(arch: GPTArch, tp: int, pp: int, dp: int = 1, bf16: bool = True):
 
 SMALL = GPTArch("small", num_layers=6, hidden_size=64, num_attention_heads=4, nodes=1, vocab_size=1000,
                 seq_length=32, make_vocab_size_divisible_by=8)
+# The paper models' family at a size that builds in milliseconds: rope, RMSNorm, SwiGLU (an FFN that
+# is not 4h), no biases, untied, and 4 key/value heads for 8 query heads.
+SMALL_LLAMA = dataclasses.replace(SMALL, name="small-llama", num_attention_heads=8, ffn_hidden_size=176,
+                                  untie_embeddings_and_output_weights=True, rope=True, rms_norm=True, swiglu=True,
+                                  num_query_groups=4, add_bias_linear=False)
 
 
 @pytest.mark.parametrize("tp,pp,untie,first_last", [(1, 1, False, None), (2, 3, False, None), (4, 2, True, None),
@@ -64,13 +78,48 @@ def test_bytes_per_rank_follow_precision_and_data_parallel_sharding():
     assert fp32.rank_bytes(fp32.ranks[0]).weights == 4 * fp32.ranks[0].params
 
 
-def test_paper_models_built_on_meta_match_the_formula_used_by_the_projection():
+@pytest.mark.parametrize("tp,pp,groups,first_last", [(1, 1, 4, None), (2, 3, 4, None), (4, 2, 4, None),
+                                                     (2, 1, 2, None), (4, 4, 8, 1), (2, 3, None, 1)])
+def test_llama_ranks_built_match_the_formula(tp, pp, groups, first_last):
+    # Rope has no position table, RMSNorm no bias, SwiGLU a 2 x ffn fc1, GQA narrower keys and
+    # values, no linear biases: every count differs from the GPT-2 formula's.
+    arch = dataclasses.replace(SMALL_LLAMA, num_query_groups=groups, first_stage_layers=first_last,
+                               last_stage_layers=first_last)
+    model, parallel = _configs(arch, tp, pp)
+    report = dry_run(model, parallel, parallel.stage_layers(model.num_layers))
+    for count in report.ranks:
+        expected = rank_params(arch, tp, pp, count.stage)
+        assert (count.params, count.tp_replicated, count.embedding_copy) == (
+            expected.total, expected.tp_replicated if tp > 1 else 0, 0)
+    assert report.unique_parameters() == unique_parameters(arch, tp, pp)
+    assert [report.rank_bytes(c).total for c in report.ranks] == checkpoint_bytes_per_rank(arch, tp, pp)
+    gpt2 = dataclasses.replace(arch, rope=False, rms_norm=False, swiglu=False, num_query_groups=None,
+                               add_bias_linear=True)
+    assert unique_parameters(arch, tp, pp) != unique_parameters(gpt2, tp, pp)
+
+
+def test_paper_models_built_on_meta_match_the_formula_and_fit_40_gb(tmp_path, capsys):
+    """The five Llama configurations through pretrain_gpt.py's parser (the flags the Slurm examples
+    pass), built per (stage, TP rank) on the meta device: counts equal the formula the projection
+    uses, and every rank's memory estimate fits an A100-40GB."""
+    assert dry_run_cli.main(["--paper-models", "--json", str(tmp_path / "d.json")]) == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "d.json").read_text())
+    budget = A100_40GB_BYTES * (1 - RESERVE_FRACTION)
     for arch in PAPER_MODELS:
-        report = dry_run(*_configs(arch, 4, arch.nodes), arch.stage_layers(arch.nodes))
-        assert report.unique_parameters() == unique_parameters(arch, 4, arch.nodes)
-        assert [report.rank_bytes(c).total for c in report.ranks] == checkpoint_bytes_per_rank(arch, 4, arch.nodes)
-    seventy = report
-    assert list(seventy.stage_layers) == [4] * 20 and seventy.total_bytes(False) == pytest.approx(914.8e9, rel=1e-3)
+        row = data[arch.name]
+        assert row["unique_params"] == unique_parameters(arch, 4, arch.nodes)
+        assert [r["held_bytes"] for r in row["ranks"]] == checkpoint_bytes_per_rank(arch, 4, arch.nodes)
+        assert row["stage_layers"] == arch.stage_layers(arch.nodes)
+        assert max(r["gpu_bytes"] for r in row["ranks"]) <= budget, arch.name
+        assert "--swiglu" in row["launch"] and "--sequence-parallel" in row["launch"]
+    # Llama-2's published sizes (vocabulary 32000 padded to 32256 at TP=4: +0.2% at 7B).
+    assert data["7B"]["unique_params"] / 1e9 == pytest.approx(6.738, rel=1e-3)
+    assert data["70B"]["unique_params"] / 1e9 == pytest.approx(68.98, rel=1e-3)
+    assert data["70B"]["torch_gb"] == pytest.approx(965.8, rel=1e-3)
+    table = out.split("paper B/param")[1]
+    assert "70B" in table and "1065" in table and "965.8" in table and "0.91" in table
+    assert out.count("fits a 40 GB A100") == 5 and "does NOT fit" not in out
 
 
 def test_uneven_split_must_be_given_and_must_add_up():
@@ -112,10 +161,18 @@ def test_lazy_cache_holds_the_largest_rank():
     assert dry_run_cli.lazy_cache_mb(int(14.891e9)) == 14208  # 30B's middle stages
 
 
-def test_cli_paper_table_runs_as_a_script(tmp_path):
+def test_cli_runs_as_a_script_on_a_llama_launch(tmp_path):
+    """As the Slurm examples call it: a script, the family flags from architecture_args."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "dry_run.py")
-    proc = subprocess.run([sys.executable, script, "--paper-models", "--json", str(tmp_path / "d.json")],
+    arch = dataclasses.replace(SMALL_LLAMA, dropout=0.0)
+    launch = architecture_args(arch) + [
+        "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "1", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity", "selective",
+        "--bf16", "--use-distributed-optimizer", "--mock-data", "--vocab-size", "999",
+        "--make-vocab-size-divisible-by", "8"]
+    proc = subprocess.run([sys.executable, script, "--json", str(tmp_path / "d.json"), "--"] + launch,
                           capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr
-    table = proc.stdout.split("paper B/param")[1]
-    assert "70B" in table and "1065" in table and "914.8" in table
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert [r["held_bytes"] for r in data["ranks"]] == checkpoint_bytes_per_rank(arch, 2, 2)
+    assert "fits a 40 GB A100" in proc.stdout

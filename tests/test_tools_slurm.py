@@ -73,11 +73,15 @@ def test_throughput_script_launches_every_variant_and_collects_a_csv(tmp_path):
         assert launcher == ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
                             "--rdzv-endpoint", "node001:29500", "--rdzv-id", launcher[-1]]
         flat = " ".join(call[call.index(entry) + 1:])
-        assert flat.startswith("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 16384 "
+        # Llama-2 7B (tools/scale/architecture.py), sized for 40 GB with SP and selective recompute.
+        assert flat.startswith("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 "
+                               "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+                               "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
                                "--seq-length 2048 --max-position-embeddings 2048 "
-                               "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 ")
+                               "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 "
+                               "--use-distributed-optimizer --sequence-parallel --recompute-granularity selective ")
         assert "--micro-batch-size 16 --global-batch-size 16 --train-iters 5" in flat and "--bf16" in flat
-        assert "--mock-data --tokenizer-type NullTokenizer --vocab-size 50256" in flat
+        assert "--mock-data --tokenizer-type NullTokenizer --vocab-size 31999" in flat
     variants = [" ".join(c[c.index("--save-interval") + 2:c.index("--log-interval")]) for c in calls]
     assert variants == ["--ckpt-format torch", "--ckpt-format torch_dist", "--ckpt-format torch_dist --async-save",
                         "--async-lazy-save --lazy-save-cache-mb 12000"]
@@ -111,8 +115,18 @@ def test_knobs_set_the_layout_and_gpus_per_node_follows_sbatch(tmp_path):
     flat = " ".join(call)
     assert "--nnodes 1 --nproc-per-node 8 " in flat
     assert ("--seq-length 1024 --max-position-embeddings 1024 --tensor-model-parallel-size 2 "
-            "--pipeline-model-parallel-size 2 --use-distributed-optimizer --micro-batch-size 4 "
+            "--pipeline-model-parallel-size 2 --use-distributed-optimizer --sequence-parallel "
+            "--recompute-granularity selective --micro-batch-size 4 "
             "--global-batch-size 64 --train-iters 7 --seed 1234") in flat
+    # Sequence parallelism only where there is a TP group to split over (the trainer refuses TP=1).
+    os.makedirs(tmp_path / "tp1")
+    proc = subprocess.run(["bash", os.path.join(SLURM, "end_to_end.sbatch"), "3B", "4"],
+                          env={**_stub_env(tmp_path / "tp1", nodes=1), **knobs, "TP": "1", "PP": "1"},
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (call,) = _srun_calls(tmp_path / "tp1")
+    flat = " ".join(call)
+    assert "--sequence-parallel" not in flat and "--use-distributed-optimizer --recompute-granularity selective " in flat
     assert "--bf16" not in flat and "--save-interval 3 --async-lazy-save" in flat
     # A layout that splits a TP group over two nodes is refused with what to change.
     proc = subprocess.run(["bash", os.path.join(SLURM, "throughput.sbatch"), "3B", "3"],
@@ -154,7 +168,7 @@ def test_submit_all_covers_the_paper_matrix_and_goes_on_after_a_refusal(tmp_path
     lines = proc.stdout.splitlines()
     assert len(lines) == 2 * 5 + 2 * 5
     jobs = {tuple(l.split("/examples/slurm/")[1].split()): l for l in lines}
-    assert "--nodes 20 --time=05:45:00 " in jobs[("end_to_end.sbatch", "70B")]  # 4.1 h projected, x1.25 + 5 min a run
+    assert "--nodes 20 --time=06:00:00 " in jobs[("end_to_end.sbatch", "70B")]  # 4.2 h projected, x1.25 + 5 min a run
     assert "--nodes 128 " in jobs[("dp_scaling.sbatch", "30B", "16")]
     for line in lines:
         assert " --gpus-per-node=4 --account acct --partition gpu --qos normal --nodes " in line, line

@@ -11,7 +11,8 @@
 #                  else python3 from PATH after SETUP_FILE); PYTHONPATH gets $REPO first
 #   CKPT_ROOT      checkpoints, on the parallel file system (default: $REPO/checkpoints/slurm)
 #   RESULTS_DIR    logs and results.csv (default: $REPO/runs/slurm)
-#   DATA_PATH      megatron --data-path prefix (default: empty, --mock-data with GPT-2's vocabulary)
+#   DATA_PATH      megatron --data-path prefix (default: empty, --mock-data with the model's vocabulary:
+#                  Llama's 32000 for the paper's models)
 # Layout (MODEL and DP are the scripts' arguments; models: python tools/models.py):
 #   GPUS_PER_NODE  GPUs per node (default: sbatch's --gpus-per-node, else 4); 0 on a CPU cluster
 #                  (then submit with --gpus-per-node=0)
@@ -22,7 +23,7 @@
 #   ITERATIONS, SAVE_INTERVALS   iterations and the save intervals to run (default: the experiment's)
 # Checkpointing:
 #   LAZY_CACHE_MB  --lazy-save-cache-mb (default: the largest rank's checkpoint, from tools/dry_run.py,
-#                  so a whole snapshot fits in host memory; 8.8-14.9 GB for the paper's models)
+#                  so a whole snapshot fits in host memory)
 #   ONLY_VARIANTS  a subset of: torch torch_dist torch_dist_async datastates_lazy (default: all)
 #   KEEP_CHECKPOINTS=1   keep each run's checkpoints (default: deleted after the run; they are TBs)
 # Launch:
@@ -114,14 +115,17 @@ build_args() {
   set_layout "$dp"
   variant_args "$variant"
   MODEL_ARGS=(
-    --num-layers "$MODEL_LAYERS" --hidden-size "$MODEL_HIDDEN" --num-attention-heads "$MODEL_HEADS"
-    --ffn-hidden-size "$MODEL_FFN" --seq-length "$RUN_SEQ" --max-position-embeddings "$RUN_SEQ"
+    "${MODEL_ARCH_ARGS[@]}"  # shape and family (Llama flags for the paper's models): tools/models.py
+    --seq-length "$RUN_SEQ" --max-position-embeddings "$RUN_SEQ"
     "${MODEL_EXTRA[@]}"
   )
   PARALLEL_ARGS=(
     --tensor-model-parallel-size "$RUN_TP" --pipeline-model-parallel-size "$RUN_PP"
     --use-distributed-optimizer  # ZeRO-1, as the paper's DeepSpeed runs
   )
+  # What makes the model fit a 40 GB GPU (docs/SCALE.md); sequence parallelism needs TP > 1.
+  MEMORY_ARGS=("${MODEL_RECOMPUTE_ARGS[@]}")
+  if [ -n "$MODEL_SEQUENCE_PARALLEL" ] && [ "$RUN_TP" -gt 1 ]; then MEMORY_ARGS=(--sequence-parallel "${MEMORY_ARGS[@]}"); fi
   TRAINING_ARGS=(
     --micro-batch-size "$RUN_MICRO" --global-batch-size "$RUN_GLOBAL"
     --train-iters "$iters" --seed 1234
@@ -141,7 +145,7 @@ build_args() {
   CHECKPOINT_ARGS=(--save "$ckpt_dir" --save-interval "$interval" "${VARIANT_ARGS[@]}")
   LOGGING_ARGS=(--log-interval 1 --eval-interval "$((iters + 1))" --eval-iters 0)
   # shellcheck disable=SC2206  # EXTRA_ARGS is meant to be word-split
-  ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}"
+  ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MEMORY_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}"
         "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" $EXTRA_ARGS)
 }
 

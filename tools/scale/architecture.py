@@ -1,10 +1,13 @@
 """GPT parameter counts and checkpoint bytes from the architecture formula (no model is built).
 
-Layout assumed (Megatron GPT with the local layer spec, as our trainer builds it): learned absolute
-position embeddings, LayerNorm with bias, biased linear layers, GELU MLP of ``ffn_hidden`` width,
-word embeddings tied to the output layer, vocabulary padded to a multiple of
-``make_vocab_size_divisible_by * tp`` (Megatron-LM's rule). ``tools/dry_run.py`` counts the same
-quantities from a model actually built; ``tests/test_tools_scale.py`` checks that both agree.
+A ``GPTArch`` is either GPT-2 style (learned absolute positions, LayerNorm, biased linear layers,
+GELU MLP, tied embeddings; the defaults) or Llama style (rotary positions, RMSNorm, SwiGLU MLP, no
+biases, untied embeddings, optionally grouped-query attention): the paper's five shapes are
+Llama-2's and LLaMA-1's (``PAPER_MODELS``). Vocabulary padded to a multiple of
+``make_vocab_size_divisible_by * tp`` (Megatron-LM's rule). ``architecture_args`` and
+``memory_args`` are the pretrain_gpt.py flags of a model, so the Slurm examples
+(``tools/models.py``) and the dry run launch what the formula counts; ``tools/dry_run.py`` counts
+the same quantities from a model actually built and ``tests/test_tools_dry_run.py`` checks both agree.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 GPT2_VOCAB = 50257
-"""The paper trains with the GPT-2 BPE vocabulary (Megatron-DeepSpeed's default)."""
+"""The GPT-2 BPE vocabulary (Megatron-DeepSpeed's default)."""
+LLAMA_VOCAB = 32000
+"""The Llama / Llama-2 SentencePiece vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,43 @@ class GPTArch:
     """``--decoder-last-pipeline-num-layers`` (None: even split)."""
     tp: int = 4
     """Tensor-parallel size the model is run with (the paper: 4, one node of 4 GPUs per stage)."""
+    rope: bool = False
+    """Rotary position embeddings (no position table) instead of learned absolute positions."""
+    rms_norm: bool = False
+    """RMSNorm (a weight, no bias) instead of LayerNorm (weight and bias)."""
+    norm_epsilon: Optional[float] = None
+    """``--norm-epsilon``; None: the trainer's default (1e-5)."""
+    swiglu: bool = False
+    """Gated SiLU MLP: fc1 is 2 x ffn wide (gate and up), fc2 ffn -> hidden."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads of grouped-query attention; None: one per attention head."""
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linear layers."""
+    dropout: Optional[float] = None
+    """``--hidden-dropout`` and ``--attention-dropout``; None: the trainer's default (0.1)."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel`` (where TP > 1): norm and dropout activations split over TP."""
+    recompute_granularity: Optional[str] = None
+    """``--recompute-granularity`` (``selective`` or ``full``); None keeps every activation."""
+    recompute_method: Optional[str] = None
+    """``--recompute-method`` with full recomputation (``uniform`` or ``block``)."""
+    recompute_num_layers: Optional[int] = None
+    """``--recompute-num-layers`` with full recomputation."""
+    micro_batch_size: int = 16
+    """Sequences per micro-batch (the paper: 16)."""
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values): query groups x head width."""
+        return self.query_groups * (self.hidden_size // self.num_attention_heads)
 
     def stage_layers(self, pp: int) -> list[int]:
         first, last = (self.first_stage_layers, self.last_stage_layers) if pp > 1 else (None, None)
@@ -55,15 +93,30 @@ class GPTArch:
         return -(-self.vocab_size // multiple) * multiple
 
 
-# Paper Table (PAPER.md): layers / hidden / heads / nodes of 4 A100s / checkpoint size.
+def llama(name: str, layers: int, hidden: int, heads: int, nodes: int, paper_gb: float, ffn: int,
+          **more) -> GPTArch:
+    """A Llama-family shape as Megatron-LM runs Llama: rotary positions (base 10000), RMSNorm,
+    SwiGLU, no biases, untied embeddings, no dropout, the Llama vocabulary; sized for 40 GB GPUs
+    with sequence parallelism and selective recomputation (tools/scale/memory.py: the memory)."""
+    return GPTArch(name, layers, hidden, heads, nodes, paper_gb, ffn_hidden_size=ffn, vocab_size=LLAMA_VOCAB,
+                   untie_embeddings_and_output_weights=True, rope=True, rms_norm=True, swiglu=True,
+                   add_bias_linear=False, dropout=0.0, sequence_parallel=True,
+                   recompute_granularity="selective", **more)
+
+
+# Paper Table (PAPER.md): layers / hidden / heads / nodes of 4 A100s / checkpoint size. 7B, 13B and
+# 70B are Llama-2's shapes (FFN 11008, 13824, 28672; 70B with 8 key/value heads), 30B is
+# LLaMA-1's 33B (FFN 17920, norm epsilon 1e-6). 3B has no Llama counterpart: its FFN, 6912, is
+# Llama's own rule (8/3 x hidden rounded up to a multiple of 256), which gives 7B's, 13B's and
+# 33B's widths exactly. docs/SCALE.md says what else we chose.
 PAPER_MODELS = (
-    GPTArch("3B", 30, 2560, 32, 1, 45),
-    GPTArch("7B", 32, 4096, 32, 2, 83),
-    GPTArch("13B", 40, 5120, 40, 4, 166),
+    llama("3B", 30, 2560, 32, 1, 45, 6912),
+    llama("7B", 32, 4096, 32, 2, 83, 11008),
+    llama("13B", 40, 5120, 40, 4, 166, 13824),
     # 60 layers do not split evenly over 8 stages (DeepSpeed balanced them itself); the first and
-    # last stages also hold the embeddings, so they get fewer layers: 6 + 6 x 8 + 6.
-    GPTArch("30B", 60, 6656, 52, 8, 444, first_stage_layers=6, last_stage_layers=6),
-    GPTArch("70B", 80, 8192, 64, 20, 1065),
+    # last stages also hold the embeddings and the output layer, so they get fewer: 6 + 6 x 8 + 6.
+    llama("30B", 60, 6656, 52, 8, 444, 17920, norm_epsilon=1e-6, first_stage_layers=6, last_stage_layers=6),
+    llama("70B", 80, 8192, 64, 20, 1065, 28672, num_query_groups=8),
 )
 
 
@@ -72,6 +125,46 @@ TINY = GPTArch("tiny", 4, 64, 4, 1, vocab_size=256, seq_length=32, tp=1)
 
 MODELS = PAPER_MODELS + (TINY,)
 """Every model the Slurm examples know, by name (tools/models.py prints one for the shell)."""
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def architecture_args(arch: GPTArch) -> list[str]:
+    """pretrain_gpt.py's flags for the shape and family of ``arch`` (not the sequence length,
+    vocabulary or layout, which a launch chooses). A GPT-2 style model gives only the four shape
+    flags, as before the Llama fields existed."""
+    args = ["--num-layers", str(arch.num_layers), "--hidden-size", str(arch.hidden_size),
+            "--num-attention-heads", str(arch.num_attention_heads), "--ffn-hidden-size", str(arch.ffn)]
+    if arch.rope:
+        args += ["--position-embedding-type", "rope"]
+    if arch.rms_norm:
+        args += ["--normalization", "RMSNorm"]
+    if arch.norm_epsilon is not None:
+        args += ["--norm-epsilon", repr(arch.norm_epsilon)]
+    if arch.swiglu:
+        args += ["--swiglu"]
+    if arch.num_query_groups is not None:
+        args += ["--group-query-attention", "--num-query-groups", str(arch.num_query_groups)]
+    if not arch.add_bias_linear:
+        args += ["--disable-bias-linear"]
+    if arch.untie_embeddings_and_output_weights:
+        args += ["--untie-embeddings-and-output-weights"]
+    if arch.dropout is not None:
+        args += ["--hidden-dropout", _number(arch.dropout), "--attention-dropout", _number(arch.dropout)]
+    return args
+
+
+def memory_args(arch: GPTArch, tp: int) -> list[str]:
+    """Activation-memory flags: recomputation, and sequence parallelism where TP > 1 (the trainer
+    refuses ``--sequence-parallel`` at TP=1, which has nothing to split)."""
+    args = ["--sequence-parallel"] if arch.sequence_parallel and tp > 1 else []
+    if arch.recompute_granularity:
+        args += ["--recompute-granularity", arch.recompute_granularity]
+    if arch.recompute_method:
+        args += ["--recompute-method", arch.recompute_method, "--recompute-num-layers", str(arch.recompute_num_layers)]
+    return args
 
 
 def model(name: str) -> GPTArch:
@@ -95,7 +188,7 @@ class RankParams:
     tp_sharded: int
     """Elements split across tensor-parallel ranks (each rank holds a distinct slice)."""
     tp_replicated: int
-    """Elements every tensor-parallel rank holds a full copy of (LayerNorms, row-parallel biases,
+    """Elements every tensor-parallel rank holds a full copy of (norms, row-parallel biases,
     position embeddings)."""
     embedding_copy: int
     """Last-stage copy of the tied word embeddings (PP > 1): a duplicate of stage 0's, saved twice."""
@@ -123,14 +216,19 @@ def layer_split(num_layers: int, pp: int, first: Optional[int] = None, last: Opt
 
 def rank_params(arch: GPTArch, tp: int, pp: int, stage: int) -> RankParams:
     """Parameter elements on one TP rank of pipeline ``stage`` (all TP ranks of a stage are equal)."""
-    h, f = arch.hidden_size, arch.ffn
-    if h % tp or f % tp or arch.num_attention_heads % tp:
-        raise ValueError(f"hidden {h}, ffn {f} and heads {arch.num_attention_heads} must divide by TP {tp}")
+    h, f, kv = arch.hidden_size, arch.ffn, arch.kv_width
+    if h % tp or f % tp or arch.num_attention_heads % tp or arch.query_groups % tp:
+        raise ValueError(f"hidden {h}, ffn {f}, heads {arch.num_attention_heads} and query groups "
+                         f"{arch.query_groups} must divide by TP {tp}")
     layers = arch.stage_layers(pp)[stage]
-    # Column-parallel QKV (3h x h + 3h bias) and fc1 (f x h + f bias), row-parallel proj (h x h)
-    # and fc2 (h x f) are split over TP; row-parallel biases and both LayerNorms are replicated.
-    sharded_per_layer = (3 * h * h + 3 * h + h * h + f * h + f + h * f) // tp
-    replicated_per_layer = 2 * h + 2 * h + h + h
+    bias = 1 if arch.add_bias_linear else 0
+    qkv = h + 2 * kv           # queries, then keys and values of every query group
+    fc1 = 2 * f if arch.swiglu else f
+    norm = h if arch.rms_norm else 2 * h
+    # Column-parallel QKV and fc1 (weights and biases) and row-parallel proj and fc2 weights are
+    # split over TP; row-parallel biases and both norms are replicated.
+    sharded_per_layer = (qkv * h + bias * qkv + h * h + fc1 * h + bias * fc1 + h * f) // tp
+    replicated_per_layer = 2 * norm + bias * 2 * h
     sharded = layers * sharded_per_layer
     replicated = layers * replicated_per_layer
     vocab = arch.padded_vocab(tp)
@@ -138,9 +236,10 @@ def rank_params(arch: GPTArch, tp: int, pp: int, stage: int) -> RankParams:
     embedding_copy = 0
     if stage == 0:
         sharded += word_embedding
-        replicated += arch.seq_length * h
+        if not arch.rope:
+            replicated += arch.seq_length * h
     if stage == pp - 1:
-        replicated += 2 * h  # final LayerNorm
+        replicated += norm  # final norm
         if arch.untie_embeddings_and_output_weights:
             sharded += word_embedding
         elif pp > 1:

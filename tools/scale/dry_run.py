@@ -118,8 +118,11 @@ def _stage_shapes(model_cfg, parallel_cfg, layers: int, first: bool, last: bool,
 
     # Without the first/last-stage counts: megatron-core would otherwise build those counts for
     # every stage of this 1-stage model (a middle stage of 30B with 6 layers instead of 8).
+    # Built without sequence parallelism: parameter shapes do not depend on it, megatron-core refuses
+    # it at TP=1 (the reference build), and the local spec's torch norms refuse it at any TP (only
+    # transformer-engine's norms support it: a GPU launch needs TE for --sequence-parallel).
     parallel = dataclasses.replace(parallel_cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                                   virtual_pipeline_model_parallel_size=None, world_size=tp,
+                                   virtual_pipeline_model_parallel_size=None, world_size=tp, sequence_parallel=False,
                                    decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
     # One stage is built as a 1-stage model of its own layers; meta tensors need no initialization.
     config = dataclasses.replace(transformer_config(model_cfg, parallel, "gloo"), num_layers=layers,
