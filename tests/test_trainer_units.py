@@ -154,3 +154,20 @@ def test_host_cache_is_sized_from_the_checkpoint_unless_given(capsys):
     assert size_host_cache(given, big) is given  # an explicit size is kept
     off = config()
     assert size_host_cache(off, big) is off and off.checkpoint.lazy_save_cache_mb is None
+
+
+def test_sequence_parallel_on_a_gpu_without_fused_norms_is_one_line(monkeypatch):
+    import importlib.util
+
+    from megatron.training import cpu_compat
+
+    sp = "--tensor-model-parallel-size 2 --sequence-parallel"
+    assert config(sp, world_size=2).parallel.sequence_parallel  # CPU: cpu_compat's norms
+    monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("transformer_engine", "apex")
+                        else real(name, *a))
+    with pytest.raises(ArgumentError, match="--sequence-parallel on a GPU needs "
+                                            "transformer-engine or apex"):
+        config(sp, world_size=2)

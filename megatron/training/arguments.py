@@ -332,6 +332,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def _sequence_parallel_norms_available() -> bool:
+    """On a GPU the local layer spec uses megatron-core's torch norms unless transformer-engine
+    (or apex) is there, and those assert that sequence parallel is off. On CPU, cpu_compat builds
+    sequence-parallel norms itself."""
+    from megatron.training.cpu_compat import cuda_available
+
+    if not cuda_available():
+        return True
+    return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgumentError(message)
@@ -371,6 +382,10 @@ def _check_parallel(a: argparse.Namespace, world_size: int) -> Optional[int]:
              f"{a.num_attention_heads}")
     _require(not a.sequence_parallel or tp > 1,
              "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    _require(not a.sequence_parallel or _sequence_parallel_norms_available(),
+             "--sequence-parallel on a GPU needs transformer-engine or apex: megatron-core's "
+             "plain torch norms refuse it (pip install transformer-engine, or drop "
+             "--sequence-parallel)")
     vpp = None
     if a.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = a.num_layers // pp
