@@ -44,7 +44,7 @@ from ..errors import CheckpointError
 from ..faults import fault_point
 from ..fileio import fsync_file, make_spare, release_spare
 from ..flatten import TensorShard
-from ..layout import COMMIT_FILE, is_committed, local_version_dir, try_commit
+from ..layout import COMMIT_FILE, is_committed, try_commit
 from . import local_tier
 from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
     tracked_iteration, write_tracker
@@ -254,9 +254,7 @@ class LazyCheckpointer:
         local_dir = self.config.local_dir
         protected = [committed] + [q.iteration for q in self.pending]
         try:
-            local_tier.prune(local_dir, self.rank, self.config.local_keep, protected,
-                             lambda it: local_version_dir(local_dir, checkpoint_dir(
-                                 self.config.root, it)))
+            local_tier.prune(local_dir, self.rank, self.config.local_keep, protected)
         except OSError as err:
             print(f"[rank {self.rank}] WARNING: could not remove old local checkpoint copies "
                   f"under {local_dir}: {err}", flush=True)

@@ -14,7 +14,7 @@ from typing import Iterable, List, Mapping, Optional
 
 from ..errors import CheckpointError
 from ..layout import FORMAT_FILE, index_file, rank_marker_file, shard_file
-from .paths import iteration_of
+from .paths import checkpoint_dir, iteration_of
 
 __all__ = ["check_usable", "expand", "local_iterations", "prune", "remove_rank_files"]
 
@@ -86,17 +86,15 @@ def remove_rank_files(directory: str, rank: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def prune(local_dir: str, rank: int, keep: int, protected: Iterable[int],
-          dir_of) -> List[int]:
-    """Remove this rank's files of the local copies beyond the newest `keep`, never those of
-    `protected` iterations (still migrating, newest committed). `dir_of(iteration)` names a
-    copy's directory. Returns the iterations removed."""
-    protected = set(protected)
+def prune(local_dir: str, rank: int, keep: int, protected: Iterable[int]) -> List[int]:
+    """Remove this rank's files of the local copies (LOCAL/iter_NNNNNNN) beyond the newest
+    `keep`, never those of `protected` iterations (still migrating, newest committed). Returns
+    the iterations removed."""
     its = local_iterations(local_dir)
-    kept = set(its[-keep:]) | protected
+    kept = set(its[-keep:]) | set(protected)
     removed = [it for it in its if it not in kept]
     for it in removed:
-        remove_rank_files(dir_of(it), rank)
+        remove_rank_files(checkpoint_dir(local_dir, it), rank)
     return removed
 
 

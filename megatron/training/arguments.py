@@ -461,11 +461,8 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
         _require(cuda_available(), "--ckpt-fully-parallel-load needs CUDA: megatron-core "
                  "exchanges the loaded shards between data-parallel ranks as CUDA tensors; drop "
                  "the flag on CPU")
-    given = [f"--{k.replace('_', '-')}" for k in ("non_persistent_save_interval",
-                                                  "non_persistent_ckpt_type",
-                                                  "non_persistent_global_ckpt_dir",
-                                                  "non_persistent_local_ckpt_dir")
-             if getattr(a, k) is not None]
+    given = _flags(a, ("non_persistent_save_interval", "non_persistent_ckpt_type",
+                       "non_persistent_global_ckpt_dir", "non_persistent_local_ckpt_dir"))
     _require(not given, f"{', '.join(given)}: Megatron-LM's non-persistent checkpoints are not "
              "supported. For frequent checkpoints on node-local storage use --async-lazy-save "
              "--save-interval N --lazy-save-local-dir DIR (--lazy-save-local-keep K): each one is "
@@ -479,12 +476,10 @@ def _warn(message: str) -> None:
 
 
 def _check_checkpointing(a: argparse.Namespace) -> None:
-    given = [f"--{k.replace('_', '-')}" for k in LAZY_SAVE_DEFAULTS if getattr(a, k) is not None]
+    given = _flags(a, LAZY_SAVE_DEFAULTS)
     _require(a.async_lazy_save or not given, f"{', '.join(given)} configure --async-lazy-save, "
              "which is not on: add --async-lazy-save, or drop the flag (it would be ignored)")
-    for key, default in LAZY_SAVE_DEFAULTS.items():
-        if getattr(a, key) is None:
-            setattr(a, key, default)
+    _fill_defaults(a, LAZY_SAVE_DEFAULTS)
     if a.async_lazy_save:
         _require(not a.async_save, "--async-lazy-save and --async-save are two different "
                  "asynchronous savers; pass one of them")
@@ -541,14 +536,11 @@ def _require_package(name: str, flag: str) -> None:
 
 
 def _logging_config(a: argparse.Namespace) -> LoggingConfig:
-    given = [_SCALAR_FLAGS.get(k, f"--{k.replace('_', '-')}") for k in SCALAR_DEFAULTS
-             if getattr(a, k) is not None]
+    given = _flags(a, SCALAR_DEFAULTS, _SCALAR_FLAGS)
     _require(a.tensorboard_dir is not None or a.wandb_project is not None or not given,
              f"{', '.join(given)} configure the TensorBoard/wandb scalars, which are off: add "
              "--tensorboard-dir DIR or --wandb-project NAME, or drop the flag (it would be ignored)")
-    for key, default in SCALAR_DEFAULTS.items():
-        if getattr(a, key) is None:
-            setattr(a, key, default)
+    _fill_defaults(a, SCALAR_DEFAULTS)
     _require(a.tensorboard_log_interval > 0,
              f"--tensorboard-log-interval must be > 0, got {a.tensorboard_log_interval}")
     _require(a.tensorboard_queue_size > 0,
@@ -587,9 +579,11 @@ LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0,
                        "loss_scale_window": 1000.0, "hysteresis": 2}
 
 
-def _flags(a: argparse.Namespace, defaults: dict) -> list:
-    """The flags of `defaults` given on the command line (their default is None until filled)."""
-    return [f"--{k.replace('_', '-')}" for k in defaults if getattr(a, k) is not None]
+def _flags(a: argparse.Namespace, keys, names: Optional[dict] = None) -> list:
+    """The flags of `keys` (a defaults dict or a sequence of dests) given on the command line
+    (their default is None until filled); `names` spells flags whose name is not their dest's."""
+    names = names or {}
+    return [names.get(k, f"--{k.replace('_', '-')}") for k in keys if getattr(a, k) is not None]
 
 
 def _fill_defaults(a: argparse.Namespace, defaults: dict) -> None:
