@@ -181,13 +181,29 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, save at the end of the current iteration and exit 0")
 
 
+def _save_interval(text: str):
+    """--save-interval: a positive count of iterations, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of iterations or 'auto', got "
+                                         f"{text!r}") from None
+
+
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", type=str, default=None, help="directory to save checkpoints in")
     g.add_argument("--load", type=str, default=None,
                    help="directory to resume from (a missing tracker: start from scratch)")
-    g.add_argument("--save-interval", type=int, default=None,
-                   help="save every N iterations (and at the end, with --save)")
+    g.add_argument("--save-interval", type=_save_interval, default=None,
+                   help="save every N iterations (and at the end, with --save); 'auto': choose N "
+                        "from the measured cost of a checkpoint and --mtbf-hours (Young/Daly), "
+                        "re-evaluated at every save")
+    g.add_argument("--mtbf-hours", type=float, default=None,
+                   help="with --save-interval auto: the mean time between failures of the whole "
+                        "job, in hours")
     g.add_argument("--no-save-optim", action="store_true",
                    help="save no optimizer or scheduler state")
     g.add_argument("--no-load-optim", action="store_true",
@@ -512,8 +528,15 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     _require(a.ckpt_drain_timeout > 0,
              f"--ckpt-drain-timeout must be > 0 seconds, got {a.ckpt_drain_timeout}")
     _check_megatron_ckpt_flags(a)
-    _require(a.save_interval is None or a.save_interval > 0,
-             f"--save-interval must be > 0, got {a.save_interval}")
+    _require(a.save_interval is None or a.save_interval == "auto" or a.save_interval > 0,
+             f"--save-interval must be > 0 or 'auto', got {a.save_interval}")
+    _require(a.save_interval != "auto" or a.mtbf_hours is not None,
+             "--save-interval auto needs --mtbf-hours H (the job's mean time between failures)")
+    _require(a.mtbf_hours is None or a.save_interval == "auto",
+             f"--mtbf-hours is only used by --save-interval auto, got --save-interval "
+             f"{a.save_interval}")
+    _require(a.mtbf_hours is None or a.mtbf_hours > 0,
+             f"--mtbf-hours must be > 0, got {a.mtbf_hours}")
     _require(a.save_interval is None or a.save is not None, "--save-interval needs --save DIR")
     _require(not a.async_lazy_save or a.save is not None, "--async-lazy-save writes checkpoints "
              "under --save, which is not given: add --save DIR, or drop --async-lazy-save")
@@ -778,7 +801,9 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
         exit_interval=a.exit_interval, exit_signal_handler=a.exit_signal_handler)
     checkpoint = CheckpointConfig(
-        save=a.save, load=a.load, save_interval=a.save_interval,
+        save=a.save, load=a.load,
+        save_interval=None if a.save_interval == "auto" else a.save_interval,
+        save_interval_auto=a.save_interval == "auto", mtbf_hours=a.mtbf_hours,
         ckpt_format=CkptFormat(a.ckpt_format), async_save=a.async_save,
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,

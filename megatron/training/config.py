@@ -248,6 +248,10 @@ class CheckpointConfig:
     """Directory to resume from (None: start from scratch)."""
     save_interval: Optional[int] = None
     """Save every this many iterations."""
+    save_interval_auto: bool = False
+    """--save-interval auto: the interval follows measured checkpoint costs and `mtbf_hours`."""
+    mtbf_hours: Optional[float] = None
+    """The job's mean time between failures (hours), for --save-interval auto."""
     ckpt_format: CkptFormat = CkptFormat.TORCH_DIST
     """On-disk format."""
     async_save: bool = False

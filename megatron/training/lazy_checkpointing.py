@@ -103,7 +103,7 @@ class LazyCheckpointManager(CheckpointManager):
         self._merges_retained = 0  # merges whose universal retention has run (rank 0)
         self.checkpointer = LazyCheckpointer(
             lazy_save_config(config), log=print_rank_0, after_commit=self._after_commit,
-            on_record=lambda r: self.metrics.checkpoint(CheckpointRecord.from_telemetry(r)))
+            on_record=lambda r: self._record(CheckpointRecord.from_telemetry(r)))
 
     def start(self) -> None:
         pass  # the checkpointer prepared the root (tracker spare) when it was built
@@ -144,7 +144,7 @@ class LazyCheckpointManager(CheckpointManager):
     def before_optimizer_step(self) -> None:
         self.checkpointer.before_optimizer_step()
 
-    def after_iteration(self, iteration: int) -> None:
+    def _poll(self, iteration: int) -> None:
         self.checkpointer.poll(iteration)
         self._universal_retention()
 
