@@ -236,6 +236,16 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="local copies kept under --lazy-save-local-dir, newest first (default "
                         f"{LAZY_SAVE_DEFAULTS['lazy_save_local_keep']}); older ones are removed "
                         "once a newer checkpoint is committed")
+    g.add_argument("--lazy-save-peer-replica", action="store_true", default=None,
+                   help="after each commit, also hold every rank's shards in node-local memory "
+                        "(--lazy-save-local-dir, default a directory under /dev/shm) and on the "
+                        "next node of a ring; a restarted job restores from its own node's copy, "
+                        "else a peer's, else --save (with --async-lazy-save, two or more nodes)")
+    g.add_argument("--lazy-save-peer-replica-mb", type=int, default=None,
+                   help="MiB a rank may hold of one checkpoint with --lazy-save-peer-replica: its "
+                        "own shards plus the replica it receives (default: twice this rank's "
+                        "checkpoint bound); a replica that would exceed it is skipped, with a "
+                        "warning")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="keep only the newest N complete checkpoints under --save")
     g.add_argument("--ckpt-failure-policy", choices=[x.value for x in CkptFailurePolicy],
@@ -434,7 +444,21 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
 #: Flags that only --async-lazy-save reads, and their defaults (applied after the check below).
 LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": None, "lazy_save_checksum": "crc32c",
                       "ckpt_drain_timeout": 1800.0, "lazy_save_local_dir": None,
-                      "lazy_save_local_keep": 2}
+                      "lazy_save_local_keep": 2, "lazy_save_peer_replica": False,
+                      "lazy_save_peer_replica_mb": None}
+
+
+def default_memory_dir(save: str) -> str:
+    """--lazy-save-local-dir under --lazy-save-peer-replica when not given: a per-user directory
+    in /dev/shm (memory that outlives the training processes, not the node), one per --save root
+    so that a new launch with the same nodes and --save finds it, one subdirectory per node."""
+    import getpass
+    import hashlib
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    digest = hashlib.sha256(os.path.abspath(save).encode()).hexdigest()[:12]
+    return os.path.join(base, f"datastates-{getpass.getuser()}-{digest}", "node{node}")
 
 
 def host_cache_budget_mb() -> Tuple[int, int, int]:
@@ -495,6 +519,15 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     given = _flags(a, LAZY_SAVE_DEFAULTS)
     _require(a.async_lazy_save or not given, f"{', '.join(given)} configure --async-lazy-save, "
              "which is not on: add --async-lazy-save, or drop the flag (it would be ignored)")
+    if a.lazy_save_peer_replica:  # the node's own copy is the local level: in memory by default
+        if a.lazy_save_local_dir is None and a.save is not None:
+            a.lazy_save_local_dir = default_memory_dir(a.save)
+        if a.lazy_save_local_keep is None:
+            a.lazy_save_local_keep = 1  # only the newest committed version is held in memory
+        _require(a.lazy_save_peer_replica_mb is None or a.lazy_save_peer_replica_mb > 0,
+                 f"--lazy-save-peer-replica-mb must be > 0, got {a.lazy_save_peer_replica_mb}")
+    _require(a.lazy_save_peer_replica_mb is None or a.lazy_save_peer_replica,
+             "--lazy-save-peer-replica-mb bounds --lazy-save-peer-replica, which is not given")
     _fill_defaults(a, LAZY_SAVE_DEFAULTS)
     if a.async_lazy_save:
         _require(not a.async_save, "--async-lazy-save and --async-save are two different "
@@ -810,6 +843,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,
         lazy_save_checksum=a.lazy_save_checksum, lazy_save_local_dir=a.lazy_save_local_dir,
         lazy_save_local_keep=a.lazy_save_local_keep,
+        lazy_save_peer_replica=a.lazy_save_peer_replica,
+        lazy_save_peer_replica_mb=a.lazy_save_peer_replica_mb,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
         ckpt_fully_parallel_save=a.ckpt_fully_parallel_save,
         ckpt_fully_parallel_load=a.ckpt_fully_parallel_load,

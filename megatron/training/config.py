@@ -282,6 +282,12 @@ class CheckpointConfig:
     lazy_save_local_keep: int = 2
     """Local copies kept under lazy_save_local_dir (newest first; never one still migrating nor
     the newest committed one)."""
+    lazy_save_peer_replica: bool = False
+    """Hold every rank's shards of the newest committed checkpoint on its node (the local dir)
+    and on the next node of a ring; restore from there before --save."""
+    lazy_save_peer_replica_mb: Optional[int] = None
+    """MiB one rank may hold of one checkpoint (own shards + the replica it receives); None:
+    twice this rank's checkpoint bound."""
     ckpt_fully_parallel_save: bool = True
     """Spread the writes of replicated shards over the data-parallel group (Megatron-LM's
     default); False: the first data-parallel rank writes them."""
