@@ -38,7 +38,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
