@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -159,9 +160,25 @@ def test_unsupported_architecture_gets_one_line(config, needle, tmp_path, capsys
     assert not (tmp_path / "u").exists()
 
 
-def test_missing_shard_and_pickled_weights_are_refused(hf_dirs, tmp_path, capsys):
-    import shutil
+@pytest.mark.parametrize("name,change,needles", [
+    ("llama_gqa_untied", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
+     ["cannot convert this Hugging Face LlamaForCausalLM", "rope scaling 'llama3'"]),
+    ("gpt2_tied_padded_vocab", {"activation_function": "gelu_new"},
+     ["activation_function 'gelu_new'", "--allow-approximate-gelu"]),
+    ("llama_gqa_untied", {"hidden_size": None}, ["needs positive integer vocab_size, "
+                                                  "hidden_size", "found hidden_size=None"]),
+])
+def test_parts_megatron_cannot_express_get_one_line(name, change, needles, hf_dirs, tmp_path,
+                                                    capsys):
+    src = tmp_path / "hf"
+    src.mkdir()
+    config = json.loads((hf_dirs[name] / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(config, **change)))
+    err = _error(["from-hf", str(src), str(tmp_path / "u")], capsys)
+    assert all(n in err for n in needles), err
 
+
+def test_missing_shard_and_pickled_weights_are_refused(hf_dirs, tmp_path, capsys):
     src = tmp_path / "hf"
     shutil.copytree(hf_dirs["llama_gqa_untied"], src)
     os.remove(src / "model-00003-of-00009.safetensors")
@@ -175,9 +192,29 @@ def test_missing_shard_and_pickled_weights_are_refused(hf_dirs, tmp_path, capsys
     assert not (tmp_path / "u").exists()
 
 
-def test_a_conversion_that_fails_half_way_commits_nothing(hf_dirs, tmp_path, capsys):
-    import shutil
+def test_a_hub_cache_snapshot_converts_and_links_out_of_it_are_refused(hf_dirs, tmp_path,
+                                                                      capsys):
+    """The Hugging Face hub cache keeps a revision's files as links to ../../blobs/: reads
+    follow them inside the model's cache directory and nowhere else."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for f in os.listdir(hf_dirs["gpt2_tied_padded_vocab"]):
+        shutil.copyfile(hf_dirs["gpt2_tied_padded_vocab"] / f, repo / "blobs" / ("blob-" + f))
+        os.symlink(os.path.join("..", "..", "blobs", "blob-" + f), snap / f)
+    _from_hf(snap, tmp_path / "u", capsys)
+    assert torch.equal(_tensors(tmp_path / "u")["embedding.word_embeddings.weight"],
+                       _tensors(hf_dirs["gpt2_tied_padded_vocab"])["transformer.wte.weight"])
+    outside = tmp_path / "elsewhere.safetensors"
+    os.rename(os.path.realpath(snap / "model.safetensors"), outside)
+    os.remove(snap / "model.safetensors")
+    os.symlink(outside, snap / "model.safetensors")
+    err = _error(["from-hf", str(snap), str(tmp_path / "u2")], capsys)
+    assert "resolves through a symlink" in err and "not inside" in err, err
 
+
+def test_a_conversion_that_fails_half_way_commits_nothing(hf_dirs, tmp_path, capsys):
     src = tmp_path / "hf"
     shutil.copytree(hf_dirs["llama_gqa_untied"], src)
     last = sorted(glob.glob(str(src / "model-*.safetensors")))[-1]

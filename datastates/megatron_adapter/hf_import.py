@@ -37,8 +37,8 @@ from .hf_common import DTYPES, LAYERS, Layout, Rule
 from .hf_gpt2 import gpt2_layout, gpt2_model_config
 from .hf_llama import llama_layout, llama_model_config
 
-__all__ = ["HF_SOURCE", "HfModel", "HfSource", "HfWeights", "import_hf", "launch_flags",
-           "read_model"]
+__all__ = ["HF_SOURCE", "HfModel", "HfSource", "HfWeights", "hf_root", "import_hf",
+           "launch_flags", "read_model"]
 
 HF_SOURCE = "hugging_face"
 CONFIG = "config.json"
@@ -51,6 +51,10 @@ _OTHER_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 SUPPORTED = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 _SUPPORTED_TEXT = "from-hf converts " + " and ".join(SUPPORTED)
+#: config.json sizes each mapping reads.
+_SIZES = {"llama": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "max_position_embeddings"),
+          "gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")}
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,22 @@ class HfModel:
     base_prefix: str  # saved from the base model (GPT2Model), names lack it: "h.0.ln_1.weight"
 
 
+def hf_root(directory: str) -> str:
+    """The directory reads of `directory` stay inside: itself, or for a snapshot of the Hugging
+    Face hub cache (``models--org--name/snapshots/<revision>/``, whose files are links to
+    ``../../blobs/``) that model's cache directory. A link anywhere else is refused."""
+    real = os.path.realpath(directory)
+    parent = os.path.dirname(real)
+    if os.path.basename(parent) == "snapshots" and \
+            os.path.isdir(os.path.join(os.path.dirname(parent), "blobs")):
+        return os.path.dirname(parent)
+    return real
+
+
 def _read_json(path: str, directory: str) -> Any:
     try:
-        return json.loads(read_confined(path, directory=directory, what=os.path.basename(path)))
+        return json.loads(read_confined(path, directory=hf_root(directory),
+                                        what=os.path.basename(path)))
     except ValueError as e:
         raise CheckpointError(f"not valid JSON: {e}", file=path) from None
 
@@ -92,11 +109,23 @@ def read_model(directory: str, approximate_gelu_ok: bool = False) -> HfModel:
     if arch not in SUPPORTED:
         raise CheckpointError(f"config.json names architecture {', '.join(archs) or 'none'} "
                               f"(model_type {model_type!r}); {_SUPPORTED_TEXT}", file=path)
-    if SUPPORTED[arch] == "llama":
-        cfg, model = llama_model_config(config, path)
-        return HfModel(arch, config, cfg, model, llama_layout(cfg), "model.")
-    cfg, model = gpt2_model_config(config, path, approximate_gelu_ok)
-    return HfModel(arch, config, cfg, model, gpt2_layout(cfg), "transformer.")
+    bad = [k for k in _SIZES[SUPPORTED[arch]]
+           if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)
+           or config[k] <= 0]
+    if bad:
+        raise CheckpointError(f"a {arch} config.json needs positive integer "
+                              f"{', '.join(_SIZES[SUPPORTED[arch]])}; found "
+                              f"{', '.join(f'{k}={config.get(k)!r}' for k in bad)}", file=path)
+    try:
+        if SUPPORTED[arch] == "llama":
+            cfg, model = llama_model_config(config, path)
+            return HfModel(arch, config, cfg, model, llama_layout(cfg), "model.")
+        cfg, model = gpt2_model_config(config, path, approximate_gelu_ok)
+        return HfModel(arch, config, cfg, model, gpt2_layout(cfg), "transformer.")
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointError(f"a {arch} config.json with a missing or malformed field "
+                              f"({type(e).__name__}: {e}); expected what save_pretrained "
+                              "writes", file=path) from None
 
 
 class HfWeights:
@@ -122,8 +151,9 @@ class HfWeights:
                 f"no {SINGLE} or {INDEX}: expected the weights as safetensors next to {CONFIG}",
                 file=directory)
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        root = hf_root(directory)
         missing = [f for f in files
-                   if not os.path.isfile(safe_join(directory, f, what=INDEX))]
+                   if not os.path.isfile(safe_join(directory, f, what=INDEX, confine_to=root))]
         if missing:
             raise CheckpointError(f"{INDEX} names {len(files)} shard files and {len(missing)} "
                                   f"of them are missing ({', '.join(missing[:3])}"
@@ -134,7 +164,7 @@ class HfWeights:
         self._where: Dict[str, Tuple[str, str, Tuple[int, ...]]] = {}
         try:
             for f in files:
-                tf = self._files[f] = TensorFile(os.path.join(directory, f), directory,
+                tf = self._files[f] = TensorFile(os.path.join(directory, f), root,
                                                  what=f"weight file {f!r}")
                 listing = tf.listing()
                 names = [n for n, v in weight_map.items() if v == f] if weight_map else listing
