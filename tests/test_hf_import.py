@@ -214,6 +214,25 @@ def test_a_hub_cache_snapshot_converts_and_links_out_of_it_are_refused(hf_dirs, 
     assert "resolves through a symlink" in err and "not inside" in err, err
 
 
+def test_gpt2_saved_as_its_base_model_with_mask_buffers_converts_the_same(hf_dirs, tmp_path,
+                                                                         capsys):
+    """The original GPT-2 files name tensors without ``transformer.`` (saved from GPT2Model) and
+    hold each layer's causal-mask buffer ``h.<i>.attn.bias``: the same weights result."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    shutil.copyfile(hf_dirs["gpt2_tied_padded_vocab"] / "config.json", src / "config.json")
+    tensors = {k[len("transformer."):]: v
+               for k, v in _tensors(hf_dirs["gpt2_tied_padded_vocab"]).items()}
+    tensors.update({f"h.{i}.attn.bias": torch.ones(1, 1, 32, 32).tril() for i in range(2)})
+    save_file(tensors, str(src / "model.safetensors"))
+    _from_hf(src, tmp_path / "base", capsys)
+    _from_hf(hf_dirs["gpt2_tied_padded_vocab"], tmp_path / "full", capsys)
+    base, full = _tensors(tmp_path / "base"), _tensors(tmp_path / "full")
+    assert sorted(base) == sorted(full) and all(torch.equal(base[k], full[k]) for k in full)
+
+
 def test_a_conversion_that_fails_half_way_commits_nothing(hf_dirs, tmp_path, capsys):
     src = tmp_path / "hf"
     shutil.copytree(hf_dirs["llama_gqa_untied"], src)
