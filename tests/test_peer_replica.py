@@ -3,14 +3,15 @@ restored from there before --save.
 
 Units first (the ring; the flags), then the restore plan on three gloo processes acting as three
 nodes with hand-made copies (one node lost, one replica damaged), then the trainer on two nodes of
-one machine: node 1's memory copy deleted, both restart, node 1's rank restores from node 0 with
-zero shard bytes from --save and the losses of an uninterrupted run; then with both copies gone,
-from --save, same losses.
+one machine: node 1 killed mid-run and its memory copy deleted, both restart, node 1's rank
+restores from node 0 with zero shard bytes from --save and the losses of an uninterrupted run;
+then with both copies gone, from --save, same losses.
 """
 import json
 import os
 import re
 import shutil
+import time
 import zlib
 
 import pytest
@@ -128,11 +129,11 @@ ARGS = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--use-distributed-opt
                                   "--train-iters", "6"]
 
 
-def _two_nodes(args, tmp_path, name, memory):
+def _two_nodes(args, tmp_path, name, memory, env=None):
     port, logs = free_port(), tmp_path / name
     logs.mkdir()
     return [Node(r, 2, 1, port, args + ["--lazy-save-local-dir", str(memory / "node{node}")],
-                 logs) for r in (0, 1)]
+                 logs, extra_env=env) for r in (0, 1)]
 
 
 def _restore_event(save):
@@ -144,21 +145,32 @@ def test_two_nodes_lost_node_restores_from_its_peer_then_from_storage(tmp_path):
     reference = launch(2, ARGS)
     assert reference.returncode == 0, reference.describe()
     save, memory = tmp_path / "save", tmp_path / "memory"
-    lazy = ARGS + ["--async-lazy-save", "--save-interval", "1", "--lazy-save-peer-replica",
+    lazy = ARGS + ["--async-lazy-save", "--lazy-save-peer-replica",
                    "--save", str(save), "--load", str(save)]
-    first = [n.result(timeout=240) for n in _two_nodes(lazy + ["--exit-interval", "3"], tmp_path,
-                                                        "first", memory)]
-    assert all(r.returncode == 0 for r in first), first[0].describe() + first[1].describe()
-    # Each node holds only the newest committed version: its own rank and the other's.
+    # Saves at 3 and 6; rank 1's copy of save 6 stalls (a fault point), so iteration 3 stays the
+    # newest committed one while its replicas complete in the background. Then node 1 is
+    # killed and its memory deleted (a lost node), and node 0 is killed too.
+    first = _two_nodes(lazy + ["--save-interval", "3"], tmp_path, "first", memory,
+                       env={"DATASTATES_FAULT_DELAY_COPY": "120@6:1"})
+    deadline = time.time() + 240
+    replica = memory / "node0" / "iter_0000003" / "done_r00001.json"
+    while not ("phase=copy step=6 rank=1" in first[1].err_path.read_text() and replica.exists()):
+        assert time.time() < deadline and first[0].proc.poll() is None, \
+            first[0].result().describe() + first[1].result().describe()
+        time.sleep(0.2)
+    first[1].kill()
+    first[0].kill()
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    # Each node held the newest committed version: its own rank and the other's.
     for node in ("node0", "node1"):
-        assert sorted(os.listdir(memory / node)) == ["iter_0000003"]
         held = sorted(os.listdir(memory / node / "iter_0000003"))
         assert [n for n in held if n.startswith("done_")] == ["done_r00000.json",
                                                                "done_r00001.json"], held
     shutil.copytree(save, tmp_path / "save_copy")
     shutil.rmtree(memory / "node1")  # node 1 lost: its memory is gone
 
-    second = [n.result(timeout=240) for n in _two_nodes(lazy, tmp_path, "second", memory)]
+    second = [n.result(timeout=240) for n in _two_nodes(lazy + ["--save-interval", "3"],
+                                                        tmp_path, "second", memory)]
     assert all(r.returncode == 0 for r in second), second[0].describe() + second[1].describe()
     assert "[rank 1] received saved rank 1's shards from peer rank 0: " in second[1].stdout
     event = _restore_event(save)
@@ -169,7 +181,7 @@ def test_two_nodes_lost_node_restores_from_its_peer_then_from_storage(tmp_path):
 
     # Both nodes' memory gone: every rank reads --save, the losses do not change.
     save_b = tmp_path / "save_copy"
-    lazy_b = [str(save_b) if a == str(save) else a for a in lazy]
+    lazy_b = [str(save_b) if a == str(save) else a for a in lazy + ["--save-interval", "3"]]
     third = [n.result(timeout=240) for n in _two_nodes(lazy_b, tmp_path, "third",
                                                        tmp_path / "empty_memory")]
     assert all(r.returncode == 0 for r in third), third[0].describe() + third[1].describe()
