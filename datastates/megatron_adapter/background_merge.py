@@ -184,11 +184,15 @@ class BackgroundMerger:
     def wait(self) -> None:
         """Let the running and the waiting merge finish, then stop the workers (the trainer
         calls it at exit: no merge process outlives the run)."""
+        self.drain()
+        self.close()
+
+    def drain(self) -> None:
+        """Let the running and the waiting merge finish; the workers stay, for the next."""
         while self.running is not None or self.pending is not None:
             if self.running is not None:
                 self._on_answer(*self._answers.get())
             self.poll()
-        self.close()
 
     def close(self) -> None:
         for w in self.workers:
