@@ -11,7 +11,8 @@ Call order (one process, e.g. rank 0 of the trainer):
   3) `wait()` before exiting: lets the running and the pending merge finish, stops the workers.
 Retention asks `iterations_in_use()` (any time) which sources it must keep.
 The merges run in `MergerConfig.workers` persistent worker processes
-(``nice -n <nice> [ionice -c 3] python -m datastates.megatron_adapter.merge_worker``, merge_worker.py),
+(``nice -n <nice> [ionice -c 3] python -m datastates.megatron_adapter.merge_worker``, see
+merge_worker.py),
 each started once per run at its first merge and fed requests through a pipe: processes, not
 threads, so their reads, copies and writes never hold the trainer's GIL, and the scheduler gives
 them only the CPU and disk time training leaves idle. With one worker it merges and commits; with

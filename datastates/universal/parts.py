@@ -85,7 +85,8 @@ def _read_records(tmp: str, parts: int, chunk_bytes: int) -> Dict[str, List[int]
             raise CheckpointError(f"merge part {k} of {parts} did not finish (its worker failed "
                                   f"or was killed): {err}", file=path) from None
         if (not isinstance(doc, dict) or doc.get("parts") != parts
-                or doc.get("chunk_bytes") != chunk_bytes or not isinstance(doc.get("crc32c"), dict)):
+                or doc.get("chunk_bytes") != chunk_bytes
+                or not isinstance(doc.get("crc32c"), dict)):
             raise CheckpointError(f"expected the record of part {k} of {parts} with chunk_bytes "
                                   f"{chunk_bytes}, found {str(doc)[:200]}", file=path)
         crcs.update(doc["crc32c"])
