@@ -10,7 +10,9 @@ import time
 
 import pytest
 import torch
+from safetensors import safe_open
 
+from datastates import CheckpointError
 from datastates.megatron_adapter import BackgroundMerger, MergerConfig, open_source
 from datastates.universal import UniversalCheckpoint, is_committed, write_universal
 from datastates.universal.parts import plan_parts
@@ -80,6 +82,11 @@ def test_one_worker_start_per_run_and_multi_part_output_reads_back(source, tmp_p
         assert u.checksummed and set(u.weight_map.values()) == set(files)
         for key, t in tensors.items():
             assert torch.equal(u.read(_universal_name(key)), t), key
+        for name in files:  # the files are safetensors as the library itself reads them
+            with safe_open(os.path.join(out, name), "pt") as f:
+                assert f.metadata()["producer"] == "datastates-universal"
+                for k in f.keys():
+                    assert u.weight_map[k] == name and torch.equal(f.get_tensor(k), u.read(k))
     assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "5"
     records = [json.loads(x) for x in open(os.path.join(root, "universal_merges.jsonl"))]
     assert len(records) == 3 and all(r["bytes"] for r in records)
@@ -145,3 +152,29 @@ def test_a_worker_killed_mid_merge_commits_nothing_and_keeps_the_previous(source
     merger.on_commit(6, d)
     merger.wait()
     assert merger.worker_starts == 4 and is_committed(os.path.join(root, "iter_0000006")), lines
+
+
+def test_streamed_files_of_mixed_dtypes_are_aligned_safetensors(tmp_path):
+    from datastates.universal import Entry, Role
+    from datastates.universal.stream import write_files
+    from datastates.universal.tensor_files import chunk_checksums, tensor_bytes
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+               "b": torch.randn(7, generator=g, dtype=torch.float64),
+               "c": torch.randint(0, 9, (3,), generator=g, dtype=torch.int64),
+               "d": torch.tensor([True, False, True]), "e": torch.randn(2, 3, generator=g),
+               "empty": torch.empty(0, 4)}
+    entries = [Entry(k, Role.WEIGHT, k, k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    path = str(tmp_path / "x.safetensors")
+    crcs = write_files([(path, entries)], lambda e: tensors[e.source_key].clone(),
+                       directory="src", metadata={"producer": "test"}, chunk_bytes=8,
+                       queue_bytes=16)  # a queue smaller than most tensors: one at a time
+    with safe_open(path, "pt") as f:
+        assert sorted(f.keys()) == sorted(tensors)
+        for k, t in tensors.items():
+            assert torch.equal(f.get_tensor(k), t), k
+    assert crcs == {k: chunk_checksums(tensor_bytes(t), 8) for k, t in tensors.items()}
+    with pytest.raises(CheckpointError, match="metadata says"):  # a read that disagrees with the plan
+        write_files([(str(tmp_path / "y.safetensors"), entries)], lambda e: torch.zeros(2),
+                    directory="src", metadata={}, chunk_bytes=8)
