@@ -9,9 +9,10 @@ Usage:
    merge workers at normal priority (one worker, then `--workers` in parallel), its files evicted
    from the page cache before each merge (the engine drops them after its fsync, so a background
    merge reads from disk), alternated with `dd if=/dev/zero bs=16M conv=fsync` of the same size in
-   the same directory (A B A B ...: this machine's speed drifts). Printed: merge GB/s (bytes of
-   the universal checkpoint / the merge's own seconds: reading, checksums, writing, fsyncs), dd
-   GB/s and their ratio (median over rounds), with the load average before and after.
+   the same directory, and with oflag=direct too (A B A B ...: this machine's speed drifts).
+   Printed: merge GB/s (bytes of the universal checkpoint / the merge's own seconds: reading,
+   checksums, writing, fsyncs), its CPU seconds per GB, dd GB/s and the ratios (median over
+   rounds), with the load average before and after.
 2) Training cost: each pair runs pretrain_gpt.py twice with the same model, data and
    --async-lazy-save interval: without and with --universal-checkpoint-interval 1 (every committed
    checkpoint merged by the nice'd, idle-I/O background worker). Variants alternate; the slowdown
@@ -106,12 +107,14 @@ def evict(directory: str) -> None:
                 os.close(fd)
 
 
-def dd_gbps(directory: str, nbytes: int) -> float:
-    """The disk's write bandwidth as `dd` measures it: `nbytes` of zeros, conv=fsync."""
+def dd_gbps(directory: str, nbytes: int, direct: bool = False) -> float:
+    """The disk's write bandwidth as `dd` measures it: `nbytes` of zeros, conv=fsync (through
+    the page cache, or with oflag=direct when `direct`)."""
     path = os.path.join(directory, "dd.bin")
     t0 = time.perf_counter()
     subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={nbytes >> 24}",
-                    "conv=fsync"], check=True, capture_output=True)
+                    "conv=fsync"] + (["oflag=direct"] if direct else []), check=True,
+                   capture_output=True)
     wall = time.perf_counter() - t0
     os.unlink(path)
     return (nbytes >> 24 << 24) / wall / 1e9
@@ -133,7 +136,7 @@ def merge_vs_dd(a) -> dict:
                for k in counts}
     rounds = []
     for r in range(a.rounds):
-        row = {"dd_gbps": dd_gbps(work, nbytes)}
+        row = {"dd_gbps": dd_gbps(work, nbytes), "dd_direct_gbps": dd_gbps(work, nbytes, True)}
         for k, merger in mergers.items():
             evict(src)
             shutil.rmtree(merger.output_dir(r), ignore_errors=True)
@@ -142,6 +145,8 @@ def merge_vs_dd(a) -> dict:
             m = merger.results[-1]
             row[f"merge_gbps_{k}w"] = m["gbps"]
             row[f"merge_s_{k}w"] = m["seconds"]
+            if k == 1:  # CPU seconds per GB: what a loaded machine's scheduler must grant
+                row["merge_cpu_s_per_gb_1w"] = m["cpu_s"] / (m["bytes"] / 1e9)
             shutil.rmtree(m["directory"], ignore_errors=True)
         rounds.append(row)
         print(json.dumps({"round": r, **row}), flush=True)
@@ -149,11 +154,14 @@ def merge_vs_dd(a) -> dict:
         merger.wait()
     out.update(rounds=rounds, load_after=os.getloadavg(),
                worker_starts={k: m.worker_starts for k, m in mergers.items()},
-               dd_gbps=statistics.median(x["dd_gbps"] for x in rounds))
+               dd_gbps=statistics.median(x["dd_gbps"] for x in rounds),
+               dd_direct_gbps=statistics.median(x["dd_direct_gbps"] for x in rounds))
     for k in counts:
         out[f"merge_gbps_{k}w"] = statistics.median(x[f"merge_gbps_{k}w"] for x in rounds)
         out[f"ratio_{k}w"] = statistics.median(x[f"merge_gbps_{k}w"] / x["dd_gbps"]
                                                for x in rounds)
+        out[f"ratio_direct_{k}w"] = statistics.median(x[f"merge_gbps_{k}w"] / x["dd_direct_gbps"]
+                                                      for x in rounds)
     return out
 
 

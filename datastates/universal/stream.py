@@ -8,10 +8,10 @@ Here the header is written first (every tensor's dtype and shape is known from t
   reader thread   reads each tensor from the source (`read(entry)`), computes the CRC-32C of its
                   chunks (the C function drops the GIL), and queues it; the queue holds at most
                   `queue_bytes` (one tensor larger than that is let through alone);
-  writing thread  (the caller) writes each tensor's bytes where the header says, from the tensor's
-                  own memory (no copy), starts the kernel's writeback of every `writeback_bytes`
-                  (`writeback.start_writeback`), so the disk writes while the next tensor is read,
-                  and fsyncs each file at its end, then drops its pages from the page cache.
+  writing thread  (the caller) appends each tensor's bytes to the file (`sink.Sink`: O_DIRECT
+                  through one aligned staging buffer where the file system takes it, else the
+                  page cache with early writeback), so the disk writes while the next tensor is
+                  read, and fsyncs each file at its end.
 
 The files are safetensors as the library writes them: an 8-byte little-endian header length, a
 JSON header (``__metadata__`` and, per tensor, dtype, shape and data_offsets) padded with spaces
@@ -21,7 +21,6 @@ decreasing item size, then name, so every tensor is aligned to its item size.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import struct
 import threading
@@ -31,14 +30,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CheckpointError
-from ..fileio import pwrite_all
-from ..writeback import drop_cached, start_writeback
 from .format import Entry
 from .objects import DTYPE_NAMES
+from .sink import Sink
 from .tensor_files import chunk_checksums, tensor_bytes
 
 QUEUE_BYTES = 256 << 20
-WRITEBACK_BYTES = 64 << 20
 Read = Callable[[Entry], torch.Tensor]
 Written = Callable[[Entry], None]  # after each tensor's bytes are written
 
@@ -100,8 +97,7 @@ def _checked(read: Read, e: Entry, directory: str) -> torch.Tensor:
 def write_files(files: Sequence[Tuple[str, Sequence[Entry]]], read: Read, *, directory: str,
                 metadata: Dict[str, str], chunk_bytes: int, written: Optional[Written] = None,
                 after_file: Optional[Callable[[int], None]] = None,
-                queue_bytes: int = QUEUE_BYTES,
-                writeback_bytes: int = WRITEBACK_BYTES) -> Dict[str, List[int]]:
+                queue_bytes: int = QUEUE_BYTES, direct: bool = True) -> Dict[str, List[int]]:
     """Write each ``(path, entries)`` of `files` as one safetensors file, fsynced, reading the
     tensors with `read` on a second thread (`directory` names the source in errors). Returns
     every tensor's chunk checksums by name. `after_file(i)` runs after file i is durable."""
@@ -126,7 +122,7 @@ def write_files(files: Sequence[Tuple[str, Sequence[Entry]]], read: Read, *, dir
     crcs: Dict[str, List[int]] = {}
     try:
         for i, (path, entries) in enumerate(plan):
-            _write_one(path, entries, items, budget, crcs, metadata, written, writeback_bytes)
+            _write_one(path, entries, items, budget, crcs, metadata, written, direct)
             if after_file is not None:
                 after_file(i)
         last = items.get()
@@ -140,13 +136,10 @@ def write_files(files: Sequence[Tuple[str, Sequence[Entry]]], read: Read, *, dir
 
 def _write_one(path: str, entries: List[Entry], items: "queue.Queue", budget: _Budget,
                crcs: Dict[str, List[int]], metadata: Dict[str, str], written: Optional[Written],
-               writeback_bytes: int) -> None:
-    head = header_bytes(entries, metadata)
-    # O_EXCL: a file of the temporary directory is written once, by one process.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
+               direct: bool) -> None:
+    sink = Sink(path, direct=direct)
     try:
-        pwrite_all(fd, memoryview(head), 0)
-        pos, synced = len(head), 0
+        sink.write(torch.frombuffer(bytearray(header_bytes(entries, metadata)), dtype=torch.uint8))
         for want in entries:
             item = items.get()
             if isinstance(item, BaseException):
@@ -154,21 +147,16 @@ def _write_one(path: str, entries: List[Entry], items: "queue.Queue", budget: _B
             e, t, crc = item
             if e.name != want.name:
                 raise RuntimeError(f"reader out of step: {e.name} instead of {want.name}")
-            data = tensor_bytes(t)
-            pwrite_all(fd, data, pos)
-            pos += len(data)
+            sink.write(t.reshape(-1).view(torch.uint8) if t.numel() else
+                       torch.empty(0, dtype=torch.uint8))
             crcs[e.name] = crc
-            del item, t, data
+            del item, t
             budget.give(e.nbytes)
-            if pos - synced >= writeback_bytes:
-                start_writeback(fd, synced, pos - synced)
-                synced = pos
             if written is not None:
                 written(e)
-        os.fsync(fd)
-        drop_cached(fd)
+        sink.close()
     finally:
-        os.close(fd)
+        sink.abort()
 
 
 def throttle(max_bytes_per_s: Optional[float], t0: float) -> Callable[[int], None]:

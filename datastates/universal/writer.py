@@ -81,6 +81,8 @@ class MergeResult:
     bytes: int
     seconds: float
     skipped: bool  # already committed: nothing was written
+    cpu_s: float = 0.0
+    """CPU seconds of the merging process (all its threads) for this merge."""
 
     @property
     def gbps(self) -> float:
@@ -89,7 +91,7 @@ class MergeResult:
     def to_json(self) -> dict:
         return {"directory": self.directory, "iteration": self.iteration, "bytes": self.bytes,
                 "seconds": round(self.seconds, 6), "gbps": round(self.gbps, 6),
-                "skipped": self.skipped}
+                "skipped": self.skipped, "cpu_s": round(self.cpu_s, 3)}
 
 
 def group_files(entries: List[Entry], max_file_bytes: int) -> List[List[Entry]]:
@@ -168,7 +170,7 @@ def write_universal(source: MergeSource, dst: str, *, max_file_bytes: int = DEFA
     `max_bytes_per_s` throttles a background merge so its reads and writes leave the disk to
     the training job's own checkpoints. `chunk_bytes`: the piece each checksum covers (readers
     take it from the manifest)."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     iteration = source.iteration()
     dst = os.path.abspath(dst)
     if is_committed(dst) and not overwrite:
@@ -195,7 +197,8 @@ def write_universal(source: MergeSource, dst: str, *, max_file_bytes: int = DEFA
             shutil.rmtree(tmp, ignore_errors=True)  # a failed merge leaves nothing behind
             raise
     publish(tmp, dst)
-    return MergeResult(dst, iteration, total, time.perf_counter() - t0, skipped=False)
+    return MergeResult(dst, iteration, total, time.perf_counter() - t0, skipped=False,
+                       cpu_s=time.process_time() - cpu0)
 
 
 def encode_objects(source: MergeSource) -> Dict[str, dict]:
