@@ -82,6 +82,8 @@ class LazySaveConfig:
     """Merge every N-th committed checkpoint into a universal one, in the background (None: off)."""
     universal_root: Optional[str] = None
     """Root of the universal checkpoints (None: ROOT/universal)."""
+    universal_workers: int = 1
+    """Merge worker processes (`background_merge.MergerConfig.workers`)."""
     background_nice: int = 5
     """Niceness of the engine's copy/flush threads."""
     local_dir: Optional[str] = None
@@ -165,7 +167,7 @@ class LazyCheckpointer:
 
                 self.universal = BackgroundMerger(MergerConfig(
                     root=config.universal_root or os.path.join(config.root, "universal"),
-                    every_n=config.universal_every_n), log=log)
+                    every_n=config.universal_every_n, workers=config.universal_workers), log=log)
 
     def in_flight(self, iteration: int) -> bool:
         """True when the newest save in flight is of `iteration` (e.g. the end-of-training save

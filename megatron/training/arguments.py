@@ -289,6 +289,10 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--universal-checkpoint-interval", type=int, default=None,
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")
+    g.add_argument("--universal-merge-workers", type=int, default=1,
+                   help="merge worker processes (started once per run on rank 0): each writes "
+                        "the safetensors files of its share of the tensors; the manifest is "
+                        "committed once every part is durable")
     g.add_argument("--universal-save", type=str, default=None,
                    help="root of the universal checkpoints (default: <save>/universal)")
     g.add_argument("--keep-last-n-universal", type=int, default=None,
@@ -548,6 +552,8 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
                  f"> 0, got {a.universal_checkpoint_interval}")
         _require(a.async_lazy_save and a.save is not None, "--universal-checkpoint-interval "
                  "merges --async-lazy-save checkpoints; it needs --async-lazy-save and --save")
+    _require(a.universal_merge_workers >= 1, "--universal-merge-workers must be >= 1, got "
+             f"{a.universal_merge_workers}")
     _require(a.universal_save is None or a.universal_checkpoint_interval is not None,
              "--universal-save needs --universal-checkpoint-interval N")
     _require(a.keep_last_n_universal is None or a.universal_checkpoint_interval is not None,
@@ -853,7 +859,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         allow_unsafe_pickle=a.allow_unsafe_pickle,
         ckpt_drain_timeout=a.ckpt_drain_timeout,
         universal_checkpoint_interval=a.universal_checkpoint_interval,
-        universal_save=a.universal_save, keep_last_n_universal=a.keep_last_n_universal)
+        universal_save=a.universal_save, keep_last_n_universal=a.keep_last_n_universal,
+        universal_merge_workers=a.universal_merge_workers)
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
         tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size,

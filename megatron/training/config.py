@@ -311,6 +311,9 @@ class CheckpointConfig:
     universal_checkpoint_interval: Optional[int] = None
     """Merge every N-th committed --async-lazy-save checkpoint into a universal checkpoint, in a
     separate low-priority process while training continues (None: never)."""
+    universal_merge_workers: int = 1
+    """Merge worker processes (persistent, started once per run on rank 0); each writes its share
+    of the tensors' files, the manifest is committed once every part is durable."""
     universal_save: Optional[str] = None
     """Root of the merged universal checkpoints (None: <save>/universal); --load it to resume at
     any TP/PP/DP."""

@@ -171,7 +171,7 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
         failure_policy=FailurePolicy(ckpt.ckpt_failure_policy.value),
         run_config_json=config.to_json(),
         universal_every_n=ckpt.universal_checkpoint_interval,
-        universal_root=ckpt.universal_save)
+        universal_root=ckpt.universal_save, universal_workers=ckpt.universal_merge_workers)
 
 
 class LazyCheckpointManager(CheckpointManager):
