@@ -33,7 +33,7 @@ from ..universal import DTYPE_NAMES, Entry, MergeResult, MergeSource, Role, enco
     write_universal
 from ..universal.objects import DTYPE_BY_NAME
 from ..universal.tensor_files import TensorFile
-from .hf_common import DTYPES, LAYERS, Layout, Rule
+from .hf_common import DTYPES, Layout, Rule
 from .hf_gpt2 import gpt2_layout, gpt2_model_config
 from .hf_llama import llama_layout, llama_model_config
 
@@ -331,9 +331,8 @@ def import_hf(src: str, dst: str, progress: Optional[Callable[[int, int, str], N
     counted = None
     if progress is not None:
         names = [e.name for e in source.entries()]
-
-        def counted(done: int, total: int, name: str) -> None:
-            progress(done, total, f"tensor {names.index(name) + 1}/{len(names)} {name}")
+        counted = lambda done, total, name: progress(  # noqa: E731
+            done, total, f"tensor {names.index(name) + 1}/{len(names)} {name}")
     try:
         result = write_universal(source, dst, max_file_bytes=max_file_bytes, progress=counted)
         return result, source.model
