@@ -150,22 +150,37 @@ def model_sharded_state_dict(model) -> dict:
     return merged
 
 
-def _rng_sharded_object():
-    """One RNG state per rank: (pp, tp, dp) grid, never replicated, so resume at the same layout
-    restores each rank's own streams exactly."""
+class RngLayout(str, enum.Enum):
+    """Where a checkpoint keeps the RNG state (key ``rng_state`` either way)."""
+
+    PER_RANK = "per_rank"
+    """Ours: one state dict per rank over the (pp, tp, dp) grid, never replicated, so resume at
+    the same layout restores each rank's own streams exactly."""
+    MEGATRON_LM = "megatron_lm"
+    """NVIDIA Megatron-LM's: ``[state]`` per (pp, tp) rank, written by data-parallel rank 0
+    (replica id = DP rank); item 0 is restored on every DP rank."""
+
+
+def _rng_sharded_object(layout: RngLayout = RngLayout.PER_RANK):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     shape = (ps.get_pipeline_model_parallel_world_size(),
-             ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
-    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-              ps.get_data_parallel_rank())
-    return ShardedObject("rng_state", rng_state(), shape, offset, replica_id=0)
+             ps.get_tensor_model_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    if layout is RngLayout.MEGATRON_LM:
+        return ShardedObject("rng_state", [rng_state()], shape, offset,
+                             replica_id=ps.get_data_parallel_rank())
+    return ShardedObject("rng_state", rng_state(), shape + (ps.get_data_parallel_world_size(),),
+                         offset + (ps.get_data_parallel_rank(),), replica_id=0)
 
 
 def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading: bool,
-                             include_optim: bool, include_rng: bool) -> dict:
+                             include_optim: bool, include_rng: bool,
+                             optimizer_metadata: Optional[dict] = None,
+                             rng_layout: RngLayout = RngLayout.PER_RANK) -> dict:
     """The dict torch_dist saves: model and optimizer sharded state plus common state.
+    `optimizer_metadata` and `rng_layout` describe a checkpoint being loaded (default: ours).
 
     Must be called on every rank (the distributed optimizer gathers over DP when saving)."""
     sd = model_sharded_state_dict(state.model)
@@ -173,10 +188,10 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
         # The optimizer finds each param's sharded tensor by identity anywhere in this dict,
         # so one dict serves every VPP chunk.
         sd["optimizer"] = state.optimizer.sharded_state_dict(
-            dict(sd), is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+            dict(sd), is_loading=is_loading, metadata=optimizer_metadata or OPTIMIZER_METADATA)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
     if include_rng:
-        sd["rng_state"] = _rng_sharded_object()
+        sd["rng_state"] = _rng_sharded_object(rng_layout)
     sd["checkpoint_version"] = CHECKPOINT_VERSION
     sd["iteration"] = state.iteration
     sd["consumed_train_samples"] = state.consumed_train_samples
@@ -266,10 +281,14 @@ def saved_run_config(directory: str, kind: paths.Format,
     without running code."""
     if kind is not paths.Format.TORCH:
         common = paths.saved_common(directory, allow_unsafe_pickle)
+        from megatron.training import upstream_compat
+
+        if upstream_compat.is_upstream(common):  # NVIDIA Megatron-LM's own checkpoint
+            return upstream_compat.saved_config_from_args(common, directory)
         if not isinstance(common, dict) or "run_config" not in common:
-            raise CheckpointError("common.pt holds no run_config: not a checkpoint of this trainer "
-                                  "(a Megatron-LM one? convert it with "
-                                  "tools/convert_checkpoint.py)", path=directory)
+            raise CheckpointError("common.pt holds neither run_config (this trainer's) nor args "
+                                  "(Megatron-LM's): not a checkpoint this trainer reads",
+                                  path=directory)
         return common["run_config"]
     path = os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME)
     if not os.path.isfile(path):
