@@ -1,0 +1,172 @@
+"""Run NVIDIA Megatron-LM's own training code (its `megatron/training` and `pretrain_gpt.py`, from a
+source tree at tag core_v0.16.1) on this CPU machine, in a process of its own.
+
+    torchrun --nproc_per_node N tests/megatron_lm_harness.py MLM_TREE pretrain [its flags]
+    torchrun --nproc_per_node N tests/megatron_lm_harness.py MLM_TREE load [its flags]
+
+Megatron-LM's package is also named `megatron.training`, so ours is never imported here: its tree
+is appended to sys.path (megatron.core stays the installed 0.16.1 wheel our trainer uses, the
+same version as the tree's), and our two patch modules are loaded by file under other names.
+What this harness changes, none of it numerics:
+- our CPU patches (`cpu_compat`) and megatron-core fixes (`mcore_fixes`), as our trainer applies;
+- torch.distributed is initialised (gloo) before Megatron-LM looks, and CUDA's device count,
+  `set_device`, streams and `empty_cache` answer as one device that needs no synchronisation
+  (Megatron-LM seeds its RNG tracker and builds its parallel groups only with a device);
+- `initialize_megatron(allow_no_cuda=True)`; its legacy fused-kernel build and dataset-helper
+  compilation are skipped (the wheel ships the helpers prebuilt; the local spec uses no kernel);
+- modules it imports but never uses with these flags when their dependency is absent (`six` for
+  BERT's tokenizer, triton's batch-invariant kernels) are stood in for.
+
+`pretrain` runs Megatron-LM's pretrain_gpt.py training loop unchanged. `load` builds its model,
+optimizer and scheduler (`setup_model_and_optimizer`, which calls its `load_checkpoint` on
+`--load`) and prints one JSON line `MEGATRON_LM_LOADED {...}`: iteration, consumed samples, FLOPs
+so far and a digest of every parameter and optimizer state tensor, for comparison with ours.
+Needs flags `--distributed-backend gloo --transformer-impl local` and the fusions off (see
+`UPSTREAM_CPU_FLAGS` in tests/megatron_lm_fixtures.py).
+"""
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import runpy
+import sys
+import types
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_ours(name: str, relpath: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, relpath))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class _NoStream:
+    """get_model builds DDP on a side stream; on CPU there is one stream and nothing to wait on."""
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _stand_in(name: str, **attrs) -> None:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    sys.modules.setdefault(name, module)
+
+
+def _refuse_batch_invariant(*args, **kwargs):
+    raise RuntimeError("--batch-invariant-mode needs triton, which is not installed")
+
+
+def prepare(tree: str) -> None:
+    """Everything but the run; also done in the spawned children of dist_checkpointing's async
+    writer, which import this file as their main module."""
+    # After site-packages: megatron.core is the installed wheel; megatron.training is theirs,
+    # found before ours (our tree stays importable for `datastates` only).
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") not in (REPO, tree)]
+    sys.path += [tree, REPO]
+    _stand_in("six", PY2=False, PY3=True)  # bert_tokenization's version checks only
+    _stand_in("megatron.core.transformer.custom_layers.batch_invariant_kernels",
+              enable_batch_invariant_mode=_refuse_batch_invariant)
+    _load_ours("_ours_cpu_compat", "megatron/training/cpu_compat.py").apply_cpu_patches()
+    _load_ours("_ours_mcore_fixes", "megatron/training/mcore_fixes.py").apply_torch_adam_patches()
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.Stream = lambda *a, **k: _NoStream()
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.legacy import fused_kernels
+    from megatron.training import training
+
+    dataset_utils.compile_helpers = lambda: None
+    fused_kernels.load = lambda args: None
+    if not isinstance(training.initialize_megatron, functools.partial):
+        training.initialize_megatron = functools.partial(training.initialize_megatron,
+                                                         allow_no_cuda=True)
+
+
+def _pretrain_gpt(tree: str) -> dict:
+    """pretrain_gpt.py's globals, loaded as a module (its __main__ block is what `pretrain` and
+    `load` do below)."""
+    return runpy.run_path(os.path.join(tree, "pretrain_gpt.py"), run_name="megatron_lm_pretrain_gpt")
+
+
+def pretrain(tree: str) -> None:
+    from megatron.core.enums import ModelType
+
+    g = _pretrain_gpt(tree)
+    # pretrain_gpt.py's __main__ block, without in-process restart and ModelOpt (both off).
+    g["train_valid_test_datasets_provider"].is_distributed = True
+    g["pretrain"](g["train_valid_test_datasets_provider"],
+                  functools.partial(g["model_provider"], g["gpt_builder"]),
+                  ModelType.encoder_or_decoder, g["forward_step"],
+                  args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                  get_embedding_ranks=g["get_embedding_ranks"])
+
+
+def _digest(tensors) -> float:
+    return float(sum(t.double().abs().sum().item() + t.double().sum().item() * 1e-3
+                     for t in tensors))
+
+
+def load(tree: str) -> None:
+    """Megatron-LM's own resume path: initialize_megatron, then setup_model_and_optimizer (its
+    get_model, get_megatron_optimizer, scheduler and load_checkpoint)."""
+    from megatron.core.enums import ModelType
+    from megatron.training import get_args, initialize_megatron
+    from megatron.training.training import setup_model_and_optimizer
+
+    g = _pretrain_gpt(tree)
+    initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                        get_embedding_ranks=g["get_embedding_ranks"], allow_no_cuda=True)
+    model, optimizer, scheduler = setup_model_and_optimizer(
+        functools.partial(g["model_provider"], g["gpt_builder"]), ModelType.encoder_or_decoder)
+    args = get_args()
+    params = [p for chunk in model for p in chunk.parameters()]
+    states = [v for s in optimizer.state_dict().get("state", {}).values() if isinstance(s, dict)
+              for v in s.values() if isinstance(v, torch.Tensor)] if not \
+        args.use_distributed_optimizer else []
+    report = {"iteration": args.iteration, "consumed_train_samples": args.consumed_train_samples,
+              "consumed_valid_samples": args.consumed_valid_samples,
+              "flops_so_far": args.num_floating_point_operations_so_far,
+              "params": _digest(params), "optimizer_state": _digest(states),
+              "lr": optimizer.param_groups[0]["lr"], "scheduler_steps": scheduler.num_steps,
+              "rng_torch": _digest([torch.get_rng_state()])}
+    if torch.distributed.get_rank() == 0:
+        print("MEGATRON_LM_LOADED " + json.dumps(report), flush=True)
+
+
+def main() -> None:
+    tree, mode = os.path.abspath(sys.argv[1]), sys.argv[2]
+    os.environ["MEGATRON_LM_TREE"] = tree  # for the spawned children (below)
+    if "RANK" not in os.environ:  # one process without torchrun
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    prepare(tree)
+    sys.argv = [os.path.join(tree, "pretrain_gpt.py")] + sys.argv[3:]
+    torch.distributed.init_process_group("gloo")
+    {"pretrain": pretrain, "load": load}[mode](tree)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+else:  # a spawned child (dist_checkpointing's writer) importing the main module
+    _tree = os.environ.get("MEGATRON_LM_TREE")
+    if _tree:
+        prepare(_tree)

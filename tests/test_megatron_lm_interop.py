@@ -1,0 +1,136 @@
+"""NVIDIA Megatron-LM checkpoints (issue 19): ours resuming theirs, and theirs resuming ours.
+
+The fixtures under tests/fixtures/megatron_lm/ were written by Megatron-LM's own training loop at
+tag core_v0.16.1 (tests/megatron_lm_fixtures.py says how); each records the `lm loss` Megatron-LM
+printed for the iteration after its checkpoint, which our resume must print exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from trainer_launch import REPO, launch
+
+FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
+NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "fixture.json").is_file())
+
+
+def _fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name / "fixture.json").read_text())
+
+
+def _copy(name: str, dest) -> str:
+    shutil.copytree(FIXTURES / name, dest, ignore=shutil.ignore_patterns("fixture.json"))
+    return str(dest)
+
+
+def test_fixtures_are_megatron_lm_checkpoints():
+    assert len(NAMES) >= 4, NAMES
+    kinds = {(_fixture(n)["distrib_optim_sharding_type"], "--swiglu" in _fixture(n)["trainer_flags"])
+             for n in NAMES}
+    assert {k for k, _ in kinds} == {None, "dp_reshardable", "fully_reshardable"}
+    assert {llama for _, llama in kinds} == {False, True}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_resume_megatron_lm_checkpoint_prints_its_next_loss(name, tmp_path):
+    fixture = _fixture(name)
+    load = _copy(name, tmp_path / "load")
+    run = launch(1, fixture["trainer_flags"] + ["--load", load])
+    assert run.returncode == 0, run.describe()
+    assert "written by Megatron-LM" in run.stdout, run.stdout[-2000:]
+    assert "optimizer restored, rng restored" in run.stdout, run.stdout[-2000:]
+    losses = run.losses()
+    assert sorted(losses) == [fixture["next_iteration"]], run.stdout[-2000:]
+    # Megatron-LM printed this for the same iteration in the uninterrupted run.
+    assert losses[fixture["next_iteration"]] == fixture["lm_loss"], fixture["log_line"]
+
+
+def test_release_tracker_loads_weights_as_iteration_zero(tmp_path):
+    fixture = _fixture("gpt2_adam")
+    root = tmp_path / "load"
+    _copy("gpt2_adam", root)
+    os.rename(root / f"iter_{fixture['saved_iteration']:07d}", root / "release")
+    (root / "latest_checkpointed_iteration.txt").write_text("release\n")
+    flags = list(fixture["trainer_flags"])
+    flags[flags.index("--train-iters") + 1] = "2"
+    run = launch(1, flags + ["--load", str(root)])
+    assert run.returncode == 0, run.describe()
+    assert f"{root / 'release'} (format torch_dist, written by Megatron-LM, iteration 0; " \
+           "optimizer not restored, rng not restored)" in run.stdout, run.stdout[-2000:]
+    assert sorted(run.losses()) == [1, 2]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _common(name: str = "gpt2_distopt_dp_reshardable") -> dict:
+    from datastates.megatron_adapter import paths
+
+    fixture = _fixture(name)
+    return paths.saved_common(str(FIXTURES / name / f"iter_{fixture['saved_iteration']:07d}"))
+
+
+def test_megatron_lm_args_give_the_model_and_layout():
+    from megatron.training import upstream_compat
+
+    saved = json.loads(upstream_compat.saved_config_from_args(_common("llama_adam"), "x"))
+    assert saved["model"]["num_layers"] == 2 and saved["model"]["hidden_size"] == 32
+    assert saved["model"]["position_embedding_type"] == "rope"
+    assert saved["model"]["normalization"] == "RMSNorm" and saved["model"]["swiglu"] is True
+    assert saved["model"]["num_query_groups"] == 2 and saved["model"]["add_bias_linear"] is False
+    assert saved["parallel"]["tensor_model_parallel_size"] == 1
+    assert saved["checkpoint"] == {"save_optim": True, "save_rng": True}
+
+
+def test_dp_reshardable_at_another_tp_names_the_conversion():
+    from megatron.training.checkpoint_contents import CheckpointError
+    from megatron.training.checkpoint_loading import _megatron_lm_optimizer_metadata
+
+    common = _common()
+    layout = {"tp": 1, "pp": 1, "vpp": None, "dp": 1}
+    assert _megatron_lm_optimizer_metadata(common, layout, dict(layout, dp=2), "x")[
+        "distrib_optim_sharding_type"] == "dp_reshardable"  # DP may change
+    with pytest.raises(CheckpointError) as err:
+        _megatron_lm_optimizer_metadata(common, layout, dict(layout, tp=2), "x")
+    text = str(err.value)
+    assert "dp_reshardable" in text and "TP=1, PP=1" in text and "TP=2, PP=1" in text
+    assert "--dist-ckpt-optim-fully-reshardable" in text and "--no-load-optim" in text
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda c: c.update(checkpoint_version=4.0), "checkpoint_version"),
+    (lambda c: c.update(moe_router_state={}), "moe_router_state"),
+    (lambda c: setattr(c["args"], "num_experts", 8), "num_experts=8"),
+    (lambda c: delattr(c["args"], "hidden_size"), "'hidden_size'"),
+    (lambda c: c["content_metadata"].update(distrib_optim_sharding_type="fsdp_dtensor"),
+     "distrib_optim_sharding_type='fsdp_dtensor'"),
+    (lambda c: c["content_metadata"].update(new_flag=True), "'new_flag'"),
+])
+def test_fields_we_do_not_read_are_refused_by_name(change, field):
+    from megatron.training import upstream_compat
+    from megatron.training.checkpoint_contents import CheckpointError
+
+    common = _common()
+    common["args"] = argparse.Namespace(**vars(common["args"]))
+    change(common)
+    with pytest.raises(CheckpointError, match=field.replace("(", r"\(")):
+        upstream_compat.saved_config_from_args(common, "x")
+
+
+def test_args_holding_another_class_are_refused_not_unpickled(tmp_path):
+    import pathlib
+
+    from datastates.megatron_adapter import paths
+    from datastates.safe_load import UnsafePickleError
+
+    iter_dir = tmp_path / "iter_0000001"
+    iter_dir.mkdir()
+    torch.save({"args": argparse.Namespace(num_layers=2, tokenizer=pathlib.PurePosixPath("/")),
+                "checkpoint_version": 3.0}, iter_dir / "common.pt")
+    with pytest.raises(UnsafePickleError, match="pathlib.PurePosixPath"):
+        paths.saved_common(str(iter_dir))
