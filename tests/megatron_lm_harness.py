@@ -2,7 +2,6 @@
 source tree at tag core_v0.16.1) on this CPU machine, in a process of its own.
 
     torchrun --nproc_per_node N tests/megatron_lm_harness.py MLM_TREE pretrain [its flags]
-    torchrun --nproc_per_node N tests/megatron_lm_harness.py MLM_TREE load [its flags]
 
 Megatron-LM's package is also named `megatron.training`, so ours is never imported here: its tree
 is appended to sys.path (megatron.core stays the installed 0.16.1 wheel our trainer uses, the
@@ -17,17 +16,14 @@ What this harness changes, none of it numerics:
 - modules it imports but never uses with these flags when their dependency is absent (`six` for
   BERT's tokenizer, triton's batch-invariant kernels) are stood in for.
 
-`pretrain` runs Megatron-LM's pretrain_gpt.py training loop unchanged. `load` builds its model,
-optimizer and scheduler (`setup_model_and_optimizer`, which calls its `load_checkpoint` on
-`--load`) and prints one JSON line `MEGATRON_LM_LOADED {...}`: iteration, consumed samples, FLOPs
-so far and a digest of every parameter and optimizer state tensor, for comparison with ours.
-Needs flags `--distributed-backend gloo --transformer-impl local` and the fusions off (see
+`pretrain` runs Megatron-LM's pretrain_gpt.py training loop unchanged: with `--save` it writes
+Megatron-LM checkpoints, with `--load` it resumes one through its own `load_checkpoint`. Needs
+flags `--distributed-backend gloo --transformer-impl local` and the fusions off (see
 `UPSTREAM_CPU_FLAGS` in tests/megatron_lm_fixtures.py).
 """
 import contextlib
 import functools
 import importlib.util
-import json
 import os
 import runpy
 import sys
@@ -95,16 +91,12 @@ def prepare(tree: str) -> None:
                                                          allow_no_cuda=True)
 
 
-def _pretrain_gpt(tree: str) -> dict:
-    """pretrain_gpt.py's globals, loaded as a module (its __main__ block is what `pretrain` and
-    `load` do below)."""
-    return runpy.run_path(os.path.join(tree, "pretrain_gpt.py"), run_name="megatron_lm_pretrain_gpt")
-
-
 def pretrain(tree: str) -> None:
+    """pretrain_gpt.py loaded as a module (run as __main__, the async writer's spawned children
+    would re-run it without `prepare`), then what its __main__ block does."""
     from megatron.core.enums import ModelType
 
-    g = _pretrain_gpt(tree)
+    g = runpy.run_path(os.path.join(tree, "pretrain_gpt.py"), run_name="megatron_lm_pretrain_gpt")
     # pretrain_gpt.py's __main__ block, without in-process restart and ModelOpt (both off).
     g["train_valid_test_datasets_provider"].is_distributed = True
     g["pretrain"](g["train_valid_test_datasets_provider"],
@@ -112,38 +104,6 @@ def pretrain(tree: str) -> None:
                   ModelType.encoder_or_decoder, g["forward_step"],
                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
                   get_embedding_ranks=g["get_embedding_ranks"])
-
-
-def _digest(tensors) -> float:
-    return float(sum(t.double().abs().sum().item() + t.double().sum().item() * 1e-3
-                     for t in tensors))
-
-
-def load(tree: str) -> None:
-    """Megatron-LM's own resume path: initialize_megatron, then setup_model_and_optimizer (its
-    get_model, get_megatron_optimizer, scheduler and load_checkpoint)."""
-    from megatron.core.enums import ModelType
-    from megatron.training import get_args, initialize_megatron
-    from megatron.training.training import setup_model_and_optimizer
-
-    g = _pretrain_gpt(tree)
-    initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-                        get_embedding_ranks=g["get_embedding_ranks"], allow_no_cuda=True)
-    model, optimizer, scheduler = setup_model_and_optimizer(
-        functools.partial(g["model_provider"], g["gpt_builder"]), ModelType.encoder_or_decoder)
-    args = get_args()
-    params = [p for chunk in model for p in chunk.parameters()]
-    states = [v for s in optimizer.state_dict().get("state", {}).values() if isinstance(s, dict)
-              for v in s.values() if isinstance(v, torch.Tensor)] if not \
-        args.use_distributed_optimizer else []
-    report = {"iteration": args.iteration, "consumed_train_samples": args.consumed_train_samples,
-              "consumed_valid_samples": args.consumed_valid_samples,
-              "flops_so_far": args.num_floating_point_operations_so_far,
-              "params": _digest(params), "optimizer_state": _digest(states),
-              "lr": optimizer.param_groups[0]["lr"], "scheduler_steps": scheduler.num_steps,
-              "rng_torch": _digest([torch.get_rng_state()])}
-    if torch.distributed.get_rank() == 0:
-        print("MEGATRON_LM_LOADED " + json.dumps(report), flush=True)
 
 
 def main() -> None:
@@ -160,7 +120,9 @@ def main() -> None:
     prepare(tree)
     sys.argv = [os.path.join(tree, "pretrain_gpt.py")] + sys.argv[3:]
     torch.distributed.init_process_group("gloo")
-    {"pretrain": pretrain, "load": load}[mode](tree)
+    if mode != "pretrain":
+        raise SystemExit(f"unknown mode {mode!r}; expected 'pretrain'")
+    pretrain(tree)
     torch.distributed.destroy_process_group()
 
 

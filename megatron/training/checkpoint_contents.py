@@ -69,6 +69,8 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    #: Megatron-LM's running FLOP count (saved as num_floating_point_operations_so_far).
+    floating_point_operations_so_far: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -113,7 +115,10 @@ def check_model_shape(saved_config_json: str, config: RunConfig, path: str) -> N
                               + "); pass the same model flags or another --load", path=path)
 
 
-def rng_state() -> dict:
+def rng_state(with_cuda: bool = False) -> dict:
+    """This process's RNG states; `with_cuda` adds ``cuda_rng_state`` on a CPU machine too (the
+    CPU generator's, which the CUDA calls return under cpu_compat), as Megatron-LM's loader
+    requires it."""
     from megatron.core import tensor_parallel
 
     state = {
@@ -124,6 +129,8 @@ def rng_state() -> dict:
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    elif with_cuda:
+        state["cuda_rng_state"] = torch.get_rng_state()
     return state
 
 
@@ -150,36 +157,56 @@ def model_sharded_state_dict(model) -> dict:
     return merged
 
 
+#: Our per-rank RNG states' key beside Megatron-LM's ``rng_state`` (checkpoints with ``args``).
+RNG_PER_RANK_KEY = "rng_state_per_rank"
+
+
 class RngLayout(str, enum.Enum):
-    """Where a checkpoint keeps the RNG state (key ``rng_state`` either way)."""
+    """Where a checkpoint keeps the RNG state."""
 
     PER_RANK = "per_rank"
-    """Ours: one state dict per rank over the (pp, tp, dp) grid, never replicated, so resume at
-    the same layout restores each rank's own streams exactly."""
+    """Ours until checkpoints carried Megatron-LM's ``args``: under ``rng_state``, one state
+    dict per rank over the (pp, tp, dp) grid, never replicated, so resume at the same layout
+    restores each rank's own streams exactly."""
     MEGATRON_LM = "megatron_lm"
-    """NVIDIA Megatron-LM's: ``[state]`` per (pp, tp) rank, written by data-parallel rank 0
-    (replica id = DP rank); item 0 is restored on every DP rank."""
+    """NVIDIA Megatron-LM's: under ``rng_state``, ``[state]`` per (pp, tp) rank, written by
+    data-parallel rank 0 (replica id = DP rank); item 0 is restored on every DP rank."""
+    BOTH = "both"
+    """What we save now: ours under ``rng_state_per_rank`` (read back by us) and Megatron-LM's
+    under ``rng_state`` (read by Megatron-LM's loader)."""
 
 
-def _rng_sharded_object(layout: RngLayout = RngLayout.PER_RANK):
+def rng_layout_of(common: dict) -> RngLayout:
+    """The RNG layout of one of our checkpoints, from its common state."""
+    return RngLayout.BOTH if "args" in common else RngLayout.PER_RANK
+
+
+def _rng_sharded_objects(layout: RngLayout, is_loading: bool) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     shape = (ps.get_pipeline_model_parallel_world_size(),
              ps.get_tensor_model_parallel_world_size())
     offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    dp_shape, dp_offset = (ps.get_data_parallel_world_size(),), (ps.get_data_parallel_rank(),)
     if layout is RngLayout.MEGATRON_LM:
-        return ShardedObject("rng_state", [rng_state()], shape, offset,
-                             replica_id=ps.get_data_parallel_rank())
-    return ShardedObject("rng_state", rng_state(), shape + (ps.get_data_parallel_world_size(),),
-                         offset + (ps.get_data_parallel_rank(),), replica_id=0)
+        return {"rng_state": ShardedObject("rng_state", [rng_state(with_cuda=True)], shape,
+                                           offset, replica_id=ps.get_data_parallel_rank())}
+    if layout is RngLayout.PER_RANK:
+        return {"rng_state": ShardedObject("rng_state", rng_state(), shape + dp_shape,
+                                           offset + dp_offset, replica_id=0)}
+    ours = {RNG_PER_RANK_KEY: ShardedObject(RNG_PER_RANK_KEY, rng_state(), shape + dp_shape,
+                                            offset + dp_offset, replica_id=0)}
+    # Loading reads ours only; Megatron-LM's copy is for Megatron-LM.
+    return ours if is_loading else {**ours, **_rng_sharded_objects(RngLayout.MEGATRON_LM, False)}
 
 
 def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading: bool,
                              include_optim: bool, include_rng: bool,
                              optimizer_metadata: Optional[dict] = None,
-                             rng_layout: RngLayout = RngLayout.PER_RANK) -> dict:
-    """The dict torch_dist saves: model and optimizer sharded state plus common state.
+                             rng_layout: RngLayout = RngLayout.BOTH) -> dict:
+    """The dict torch_dist saves: model and optimizer sharded state plus common state, with
+    what Megatron-LM's loader reads too (its ``args``, FLOP count and RNG layout).
     `optimizer_metadata` and `rng_layout` describe a checkpoint being loaded (default: ours).
 
     Must be called on every rank (the distributed optimizer gathers over DP when saving)."""
@@ -191,13 +218,20 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
             dict(sd), is_loading=is_loading, metadata=optimizer_metadata or OPTIMIZER_METADATA)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
     if include_rng:
-        sd["rng_state"] = _rng_sharded_object(rng_layout)
-    sd["checkpoint_version"] = CHECKPOINT_VERSION
-    sd["iteration"] = state.iteration
-    sd["consumed_train_samples"] = state.consumed_train_samples
-    sd["consumed_valid_samples"] = state.consumed_valid_samples
-    sd["run_config"] = config.to_json()
+        sd.update(_rng_sharded_objects(rng_layout, is_loading))
+    sd.update(common_state(state, config))
     return sd
+
+
+def common_state(state: TrainState, config: RunConfig) -> dict:
+    """The small entries every format saves: ours and Megatron-LM's (``args``, the FLOP count)."""
+    from megatron.training.upstream_compat import megatron_lm_args
+
+    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration,
+            "consumed_train_samples": state.consumed_train_samples,
+            "consumed_valid_samples": state.consumed_valid_samples,
+            "num_floating_point_operations_so_far": state.floating_point_operations_so_far,
+            "run_config": config.to_json(), "args": megatron_lm_args(state, config)}
 
 
 #: (scheduler attribute, Megatron-LM's name for it in messages) compared on resume.
@@ -250,12 +284,15 @@ def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool
         with torch.no_grad():  # fp32 main params are leaf tensors that require grad
             state.optimizer.load_state_dict(loaded["optimizer"])
         state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if load_rng and "rng_state" in loaded:
-        set_rng_state(loaded["rng_state"])
+    rng = loaded.get(RNG_PER_RANK_KEY, loaded.get("rng_state"))
+    if load_rng and rng is not None:
+        set_rng_state(rng[0] if isinstance(rng, list) else rng)  # a list: Megatron-LM's layout
     if not finetune:
         state.iteration = int(loaded["iteration"])
         state.consumed_train_samples = int(loaded["consumed_train_samples"])
         state.consumed_valid_samples = int(loaded["consumed_valid_samples"])
+        state.floating_point_operations_so_far = float(
+            loaded.get("num_floating_point_operations_so_far", 0.0))
     return note
 
 

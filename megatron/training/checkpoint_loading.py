@@ -31,6 +31,7 @@ from megatron.training.checkpoint_contents import (
     check_model_shape,
     init_distributed_optimizer_state,
     parallel_layout,
+    rng_layout_of,
     safe_torch_load,
     saved_run_config,
     torch_rank_dir,
@@ -121,8 +122,11 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                   and saved["checkpoint"]["save_optim"])
     load_rng = (ckpt.load_rng and not ckpt.finetune and not release
                 and saved["checkpoint"]["save_rng"])
-    megatron_lm = _megatron_lm_common(directory, kind, unsafe)
-    rng_layout = RngLayout.PER_RANK if megatron_lm is None else RngLayout.MEGATRON_LM
+    # torch files were read by saved_run_config, which requires ours
+    common = None if kind is paths.Format.TORCH else paths.saved_common(directory, unsafe)
+    megatron_lm = common if common is not None and upstream_compat.is_upstream(common) else None
+    rng_layout = (RngLayout.MEGATRON_LM if megatron_lm is not None else
+                  rng_layout_of(common) if common is not None else RngLayout.PER_RANK)
     # Ours is per rank; Megatron-LM's per (PP, TP) rank, restored on every DP rank as it does.
     rng_fits = same_layout if megatron_lm is None else _same_tp_pp(saved_layout, run_layout)
     if load_rng and not rng_fits:
@@ -227,15 +231,6 @@ def _universal_hint(directory: str) -> str:
     if not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
         return ""
     return damage_hint(root, iteration)
-
-
-def _megatron_lm_common(directory: str, kind: paths.Format,
-                        allow_unsafe_pickle: bool) -> Optional[dict]:
-    """The common state of a checkpoint NVIDIA Megatron-LM wrote (None: one of ours)."""
-    if kind is paths.Format.TORCH:
-        return None  # its torch files were read by saved_run_config, which requires ours
-    common = paths.saved_common(directory, allow_unsafe_pickle)
-    return common if upstream_compat.is_upstream(common) else None
 
 
 def _same_tp_pp(saved_layout: dict, run_layout: dict) -> bool:

@@ -52,6 +52,52 @@ _UNSUPPORTED_ARGS = {
 }
 
 
+def megatron_lm_args(state, config) -> argparse.Namespace:
+    """The ``args`` Megatron-LM's loader reads from a checkpoint (its `check_checkpoint_args`,
+    the TP/PP/world-size and RNG/optimizer checks of `load_checkpoint`, the consumed and skipped
+    samples it resumes, and the model fields `--use-checkpoint-args` takes), from our run config
+    and counters. Plain values only, so every format (and the universal one) stores it without
+    a pickle of any class but Namespace."""
+    m, p, c = config.model, config.parallel, config.checkpoint
+    rope = m.position_embedding_type.value == "rope"
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, kv_channels=m.hidden_size // m.num_attention_heads,
+        group_query_attention=m.num_query_groups is not None,
+        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
+        position_embedding_type=m.position_embedding_type.value, add_position_embedding=not rope,
+        use_rotary_position_embeddings=rope, rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent, rotary_interleaved=False,
+        normalization=m.normalization.value, norm_epsilon=m.norm_epsilon, swiglu=m.swiglu,
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_bias_linear,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        apply_layernorm_1p=False, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
+        bf16=m.bf16, fp16=m.fp16, transformer_impl="local",
+        tokenizer_type=config.data.tokenizer_type, vocab_size=m.vocab_size, vocab_file=None,
+        merge_file=None, padded_vocab_size=m.padded_vocab_size,
+        make_vocab_size_divisible_by=config.data.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel, world_size=p.world_size,
+        data_parallel_size=p.data_parallel_size, context_parallel_size=1,
+        expert_model_parallel_size=1, data_parallel_random_init=False,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+        micro_batch_size=config.training.micro_batch_size,
+        global_batch_size=config.training.global_batch_size,
+        train_iters=config.training.train_iters, seed=config.training.seed,
+        ckpt_format="torch" if c.ckpt_format.value == "torch" else "torch_dist",
+        use_dist_ckpt=c.ckpt_format.value != "torch",
+        ckpt_fully_parallel_save=c.ckpt_fully_parallel_save,
+        dist_ckpt_optim_fully_reshardable=True,  # checkpoint_contents.OPTIMIZER_METADATA
+        no_save_optim=not c.save_optim, no_save_rng=not c.save_rng,
+        iteration=state.iteration, consumed_train_samples=state.consumed_train_samples,
+        skipped_train_samples=0, consumed_valid_samples=state.consumed_valid_samples,
+    )
+
+
 def is_upstream(common: dict) -> bool:
     """A Megatron-LM checkpoint's common state: ``args`` and no ``run_config`` of ours."""
     return isinstance(common, dict) and "run_config" not in common and "args" in common
