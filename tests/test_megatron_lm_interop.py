@@ -178,40 +178,46 @@ def test_megatron_lm_resumes_our_torch_dist_checkpoint(megatron_lm_tree, tmp_pat
     for complaint in ("could not find arguments", "RNG state will be ignored", "not found in "
                       "checkpoint args", "Unable to load"):
         assert complaint not in out, out[-3000:]
+    from datastates.megatron_adapter import paths
+    from megatron.training.flops import num_floating_point_operations, shape_of
+    from megatron.training.arguments import build_run_config, parse_args
+
+    common = paths.saved_common(os.path.join(load, "iter_0000003"))
+    per_iteration = num_floating_point_operations(shape_of(build_run_config(parse_args(
+        flags)).model), 4)
+    assert common["num_floating_point_operations_so_far"] == pytest.approx(3 * per_iteration)
     match = re.search(_MLM_LINE.format(4), out)
     assert match, out[-3000:]
     assert match.group(1) == "16"  # consumed samples restored from our args: 3 x 4, then 4 more
     assert match.group(2) == ours.losses()[4]
 
 
-def test_our_checkpoints_carry_what_megatron_lm_reads(tmp_path):
-    """Every key and args field Megatron-LM core_v0.16.1's load_checkpoint and
-    check_checkpoint_args read, in each of our formats' common state."""
-    from datastates.safe_load import torch_load
-    from megatron_lm_fixtures import TINY
+def test_our_common_state_carries_what_megatron_lm_reads():
+    """Every args field Megatron-LM core_v0.16.1's load_checkpoint and check_checkpoint_args
+    read, and its other keys, in the common state every format of ours saves."""
+    from megatron_lm_fixtures import DISTOPT, TINY
 
     from megatron.training.arguments import build_run_config, parse_args
-    from megatron.training.checkpoint_contents import CHECKPOINT_VERSION
-    from megatron.training.flops import num_floating_point_operations, shape_of
+    from megatron.training.checkpoint_contents import CHECKPOINT_VERSION, TrainState, common_state
 
-    run = launch(1, TINY + ["--save", str(tmp_path / "torch"), "--save-interval", "3",
-                            "--ckpt-format", "torch", "--train-iters", "3"])
-    assert run.returncode == 0, run.describe()
-    path = str(tmp_path / "torch" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
-    payload = torch_load(path, file=path)  # weights_only, Namespace allowed
-    config = build_run_config(parse_args(TINY))
-    per_iteration = num_floating_point_operations(shape_of(config.model), 4)
-    args = payload["args"]
-    assert payload["checkpoint_version"] == CHECKPOINT_VERSION and payload["iteration"] == 3
-    assert payload["num_floating_point_operations_so_far"] == pytest.approx(3 * per_iteration)
-    assert isinstance(payload["rng_state"], list) and "cuda_rng_state" in payload["rng_state"][0]
+    config = build_run_config(parse_args(TINY + DISTOPT))
+    state = TrainState(model=[], optimizer=None, scheduler=None, iteration=3,
+                       consumed_train_samples=12, consumed_valid_samples=0,
+                       floating_point_operations_so_far=1.5e6)
+    common = common_state(state, config)
+    assert common["checkpoint_version"] == CHECKPOINT_VERSION and common["iteration"] == 3
+    assert common["num_floating_point_operations_so_far"] == 1.5e6
     expected = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
                 "add_position_embedding": True, "max_position_embeddings": 16,
                 "make_vocab_size_divisible_by": 128, "padded_vocab_size": 128,
                 "tokenizer_type": "NullTokenizer", "data_parallel_random_init": False,
                 "global_batch_size": 4, "tensor_model_parallel_size": 1,
-                "pipeline_model_parallel_size": 1, "world_size": 1, "data_parallel_size": 1,
-                "no_save_rng": False, "no_save_optim": False, "consumed_train_samples": 12,
+                "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+                "world_size": 1, "data_parallel_size": 1, "no_save_rng": False,
+                "no_save_optim": False, "consumed_train_samples": 12,
                 "skipped_train_samples": 0, "consumed_valid_samples": 0,
-                "use_distributed_optimizer": False, "ckpt_format": "torch"}
+                "use_distributed_optimizer": True, "ckpt_format": "torch_dist"}
+    args = common["args"]
     assert {k: getattr(args, k, "MISSING") for k in expected} == expected
+    # Plain values only: every format (and the universal one) stores them without pickles.
+    assert all(v is None or isinstance(v, (bool, int, float, str)) for v in vars(args).values())

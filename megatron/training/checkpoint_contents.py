@@ -20,10 +20,11 @@ from typing import Any, List, Optional
 import numpy as np
 import torch
 
-import datastates
 from datastates.megatron_adapter import paths
 from datastates.safe_load import torch_load
 
+from megatron.training import upstream_compat
+from megatron.training.checkpoint_errors import CheckpointError
 from megatron.training.config import ModelConfig, PositionEmbeddingType, RunConfig, \
     SchedulerOnResume
 from megatron.training.model import unwrap
@@ -46,17 +47,6 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "add_bias_linear")
 _ROPE_ONLY = ("rotary_base", "rotary_percent")
 _MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-
-
-class CheckpointError(datastates.CheckpointError):
-    """A checkpoint the trainer cannot save or load: `datastates.CheckpointError` (one error type
-    for every checkpoint failure), naming this process's rank by default and the path."""
-
-    def __init__(self, message: str, path: Optional[str] = None, rank: Optional[int] = None):
-        if rank is None and torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank()
-        super().__init__(message, rank=rank, file=path)
-        self.path = path
 
 
 @dataclass
@@ -225,13 +215,12 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
 
 def common_state(state: TrainState, config: RunConfig) -> dict:
     """The small entries every format saves: ours and Megatron-LM's (``args``, the FLOP count)."""
-    from megatron.training.upstream_compat import megatron_lm_args
-
     return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
             "consumed_valid_samples": state.consumed_valid_samples,
             "num_floating_point_operations_so_far": state.floating_point_operations_so_far,
-            "run_config": config.to_json(), "args": megatron_lm_args(state, config)}
+            "run_config": config.to_json(),
+            "args": upstream_compat.megatron_lm_args(state, config)}
 
 
 #: (scheduler attribute, Megatron-LM's name for it in messages) compared on resume.
@@ -318,8 +307,6 @@ def saved_run_config(directory: str, kind: paths.Format,
     without running code."""
     if kind is not paths.Format.TORCH:
         common = paths.saved_common(directory, allow_unsafe_pickle)
-        from megatron.training import upstream_compat
-
         if upstream_compat.is_upstream(common):  # NVIDIA Megatron-LM's own checkpoint
             return upstream_compat.saved_config_from_args(common, directory)
         if not isinstance(common, dict) or "run_config" not in common:

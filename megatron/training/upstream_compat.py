@@ -17,7 +17,7 @@ import argparse
 import json
 from typing import Optional
 
-from megatron.training.checkpoint_contents import CheckpointError
+from megatron.training.checkpoint_errors import CheckpointError
 
 #: Megatron-LM's RNG key: a ShardedObject over the (PP, TP) grid, replicated over DP.
 UPSTREAM_RNG_KEY = "rng_state"
