@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -17,6 +18,8 @@ import torch
 from trainer_launch import REPO, launch
 
 FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
+#: A training log line (ours and Megatron-LM's share the format): consumed samples, lm loss.
+_MLM_LINE = r" iteration\s+{}/\s*\d+ \| consumed samples:\s+(\d+) \|.*? lm loss: (\S+) \|"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "fixture.json").is_file())
 
 
@@ -49,6 +52,8 @@ def test_resume_megatron_lm_checkpoint_prints_its_next_loss(name, tmp_path):
     assert sorted(losses) == [fixture["next_iteration"]], run.stdout[-2000:]
     # Megatron-LM printed this for the same iteration in the uninterrupted run.
     assert losses[fixture["next_iteration"]] == fixture["lm_loss"], fixture["log_line"]
+    consumed = re.search(r" consumed samples:\s+(\d+) \|", fixture["log_line"]).group(1)
+    assert re.search(_MLM_LINE.format(fixture["next_iteration"]), run.stdout).group(1) == consumed
 
 
 def test_release_tracker_loads_weights_as_iteration_zero(tmp_path):
@@ -151,16 +156,15 @@ def megatron_lm_tree(tmp_path_factory) -> str:
     return extract_tree(str(tmp_path_factory.mktemp("megatron_lm")))
 
 
-_MLM_LINE = r" iteration\s+{}/\s*\d+ \| consumed samples:\s+(\d+) \|.*? lm loss: (\S+) \|"
-
-
 def test_megatron_lm_resumes_our_torch_dist_checkpoint(megatron_lm_tree, tmp_path):
     """Megatron-LM's own load_checkpoint, without extra flags, on a checkpoint our trainer saved:
     its next iteration prints our uninterrupted run's loss (weights, distributed-optimizer state,
     scheduler, iteration and consumed samples restored), its RNG state loads without complaint,
-    and nothing it reads is missing. Dropout is off: on this CPU harness Megatron-LM's resume of
-    its *own* checkpoint is not bit-exact with dropout (gpt2_adam: 4.814372E+00 against the
-    4.809053E+00 it printed uninterrupted), so its RNG restore cannot be held to a loss here."""
+    and nothing it reads is missing. Dropout is off: on CPU Megatron-LM's resume of its *own*
+    checkpoint is not bit-exact with dropout (gpt2_adam: 4.814372E+00 against the 4.809053E+00 it
+    printed uninterrupted), because its torch DataLoader draws a base seed from the default
+    generator when its iterator is made (after the RNG restore on resume), and on CPU that is
+    dropout's generator too (on a GPU dropout draws from the CUDA one)."""
     import re
 
     from megatron_lm_fixtures import DISTOPT, TINY, UPSTREAM_CPU_FLAGS, run_upstream
