@@ -90,8 +90,11 @@ def extract_tree(dest: str, mirror: str = MIRROR) -> str:
     return dest
 
 
-def run_upstream(tree: str, mode: str, flags: list, nproc: int = 1, timeout: float = 300.0):
-    return launch(nproc, [tree, mode] + flags, timeout=timeout, entry=HARNESS)
+def run_upstream(tree: str, mode: str, flags: list, nproc: int = 1, timeout: float = 300.0,
+                 imports: tuple = ()):
+    """tests/megatron_lm_harness.py; `imports`: modules Megatron-LM's process imports first."""
+    return launch(nproc, [tree, mode] + flags, timeout=timeout, entry=HARNESS,
+                  extra_env={"MEGATRON_LM_IMPORT": ",".join(imports)})
 
 
 def make(tree: str, name: str) -> dict:

@@ -19,7 +19,8 @@ What this harness changes, none of it numerics:
 `pretrain` runs Megatron-LM's pretrain_gpt.py training loop unchanged: with `--save` it writes
 Megatron-LM checkpoints, with `--load` it resumes one through its own `load_checkpoint`. Needs
 flags `--distributed-backend gloo --transformer-impl local` and the fusions off (see
-`UPSTREAM_CPU_FLAGS` in tests/megatron_lm_fixtures.py).
+`UPSTREAM_CPU_FLAGS` in tests/megatron_lm_fixtures.py). `MEGATRON_LM_IMPORT=datastates` imports
+those modules first (what a Megatron-LM user adds to read our `--async-lazy-save` checkpoints).
 """
 import contextlib
 import functools
@@ -120,6 +121,8 @@ def main() -> None:
     prepare(tree)
     sys.argv = [os.path.join(tree, "pretrain_gpt.py")] + sys.argv[3:]
     torch.distributed.init_process_group("gloo")
+    for name in filter(None, os.environ.get("MEGATRON_LM_IMPORT", "").split(",")):
+        importlib.import_module(name)  # e.g. datastates: what a Megatron-LM user adds for ours
     if mode != "pretrain":
         raise SystemExit(f"unknown mode {mode!r}; expected 'pretrain'")
     pretrain(tree)

@@ -156,8 +156,10 @@ def megatron_lm_tree(tmp_path_factory) -> str:
     return extract_tree(str(tmp_path_factory.mktemp("megatron_lm")))
 
 
-def test_megatron_lm_resumes_our_torch_dist_checkpoint(megatron_lm_tree, tmp_path):
-    """Megatron-LM's own load_checkpoint, without extra flags, on a checkpoint our trainer saved:
+@pytest.mark.parametrize("fmt", ["torch_dist", "datastates"])
+def test_megatron_lm_resumes_our_checkpoint(megatron_lm_tree, tmp_path, fmt):
+    """Megatron-LM's own load_checkpoint, without extra flags, on a checkpoint our trainer saved
+    (torch_dist, or --async-lazy-save with `import datastates` in Megatron-LM's process):
     its next iteration prints our uninterrupted run's loss (weights, distributed-optimizer state,
     scheduler, iteration and consumed samples restored), its RNG state loads without complaint,
     and nothing it reads is missing. Dropout is off: on CPU Megatron-LM's resume of its *own*
@@ -171,11 +173,13 @@ def test_megatron_lm_resumes_our_torch_dist_checkpoint(megatron_lm_tree, tmp_pat
     from trainer_launch import NO_DROPOUT, copy_checkpoints
 
     flags = TINY + DISTOPT + NO_DROPOUT
-    ours = launch(1, flags + ["--save", str(tmp_path / "ours"), "--save-interval", "3"])
+    lazy = ["--async-lazy-save"] if fmt == "datastates" else []
+    ours = launch(1, flags + lazy + ["--save", str(tmp_path / "ours"), "--save-interval", "3"])
     assert ours.returncode == 0, ours.describe()
     load = copy_checkpoints(tmp_path / "ours", [3], 3, tmp_path / "load")
     theirs = run_upstream(megatron_lm_tree, "pretrain", UPSTREAM_CPU_FLAGS + flags
-                          + ["--load", str(load)])
+                          + ["--load", str(load)],
+                          imports=["datastates"] if fmt == "datastates" else [])
     assert theirs.returncode == 0, theirs.describe()[-4000:]
     out = theirs.stdout
     assert "successfully loaded checkpoint from" in out and "at iteration 3" in out, out[-3000:]
