@@ -21,7 +21,8 @@ from ..universal import Entry, MergeSource
 from . import merge_plan
 from .paths import METADATA_FILENAME, Format, saved_common, sharded_backend
 
-RNG_OBJECT = "rng_state/"  # per-rank RNG streams: meaningless at another layout, never merged
+# Per-rank RNG streams (ours, and Megatron-LM's copy): meaningless at another layout, never merged.
+RNG_OBJECT = ("rng_state/", "rng_state_per_rank/")
 
 
 class Source(MergeSource):

@@ -24,18 +24,20 @@ import re
 from typing import List, Optional
 
 from ..errors import CheckpointError
-from ..fileio import atomic_write, make_spare, read_iteration, replace_from_spare, safe_join
+from ..fileio import TRACKER_MAX_BYTES, atomic_write, make_spare, read_confined, read_iteration, \
+    replace_from_spare, safe_join
 from ..layout import COMMIT_FILE, is_committed
 from ..safe_load import torch_load
 
 __all__ = ["COMMON_FILENAME", "DISTRIB_OPTIM_FILENAME", "METADATA_FILENAME",
            "RUN_CONFIG_FILENAME", "TORCH_FILENAME", "TRACKER_FILENAME", "Format",
            "checkpoint_dir", "complete_iterations", "detect_format", "is_complete",
-           "iteration_of", "prepare_root", "previous_complete", "read_tracker",
+           "iteration_of", "prepare_root", "RELEASE_DIRNAME", "tracker_names_release", "previous_complete", "read_tracker",
            "resolve_checkpoint_dir", "saved_common", "sharded_backend", "torch_rank_dir",
            "tracked_iteration", "write_tracker"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+RELEASE_DIRNAME = "release"  # Megatron-LM's tracker text and directory for released weights
 RUN_CONFIG_FILENAME = "run_config.json"
 METADATA_FILENAME = "metadata.json"  # megatron.core.dist_checkpointing.core.CONFIG_FNAME
 COMMON_FILENAME = "common.pt"        # megatron's COMMON_STATE_FNAME
@@ -80,6 +82,17 @@ def read_tracker(root: str) -> int:
     iteration = read_iteration(path, what=TRACKER_FILENAME)
     safe_join(root, os.path.basename(checkpoint_dir(root, iteration)), what=TRACKER_FILENAME)
     return iteration
+
+
+def tracker_names_release(root: str) -> bool:
+    """Whether the tracker of `root` says ``release`` (Megatron-LM's released weights: the
+    checkpoint is ``root/release``, loaded as iteration 0 without optimizer or RNG state)."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    try:
+        raw = read_confined(path, what=TRACKER_FILENAME, limit=TRACKER_MAX_BYTES + 1)
+    except (OSError, CheckpointError):
+        return False
+    return raw.decode("ascii", errors="replace").strip() == RELEASE_DIRNAME
 
 
 def tracked_iteration(root: Optional[str]) -> Optional[int]:
@@ -153,7 +166,20 @@ def saved_common(directory: str, allow_unsafe_pickle: bool = False) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"no {COMMON_FILENAME}: not a complete dist_checkpointing "
                               "checkpoint", file=directory)
-    return torch_load(path, file=path, allow_unsafe=allow_unsafe_pickle)
+    return torch_load(path, file=path, allow_unsafe=allow_unsafe_pickle,
+                      extra_globals=megatron_args_globals())
+
+
+def megatron_args_globals() -> list:
+    """The classes besides `safe_load.safe_globals` that Megatron-LM's ``args`` Namespace holds
+    (checked against its core_v0.16.1 defaults): two megatron-core enums, rebuilt from their value
+    (an enum lookup runs no code of the file's choosing). Anything else is refused by name."""
+    try:
+        from megatron.core.enums import ModelType
+        from megatron.core.transformer.enums import AttnBackend
+    except ImportError:  # no megatron-core here: such args are refused by name
+        return []
+    return [AttnBackend, ModelType]
 
 
 def is_complete(directory: str) -> bool:

@@ -20,10 +20,11 @@ from typing import Any, List, Optional
 import numpy as np
 import torch
 
-import datastates
 from datastates.megatron_adapter import paths
 from datastates.safe_load import torch_load
 
+from megatron.training import upstream_compat
+from megatron.training.checkpoint_errors import CheckpointError
 from megatron.training.config import ModelConfig, PositionEmbeddingType, RunConfig, \
     SchedulerOnResume
 from megatron.training.model import unwrap
@@ -48,17 +49,6 @@ _ROPE_ONLY = ("rotary_base", "rotary_percent")
 _MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
-class CheckpointError(datastates.CheckpointError):
-    """A checkpoint the trainer cannot save or load: `datastates.CheckpointError` (one error type
-    for every checkpoint failure), naming this process's rank by default and the path."""
-
-    def __init__(self, message: str, path: Optional[str] = None, rank: Optional[int] = None):
-        if rank is None and torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank()
-        super().__init__(message, rank=rank, file=path)
-        self.path = path
-
-
 @dataclass
 class TrainState:
     """Everything the loop mutates; what checkpoints capture."""
@@ -69,6 +59,8 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    #: Megatron-LM's running FLOP count (saved as num_floating_point_operations_so_far).
+    floating_point_operations_so_far: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -113,7 +105,10 @@ def check_model_shape(saved_config_json: str, config: RunConfig, path: str) -> N
                               + "); pass the same model flags or another --load", path=path)
 
 
-def rng_state() -> dict:
+def rng_state(with_cuda: bool = False) -> dict:
+    """This process's RNG states; `with_cuda` adds ``cuda_rng_state`` on a CPU machine too (the
+    CPU generator's, which the CUDA calls return under cpu_compat), as Megatron-LM's loader
+    requires it."""
     from megatron.core import tensor_parallel
 
     state = {
@@ -124,6 +119,8 @@ def rng_state() -> dict:
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    elif with_cuda:
+        state["cuda_rng_state"] = torch.get_rng_state()
     return state
 
 
@@ -150,22 +147,57 @@ def model_sharded_state_dict(model) -> dict:
     return merged
 
 
-def _rng_sharded_object():
-    """One RNG state per rank: (pp, tp, dp) grid, never replicated, so resume at the same layout
+#: Our per-rank RNG states' key beside Megatron-LM's ``rng_state`` (checkpoints with ``args``).
+RNG_PER_RANK_KEY = "rng_state_per_rank"
+
+
+class RngLayout(str, enum.Enum):
+    """Where a checkpoint keeps the RNG state."""
+
+    PER_RANK = "per_rank"
+    """Ours until checkpoints carried Megatron-LM's ``args``: under ``rng_state``, one state
+    dict per rank over the (pp, tp, dp) grid, never replicated, so resume at the same layout
     restores each rank's own streams exactly."""
+    MEGATRON_LM = "megatron_lm"
+    """NVIDIA Megatron-LM's: under ``rng_state``, ``[state]`` per (pp, tp) rank, written by
+    data-parallel rank 0 (replica id = DP rank); item 0 is restored on every DP rank."""
+    BOTH = "both"
+    """What we save now: ours under ``rng_state_per_rank`` (read back by us) and Megatron-LM's
+    under ``rng_state`` (read by Megatron-LM's loader)."""
+
+
+def rng_layout_of(common: dict) -> RngLayout:
+    """The RNG layout of one of our checkpoints, from its common state."""
+    return RngLayout.BOTH if "args" in common else RngLayout.PER_RANK
+
+
+def _rng_sharded_objects(layout: RngLayout, is_loading: bool) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     shape = (ps.get_pipeline_model_parallel_world_size(),
-             ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
-    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-              ps.get_data_parallel_rank())
-    return ShardedObject("rng_state", rng_state(), shape, offset, replica_id=0)
+             ps.get_tensor_model_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    dp_shape, dp_offset = (ps.get_data_parallel_world_size(),), (ps.get_data_parallel_rank(),)
+    if layout is RngLayout.MEGATRON_LM:
+        return {"rng_state": ShardedObject("rng_state", [rng_state(with_cuda=True)], shape,
+                                           offset, replica_id=ps.get_data_parallel_rank())}
+    if layout is RngLayout.PER_RANK:
+        return {"rng_state": ShardedObject("rng_state", rng_state(), shape + dp_shape,
+                                           offset + dp_offset, replica_id=0)}
+    ours = {RNG_PER_RANK_KEY: ShardedObject(RNG_PER_RANK_KEY, rng_state(), shape + dp_shape,
+                                            offset + dp_offset, replica_id=0)}
+    # Loading reads ours only; Megatron-LM's copy is for Megatron-LM.
+    return ours if is_loading else {**ours, **_rng_sharded_objects(RngLayout.MEGATRON_LM, False)}
 
 
 def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading: bool,
-                             include_optim: bool, include_rng: bool) -> dict:
-    """The dict torch_dist saves: model and optimizer sharded state plus common state.
+                             include_optim: bool, include_rng: bool,
+                             optimizer_metadata: Optional[dict] = None,
+                             rng_layout: RngLayout = RngLayout.BOTH) -> dict:
+    """The dict torch_dist saves: model and optimizer sharded state plus common state, with
+    what Megatron-LM's loader reads too (its ``args``, FLOP count and RNG layout).
+    `optimizer_metadata` and `rng_layout` describe a checkpoint being loaded (default: ours).
 
     Must be called on every rank (the distributed optimizer gathers over DP when saving)."""
     sd = model_sharded_state_dict(state.model)
@@ -173,16 +205,22 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
         # The optimizer finds each param's sharded tensor by identity anywhere in this dict,
         # so one dict serves every VPP chunk.
         sd["optimizer"] = state.optimizer.sharded_state_dict(
-            dict(sd), is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+            dict(sd), is_loading=is_loading, metadata=optimizer_metadata or OPTIMIZER_METADATA)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
     if include_rng:
-        sd["rng_state"] = _rng_sharded_object()
-    sd["checkpoint_version"] = CHECKPOINT_VERSION
-    sd["iteration"] = state.iteration
-    sd["consumed_train_samples"] = state.consumed_train_samples
-    sd["consumed_valid_samples"] = state.consumed_valid_samples
-    sd["run_config"] = config.to_json()
+        sd.update(_rng_sharded_objects(rng_layout, is_loading))
+    sd.update(common_state(state, config))
     return sd
+
+
+def common_state(state: TrainState, config: RunConfig) -> dict:
+    """The small entries every format saves: ours and Megatron-LM's (``args``, the FLOP count)."""
+    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration,
+            "consumed_train_samples": state.consumed_train_samples,
+            "consumed_valid_samples": state.consumed_valid_samples,
+            "num_floating_point_operations_so_far": state.floating_point_operations_so_far,
+            "run_config": config.to_json(),
+            "args": upstream_compat.megatron_lm_args(state, config)}
 
 
 #: (scheduler attribute, Megatron-LM's name for it in messages) compared on resume.
@@ -235,12 +273,15 @@ def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool
         with torch.no_grad():  # fp32 main params are leaf tensors that require grad
             state.optimizer.load_state_dict(loaded["optimizer"])
         state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if load_rng and "rng_state" in loaded:
-        set_rng_state(loaded["rng_state"])
+    rng = loaded.get(RNG_PER_RANK_KEY, loaded.get("rng_state"))
+    if load_rng and rng is not None:
+        set_rng_state(rng[0] if isinstance(rng, list) else rng)  # a list: Megatron-LM's layout
     if not finetune:
         state.iteration = int(loaded["iteration"])
         state.consumed_train_samples = int(loaded["consumed_train_samples"])
         state.consumed_valid_samples = int(loaded["consumed_valid_samples"])
+        state.floating_point_operations_so_far = float(
+            loaded.get("num_floating_point_operations_so_far", 0.0))
     return note
 
 
@@ -266,10 +307,12 @@ def saved_run_config(directory: str, kind: paths.Format,
     without running code."""
     if kind is not paths.Format.TORCH:
         common = paths.saved_common(directory, allow_unsafe_pickle)
+        if upstream_compat.is_upstream(common):  # NVIDIA Megatron-LM's own checkpoint
+            return upstream_compat.saved_config_from_args(common, directory)
         if not isinstance(common, dict) or "run_config" not in common:
-            raise CheckpointError("common.pt holds no run_config: not a checkpoint of this trainer "
-                                  "(a Megatron-LM one? convert it with "
-                                  "tools/convert_checkpoint.py)", path=directory)
+            raise CheckpointError("common.pt holds neither run_config (this trainer's) nor args "
+                                  "(Megatron-LM's): not a checkpoint this trainer reads",
+                                  path=directory)
         return common["run_config"]
     path = os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME)
     if not os.path.isfile(path):

@@ -16,18 +16,22 @@ import torch.distributed as dist
 
 import datastates
 from datastates import control_plane
+from datastates.fileio import safe_join
 from datastates.megatron_adapter import load_strategies, paths
 from datastates.safe_load import UnsafePickleError
 from datastates.universal import is_universal
 
+from megatron.training import upstream_compat
 from megatron.training.checkpoint_contents import (
     CheckpointError,
+    RngLayout,
     TrainState,
     apply_loaded_state_dict,
     build_sharded_state_dict,
     check_model_shape,
     init_distributed_optimizer_state,
     parallel_layout,
+    rng_layout_of,
     safe_torch_load,
     saved_run_config,
     torch_rank_dir,
@@ -47,12 +51,12 @@ def _saved_config(directory: str, kind: paths.Format, allow_unsafe_pickle: bool)
         return saved_run_config(directory, kind, allow_unsafe_pickle)
     except UnsafePickleError as err:
         # Forged, or written by code we do not trust: an older checkpoint may still be good.
-        raise UnsafePickleError(err.args[0] + damage_hint(*_split(directory))) from None
+        raise UnsafePickleError(err.args[0] + _hint(directory)) from None
     except CheckpointError:
         raise
     except datastates.CheckpointError as err:
         raise CheckpointError(f"cannot read common.pt (the checkpoint's common state): "
-                              f"{err.reason}" + damage_hint(*_split(directory)),
+                              f"{err.reason}" + _hint(directory),
                               path=err.file or directory) from err
 
 
@@ -90,13 +94,18 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         print_rank_0(f"no {paths.TRACKER_FILENAME} in {ckpt.load}: no complete checkpoint there "
                      "yet, starting from scratch")
         return False
-    iteration = _read_tracker(ckpt.load)
-    if ckpt.ckpt_fallback_to_previous:  # universal roots too: their checksums are verified
-        iteration = newest_intact(ckpt.load, iteration, config)
-    directory = paths.checkpoint_dir(ckpt.load, iteration)
+    release = paths.tracker_names_release(ckpt.load)
+    if release:  # Megatron-LM's released weights: iteration 0, no optimizer or RNG state
+        iteration = 0
+        directory = safe_join(ckpt.load, paths.RELEASE_DIRNAME, what=paths.TRACKER_FILENAME)
+    else:
+        iteration = _read_tracker(ckpt.load)
+        if ckpt.ckpt_fallback_to_previous:  # universal roots too: their checksums are verified
+            iteration = newest_intact(ckpt.load, iteration, config)
+        directory = paths.checkpoint_dir(ckpt.load, iteration)
     if not os.path.isdir(directory):
-        raise CheckpointError(f"tracker names iteration {iteration} but {directory} is missing"
-                              + damage_hint(ckpt.load, iteration), path=ckpt.load)
+        raise CheckpointError(f"tracker names {os.path.basename(directory)} but {directory} is "
+                              "missing" + _hint(directory), path=ckpt.load)
     if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
         return True
     # DataStates checkpoints load through dist_checkpointing like torch_dist ones.
@@ -109,9 +118,18 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     saved_layout = _layout_of(saved)
     run_layout = parallel_layout(config)
     same_layout = saved_layout == run_layout
-    load_optim = ckpt.load_optim and not ckpt.finetune and saved["checkpoint"]["save_optim"]
-    load_rng = ckpt.load_rng and not ckpt.finetune and saved["checkpoint"]["save_rng"]
-    if load_rng and not same_layout:
+    load_optim = (ckpt.load_optim and not ckpt.finetune and not release
+                  and saved["checkpoint"]["save_optim"])
+    load_rng = (ckpt.load_rng and not ckpt.finetune and not release
+                and saved["checkpoint"]["save_rng"])
+    # torch files were read by saved_run_config, which requires ours
+    common = None if kind is paths.Format.TORCH else paths.saved_common(directory, unsafe)
+    megatron_lm = common if common is not None and upstream_compat.is_upstream(common) else None
+    rng_layout = (RngLayout.MEGATRON_LM if megatron_lm is not None else
+                  rng_layout_of(common) if common is not None else RngLayout.PER_RANK)
+    # Ours is per rank; Megatron-LM's per (PP, TP) rank, restored on every DP rank as it does.
+    rng_fits = same_layout if megatron_lm is None else _same_tp_pp(saved_layout, run_layout)
+    if load_rng and not rng_fits:
         print_rank_0(f"checkpoint layout {saved_layout} differs from this run's {run_layout}: "
                      "RNG states are per rank and are not restored")
         load_rng = False
@@ -124,28 +142,38 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         raise CheckpointError("optimizer state was saved with use_distributed_optimizer="
                               f"{saved['parallel']['use_distributed_optimizer']}; load it with the "
                               "same setting or pass --no-load-optim", path=directory)
+    optimizer_metadata = None
+    if megatron_lm is not None and load_optim and config.parallel.use_distributed_optimizer:
+        optimizer_metadata = _megatron_lm_optimizer_metadata(megatron_lm, saved_layout,
+                                                             run_layout, directory)
     if load_optim and config.parallel.use_distributed_optimizer:
         init_distributed_optimizer_state(state.optimizer)
     if fmt is CkptFormat.TORCH_DIST:
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
-                                      include_rng=load_rng)
+                                      include_rng=load_rng, optimizer_metadata=optimizer_metadata,
+                                      rng_layout=rng_layout)
         peers = restore_peer_copies(config, directory)  # --lazy-save-peer-replica
         loaded = _load_torch_dist(sd, directory, loader, unsafe, local_dir_of_this_rank(config),
                                   ckpt.ckpt_fully_parallel_load,
                                   on_read=None if peers is None else peers.report)
+        if megatron_lm is not None:
+            loaded = upstream_compat.normalize_loaded(loaded, directory)
     else:
         loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
                                  unsafe)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                                    finetune=ckpt.finetune,
                                    schedule=config.optimizer.scheduler_on_resume, path=directory)
+    if release:
+        state.iteration = 0
     if note:
         print_rank_0(note)
     if fmt is CkptFormat.TORCH and load_optim and config.parallel.use_distributed_optimizer:
         # After load_state_dict (param groups, step), as Megatron does: the sharded Adam state.
         _load_distrib_optim(state.optimizer, os.path.join(torch_rank_dir(directory),
                                                           paths.DISTRIB_OPTIM_FILENAME), unsafe)
-    print_rank_0(f"loaded checkpoint {directory} (format {kind.value}, "
+    origin = "" if megatron_lm is None else ", written by Megatron-LM"
+    print_rank_0(f"loaded checkpoint {directory} (format {kind.value}{origin}, "
                  f"iteration {iteration}; "
                  f"optimizer {'restored' if load_optim else 'not restored'}, rng "
                  f"{'restored' if load_rng else 'not restored'})")
@@ -207,6 +235,32 @@ def _universal_hint(directory: str) -> str:
     return damage_hint(root, iteration)
 
 
+def _same_tp_pp(saved_layout: dict, run_layout: dict) -> bool:
+    return (saved_layout["tp"], saved_layout["pp"]) == (run_layout["tp"], run_layout["pp"])
+
+
+def _megatron_lm_optimizer_metadata(common: dict, saved_layout: dict, run_layout: dict,
+                                    directory: str) -> dict:
+    """The content metadata to load a Megatron-LM distributed optimizer with; its default
+    ``dp_reshardable`` state reshards over DP only, so another TP/PP is refused (as Megatron-LM
+    refuses it) with the ways forward."""
+    sharding = upstream_compat.optimizer_sharding(common, directory)
+    if sharding is None:
+        raise CheckpointError("the checkpoint's content metadata names no distributed-optimizer "
+                              "sharding type (Megatron-LM core_v0.16.1 writes "
+                              "distrib_optim_sharding_type); pass --no-load-optim", path=directory)
+    if sharding == upstream_compat.DP_RESHARDABLE and not _same_tp_pp(saved_layout, run_layout):
+        raise CheckpointError(
+            f"the distributed-optimizer state is {sharding} (Megatron-LM's default), which loads "
+            f"only at the TP/PP it was saved with (TP={saved_layout['tp']}, "
+            f"PP={saved_layout['pp']}; this run has TP={run_layout['tp']}, "
+            f"PP={run_layout['pp']}). Convert it first: resume it once at TP="
+            f"{saved_layout['tp']} PP={saved_layout['pp']} with this trainer (its checkpoints are "
+            "fully_reshardable), or re-save it with Megatron-LM's "
+            "--dist-ckpt-optim-fully-reshardable; or pass --no-load-optim", path=directory)
+    return upstream_compat.optimizer_metadata(common)
+
+
 def _layout_of(saved: dict) -> dict:
     p = saved["parallel"]
     tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
@@ -244,12 +298,12 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
         raise  # already names the file and the offending global
     except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
         raise CheckpointError(f"could not load the checkpoint: {err}"
-                              + damage_hint(*_split(directory)), path=directory) from err
+                              + _hint(directory), path=directory) from err
     except DcpException as err:  # a BaseException: PyTorch DCP's per-rank failure report
         lines = [line for line in str(err).splitlines() if line.strip()]
         raise CheckpointError(f"could not load the checkpoint (torch_dist reader): "
                               f"{lines[-1] if lines else err}" + _backend_note(directory)
-                              + damage_hint(*_split(directory)), path=directory) from None
+                              + _hint(directory), path=directory) from None
 
 
 def _report_sources(directory: str, read: dict) -> None:
@@ -274,6 +328,13 @@ def _backend_note(directory: str) -> str:
         return (". The directory holds a DataStates checkpoint (COMMIT.json) but metadata.json "
                 "names another backend: metadata.json was edited or replaced")
     return ""
+
+def _hint(directory: str) -> str:
+    """`damage_hint` for ROOT/iter_NNNNNNN; nothing for a release directory."""
+    if os.path.basename(os.path.normpath(directory)) == paths.RELEASE_DIRNAME:
+        return ". Restore its files from a copy"
+    return damage_hint(*_split(directory))
+
 
 def _split(directory: str):
     """(root, iteration) of ROOT/iter_NNNNNNN."""

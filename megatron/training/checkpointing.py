@@ -13,10 +13,10 @@ from datastates import control_plane
 from datastates.megatron_adapter import paths
 
 from megatron.training.checkpoint_contents import (
-    CHECKPOINT_VERSION,
     OPTIMIZER_METADATA,
     TrainState,
     build_sharded_state_dict,
+    common_state,
     rng_state,
     torch_rank_dir,
 )
@@ -110,10 +110,7 @@ class TorchCheckpointManager(CheckpointManager):
 
 
 def torch_payload(state: TrainState, config: RunConfig, with_optim: bool, with_rng: bool) -> dict:
-    payload = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration,
-               "consumed_train_samples": state.consumed_train_samples,
-               "consumed_valid_samples": state.consumed_valid_samples,
-               "run_config": config.to_json()}
+    payload = common_state(state, config)
     n = len(state.model)
     for i, chunk in enumerate(state.model):
         payload["model" if n == 1 else f"model{i}"] = unwrap(chunk).state_dict()
@@ -123,5 +120,6 @@ def torch_payload(state: TrainState, config: RunConfig, with_optim: bool, with_r
         payload["optimizer"] = state.optimizer.state_dict()
         payload["opt_param_scheduler"] = state.scheduler.state_dict()
     if with_rng:
-        payload["rng_state"] = rng_state()
+        # Megatron-LM's layout ([state]); only data-parallel rank 0 writes this file anyway.
+        payload["rng_state"] = [rng_state(with_cuda=True)]
     return payload

@@ -6,7 +6,8 @@ for that). Each function says which call is wrong, how it shows, and when the fi
 - `apply_torch_adam_patches`: megatron-core's torch.optim.Adam fallback (no apex/TE fused Adam, on
   CPU or GPU) fails to load a `fully_reshardable` distributed-optimizer checkpoint
   (`KeyError: 'step'`) and, after loading one, shares a single `step` tensor between all
-  parameters (wrong bias correction: a resumed run silently diverges).
+  parameters (wrong bias correction: a resumed run silently diverges), and cannot build a fresh
+  distributed optimizer's sharded state dict for loading (`assert len(steps) == 1`).
 """
 from __future__ import annotations
 
@@ -75,4 +76,18 @@ def apply_torch_adam_patches() -> bool:
                 param_state["step"] = step.detach().clone()
 
     cls.load_state_dict = load_state_dict
+
+    # `DistributedOptimizer.state_dict` (called by `sharded_state_dict`, also when loading) asserts
+    # one `step` over torch Adam's per-param states, which a fresh optimizer does not have yet:
+    # loading a distributed-optimizer checkpoint before the first step fails with a bare
+    # `assert len(steps) == 1` (Megatron-LM's own load_checkpoint does exactly that). Create the
+    # states first, as the fsdp_dtensor path of the same method does; loading overwrites them.
+    original_sharded = cls.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        if is_loading and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return original_sharded(self, model_sharded_state_dict, is_loading=is_loading, **kwargs)
+
+    cls.sharded_state_dict = sharded_state_dict
     return True

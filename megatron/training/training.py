@@ -332,6 +332,9 @@ def _train_loop(trainer: Trainer) -> int:
     sigterm = _SigtermFlag(t.exit_signal_handler)
     iterators = _data_iterators(trainer, trainer.datasets.train, state.consumed_train_samples)
     log_interval = trainer.config.logging.log_interval
+    # Megatron-LM's count (saved as num_floating_point_operations_so_far, which it resumes).
+    flops_per_iteration = num_floating_point_operations(shape_of(trainer.config.model),
+                                                        t.global_batch_size)
     window_start, skipped = time.time(), 0
     saved_last = True  # nothing new to save unless an iteration runs
     print_rank_0(f"training from iteration {state.iteration} to {t.train_iters}")
@@ -342,6 +345,7 @@ def _train_loop(trainer: Trainer) -> int:
             loss, grad_norm, ok = train_step(trainer, iterators)
             state.iteration += 1
             state.consumed_train_samples += t.global_batch_size
+            state.floating_point_operations_so_far += flops_per_iteration
             skipped += 0 if ok else 1
             _scalars(trainer, loss, grad_norm)
             if state.iteration % log_interval == 0:
