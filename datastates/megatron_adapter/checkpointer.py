@@ -46,6 +46,7 @@ from ..fileio import fsync_file, make_spare, release_spare
 from ..flatten import TensorShard
 from ..layout import COMMIT_FILE, is_committed, try_commit
 from . import local_tier
+from .save_plan import SavePlanCache, StructurePolicy
 from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
     tracked_iteration, write_tracker
 
@@ -94,6 +95,10 @@ class LazySaveConfig:
     local_keep: int = 2
     """With `local_dir`: local copies kept (newest first); older ones are removed after each
     commit, never one still migrating nor the newest committed one."""
+    structure_policy: StructurePolicy = StructurePolicy.CHECK
+    """When megatron-core's validation and shard distribution are reused (`save_plan`): CHECK
+    compares a structural fingerprint every save; ASSUME_CONSTANT
+    (--ckpt-assume-constant-structure) validates the first save only."""
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -138,6 +143,7 @@ class LazyCheckpointer:
         self.durable: Dict[int, object] = {}  # save id -> this rank's SaveRecord
         self._wrapper = None
         self._dp_group = None
+        self.plans = SavePlanCache(config.structure_policy)
         # Errors this rank hit since the last agreement, in order (a full disk can fail both
         # common.pt of the next save and the flush of the previous one: all are reported).
         self._local_errors: List[BaseException] = []
@@ -172,6 +178,9 @@ class LazyCheckpointer:
         directory = checkpoint_dir(self.config.root, iteration)
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        plan = self.plans.prepare(sharded_state_dict, extra_shards)
+        if not plan.reuse_distribution:
+            self._wrapper = None  # its cached distribution belongs to the previous structure
         strategy, base = save_strategy(
             self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
             self._wrapper, extra_shards=extra_shards)
@@ -201,9 +210,15 @@ class LazyCheckpointer:
                 request = dist_checkpointing.save(sharded_state_dict, directory,
                                                   sharded_strategy=strategy,
                                                   async_sharded_save=True,
+                                                  validate_access_integrity=plan.validate,
                                                   content_metadata=content_metadata)
+            self.plans.confirm()
         except (OSError, RuntimeError, CheckpointError) as err:
             self._local_errors.append(err)
+            self.plans.forget()
+        except BaseException:
+            self.plans.forget()
+            raise
         self.pending.append(_Pending(iteration, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time()))
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from datastates import Checksum, TensorShard
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
-    expand_local_dir, paths
+    StructurePolicy, expand_local_dir, paths
 
 from megatron.training import distopt_shards
 from megatron.training.checkpoint_contents import (
@@ -85,6 +85,8 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
     return LazySaveConfig(
         local_dir=local_dir_of_this_rank(config), local_keep=ckpt.lazy_save_local_keep,
         fully_parallel_save=ckpt.ckpt_fully_parallel_save,
+        structure_policy=(StructurePolicy.ASSUME_CONSTANT if ckpt.ckpt_assume_constant_structure
+                          else StructurePolicy.CHECK),
         root=ckpt.save, cache_bytes=ckpt.lazy_save_cache_mb << 20,
         checksum=Checksum(ckpt.lazy_save_checksum), drain_timeout_s=ckpt.ckpt_drain_timeout,
         failure_policy=FailurePolicy(ckpt.ckpt_failure_policy.value),
