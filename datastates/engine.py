@@ -65,7 +65,7 @@ class CheckpointEngine:
         self._cache = HostCache(config.host_cache_bytes, pinned=torch.cuda.is_available())
         self._cache.buffer.fill_(0)
         self._cache.add_peak_listener(self._on_cache_use)
-        self._copier = Copier(self._cache, self._crc)
+        self._copier = Copier(self._cache)
         self._copy_q: "queue.Queue" = queue.Queue()
         self._write_q: "queue.Queue" = queue.Queue()
         self._threads = [threading.Thread(target=self._copy_loop, name=f"datastates-copy-{i}",
@@ -394,11 +394,11 @@ class CheckpointEngine:
             nbytes = piece.numel() * piece.element_size()
             start = self._alloc(sv, nbytes)
             try:
-                crc = self._copier.copy(piece, start, ready)
+                self._copier.copy(piece, start, ready)
             except BaseException:
                 self._cache.free(start)
                 raise
-            self._hand_over(sv, [Segment(i, off, nbytes, 0, crc)], start, nbytes)
+            self._hand_over(sv, [Segment(i, off, nbytes, 0)], start, nbytes)
 
     def _copy_bundle(self, sv: SaveJob, group: List[int]) -> None:
         """Small tensors packed into one cache block and written with one write, as laid out
@@ -415,8 +415,8 @@ class CheckpointEngine:
                 if e.nbytes:
                     pos = sv.file_offsets[i] - base
                     ready = sv.ready_events.get(e.tensor.device) if e.tensor.is_cuda else None
-                    crc = self._copier.copy(e.tensor, start + pos, ready)
-                    segments.append(Segment(i, 0, e.nbytes, pos, crc))
+                    self._copier.copy(e.tensor, start + pos, ready)
+                    segments.append(Segment(i, 0, e.nbytes, pos))
         except BaseException:
             self._cache.free(start)
             raise
@@ -448,10 +448,11 @@ class CheckpointEngine:
     def _write_block(self, sv: SaveJob, segments: List[Segment], start: int, total: int) -> None:
         if sv.t_first_write is None:
             sv.t_first_write = time.perf_counter()
-        write_block(self.cfg, self._cache, sv, segments, start, total, self._cond)
+        crcs = write_block(self.cfg, self._crc, self._cache, sv, segments, start, total,
+                           self._cond)
         with self._cond:
-            for seg in segments:
-                sv.chunks[seg.entry].append([seg.offset, seg.nbytes, seg.crc])
+            for seg, crc in zip(segments, crcs):
+                sv.chunks[seg.entry].append([seg.offset, seg.nbytes, crc])
                 sv.bytes_written += seg.nbytes
 
     def _maybe_finalize(self, sv: SaveJob) -> None:

@@ -10,6 +10,7 @@ from typing import Callable, List
 
 from . import fileio, layout
 from .cache import HostCache
+from .checksum import ChecksumFn
 from .config import EngineConfig
 from .faults import fault_point
 from .index import build_index
@@ -20,16 +21,18 @@ logger = logging.getLogger(__name__)
 DIRECT_ALIGN = 4096
 
 
-def write_block(cfg: EngineConfig, cache: HostCache, sv: SaveJob, segments: List[Segment],
-                start: int, total: int, lock: threading.Condition) -> None:
-    """Write a cache block, which is contiguous in the file, with one write (its segments were
-    checksummed by the copy). O_DIRECT where the block is page-aligned."""
+def write_block(cfg: EngineConfig, crc: ChecksumFn, cache: HostCache, sv: SaveJob,
+                segments: List[Segment], start: int, total: int,
+                lock: threading.Condition) -> List[int]:
+    """Checksum each segment of a cache block and write the block, which is contiguous in the
+    file, with one write; returns the checksums. O_DIRECT where the block is page-aligned."""
     first = segments[0]
     file_off = sv.file_offsets[first.entry] + first.offset
     if cfg.write_hook is not None:
         cfg.write_hook("write", {"rank": cfg.rank, "file": sv.shard_path,
                                  "tensor": sv.entries[first.entry].key, "offset": file_off,
                                  "nbytes": total})
+    crcs = [crc(cache.memview(start + s.pos, s.nbytes)) for s in segments]
     last = segments[-1]
     ends_tensor = last.offset + last.nbytes == sv.entries[last.entry].nbytes
     if (sv.dfd >= 0 and file_off % DIRECT_ALIGN == 0 and start % DIRECT_ALIGN == 0
@@ -39,7 +42,7 @@ def write_block(cfg: EngineConfig, cache: HostCache, sv: SaveJob, segments: List
         padded = -(-total // DIRECT_ALIGN) * DIRECT_ALIGN
         try:
             fileio.pwrite_all(sv.dfd, cache.memview(start, padded), file_off)
-            return
+            return crcs
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -53,6 +56,7 @@ def write_block(cfg: EngineConfig, cache: HostCache, sv: SaveJob, segments: List
     fileio.pwrite_all(sv.fd, cache.memview(start, total), file_off)
     if cfg.early_writeback:
         start_writeback(sv.fd, file_off, total)
+    return crcs
 
 
 def write_version_files(cfg: EngineConfig, sv: SaveJob, lock: threading.Condition,

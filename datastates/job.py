@@ -63,13 +63,12 @@ SMALL_ALIGN = 64
 
 class Segment(NamedTuple):
     """Part of a cache block: bytes [offset, offset + nbytes) of tensor `entry`, at `pos` in the
-    block, and their checksum (computed by the copy)."""
+    block."""
 
     entry: int
     offset: int
     nbytes: int
     pos: int
-    crc: int = 0
 
 
 def _align(x: int, a: int) -> int:

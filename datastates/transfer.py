@@ -13,11 +13,6 @@ import numpy as np
 import torch
 
 from .cache import HostCache
-from .checksum import ChecksumFn
-
-#: Bytes copied, then checksummed, at a time: small enough that the checksum reads them from the
-#: core's L2 cache (2 MiB per core here) instead of memory, so each byte leaves DRAM once.
-CRC_BLOCK = 256 * 1024
 
 
 def iter_pieces(t: torch.Tensor, max_bytes: int, byte_offset: int = 0
@@ -47,13 +42,12 @@ def iter_pieces(t: torch.Tensor, max_bytes: int, byte_offset: int = 0
 
 
 class Copier:
-    """Copies one piece into a cache block and returns the checksum of its bytes. On CUDA the copy
-    runs on a dedicated stream that first waits for the work the caller had queued when it called
-    save; an event per piece tells when the bytes are on the host."""
+    """Copies one piece into a cache block. On CUDA the copy runs on a dedicated stream that first
+    waits for the work the caller had queued when it called save; an event per piece tells when
+    the bytes are on the host."""
 
-    def __init__(self, cache: HostCache, crc: ChecksumFn):
+    def __init__(self, cache: HostCache):
         self.cache = cache
-        self.crc = crc
         self._base = cache.buffer.data_ptr()
         self._streams = {}
 
@@ -65,17 +59,13 @@ class Copier:
         return s
 
     def copy(self, piece: torch.Tensor, start: int,
-             ready_event: Optional["torch.cuda.Event"] = None) -> int:
+             ready_event: Optional["torch.cuda.Event"] = None) -> None:
         nbytes = piece.numel() * piece.element_size()
         if not piece.is_cuda and piece.is_contiguous():
             # A plain memcpy: no OpenMP team (see below), ~1 us of overhead per tensor, and
-            # ctypes drops the GIL for the call; each block is checksummed right after it lands.
-            src, crc = piece.data_ptr(), 0
-            for off in range(0, nbytes, CRC_BLOCK):
-                n = min(CRC_BLOCK, nbytes - off)
-                ctypes.memmove(self._base + start + off, src + off, n)
-                crc = self.crc(self.cache.memview(start + off, n), crc)
-            return crc
+            # ctypes drops the GIL for the call.
+            ctypes.memmove(self._base + start, piece.data_ptr(), nbytes)
+            return
         dst = self.cache.view(start, nbytes).view(piece.dtype).view(piece.shape)
         if piece.is_cuda:
             stream = self._stream(piece.device)
@@ -91,10 +81,6 @@ class Copier:
             # numpy's copy is single-threaded and drops the GIL. torch's copy_ would start an
             # OpenMP team from this thread whose spin-waiting competes with training on few cores.
             np.copyto(_as_numpy(dst), _as_numpy(piece), casting="no")
-        crc = 0  # strided or device pieces: checksummed after the copy, from the cache
-        for off in range(0, nbytes, CRC_BLOCK):
-            crc = self.crc(self.cache.memview(start + off, min(CRC_BLOCK, nbytes - off)), crc)
-        return crc
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -201,38 +201,6 @@ def test_default_checksum_is_crc32c_of_each_chunk_as_stored(tmp_path):
     assert chunks >= 5  # 60000 + 8000 bytes in 16 KiB chunks: several per tensor
 
 
-@pytest.mark.parametrize("kind", ["crc32c", "crc32"])
-def test_chunk_checksums_computed_while_copying_cover_several_copy_blocks(tmp_path, kind):
-    """The copy checksums each chunk block by block (`transfer.CRC_BLOCK`), continuing one CRC:
-    chunks of several blocks, with a partial last block, contiguous and strided, must carry the
-    checksum of their bytes as stored."""
-    import zlib
-
-    import crc32c
-
-    from datastates import Checksum
-    from datastates.transfer import CRC_BLOCK
-
-    fn = crc32c.crc32c if kind == "crc32c" else zlib.crc32
-    state = {"w": torch.randn(1000, 997),  # ~3.8 MiB: pieces of 3.5 blocks, then the rest
-             "t": torch.randn(700, 600).t(),  # strided: copied row by row, checksummed after
-             "s": torch.arange(5000, dtype=torch.int16)}
-    loaded, _, d = save_and_load(state, tmp_path, host_cache_bytes=16 << 20,
-                                 chunk_bytes=CRC_BLOCK * 7 // 2, checksum=Checksum(kind))
-    assert_same(loaded, state)
-    with open(os.path.join(d, "index_r00000.json")) as f:
-        index = json.load(f)
-    with open(os.path.join(d, "shard_r00000.bin"), "rb") as f:
-        shard = f.read()
-    sizes = []
-    for t in index["tensors"]:
-        for off, n, crc in t["chunks"]:
-            start = t["offset"] + off
-            assert crc == fn(shard[start:start + n]), (t["key"], off)
-            sizes.append(n)
-    assert max(sizes) > 3 * CRC_BLOCK and any(n % CRC_BLOCK for n in sizes)
-
-
 def test_crc32c_checkpoint_without_the_package_says_what_to_install(tmp_path, monkeypatch):
     import sys
     state = {"x": torch.arange(10.0)}
