@@ -187,6 +187,10 @@ class LazyCheckpointer:
         directory = checkpoint_dir(self.config.root, iteration)
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if self.rank == 0:
+            self._prepare_directory(directory)
+        # After rank 0's spares: when the plan is reused, the plan check's all-reduce is what
+        # orders them before any rank's shard bytes (StructurePolicy.ASSUME_CONSTANT has none).
         plan = self.plans.prepare(sharded_state_dict, extra_shards)
         if not plan.reuse_distribution:
             self._wrapper = None  # its cached distribution belongs to the previous structure
@@ -202,19 +206,6 @@ class LazyCheckpointer:
             files.append(self._files.submit(atomic_write, path, data))
 
         try:
-            if self.rank == 0:
-                os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
-                leftovers = sorted(os.listdir(directory))
-                if leftovers:  # megatron's own warning would fire for our spares too: ours only
-                    shown = ", ".join(leftovers[:3]) + (", ..." if len(leftovers) > 3 else "")
-                    self.log(f"WARNING: {directory} already holds files of an earlier, incomplete "
-                             f"save ({shown}); overwriting them")
-                # Room for COMMIT.json (written into it) and metadata.json (megatron writes it:
-                # released right before), taken before any shard byte of this save or a later
-                # one, so a disk that the next save fills up rarely keeps this save, once
-                # durable, from committing.
-                make_spare(os.path.join(directory, COMMIT_FILE), COMMIT_RESERVE_BYTES)
-                make_spare(os.path.join(directory, METADATA_FILENAME), COMMIT_RESERVE_BYTES)
             # After megatron's collectives, rank 0 hands common.pt to its writer thread and every
             # rank opens its shard: a full disk fails here (or in that write) on some ranks only,
             # so the failure is recorded and agreed on in poll() instead of raised (the others
@@ -235,6 +226,26 @@ class LazyCheckpointer:
             raise
         self.pending.append(_Pending(iteration, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files))
+
+    def _prepare_directory(self, directory: str) -> None:
+        """Rank 0, at a save call: the version directory, a warning naming leftovers of an
+        earlier save, and the room set aside for COMMIT.json and metadata.json. A failure is
+        recorded for the next agreement (the other ranks go on into the save's collectives)."""
+        try:
+            os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
+            leftovers = sorted(os.listdir(directory))
+            if leftovers:  # megatron's own warning would fire for our spares too: ours only
+                shown = ", ".join(leftovers[:3]) + (", ..." if len(leftovers) > 3 else "")
+                self.log(f"WARNING: {directory} already holds files of an earlier, incomplete "
+                         f"save ({shown}); overwriting them")
+            # Room for COMMIT.json (written into it) and metadata.json (megatron writes it:
+            # released right before), taken before any shard byte of this save or a later
+            # one, so a disk that the next save fills up rarely keeps this save, once
+            # durable, from committing.
+            make_spare(os.path.join(directory, COMMIT_FILE), COMMIT_RESERVE_BYTES)
+            make_spare(os.path.join(directory, METADATA_FILENAME), COMMIT_RESERVE_BYTES)
+        except OSError as err:
+            self._local_errors.append(err)
 
     # -- 3) before optimizer step i+1 --------------------------------------------------------
     def before_optimizer_step(self) -> None:

@@ -23,7 +23,9 @@ and skips even the fingerprint afterwards: the user vouches that nothing changes
 
 Skipping megatron's validation also skips its check that the common (non-sharded) state is equal
 on every rank; it runs again whenever the structure changes (as under Megatron's flag, where it
-never runs again).
+never runs again). With ASSUME_CONSTANT a save has no collective at all, so other ranks may start
+writing shards before rank 0 has set aside room for the commit marker (see
+`LazyCheckpointer.save`); with CHECK the plan check's all-reduce still orders them.
 """
 from __future__ import annotations
 

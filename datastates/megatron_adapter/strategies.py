@@ -72,6 +72,8 @@ def _local_view(sh: ShardedTensor) -> torch.Tensor:
         raise CheckpointError(f"ShardedTensor {sh.key!r} uses flattened_range, which megatron-core "
                               "0.16.1 itself rejects; use the fully_reshardable optimizer format")
     data = sh.data.detach()
+    if not sh.prepend_axis_num:
+        return data
     return data.reshape((1,) * sh.prepend_axis_num + tuple(data.shape))
 
 
