@@ -14,7 +14,8 @@ a forked writer shares copy-on-write are counted twice), and whether the checkpo
 next iteration ran holds exactly what torch_dist sync saved (stock megatron-core load, bit-exact).
 The `io_floor` variant trains without checkpointing while a `dd` writes a checkpoint's worth of
 bytes after every iteration: what the I/O alone costs the 2 compute cores, the floor for any saver
-(add `--variants none,io_floor,async_lazy` to see how close ours gets). `async_lazy_zlib`
+(add `--variants none,io_floor,async_lazy` to see how close ours gets); when it runs, every
+variant's end-to-end and median iteration time are also printed over io_floor's (/floor, it/floor). `async_lazy_zlib`
 (named explicitly) saves with zlib crc32 chunk checksums instead of crc32c: the checksum's cost.
 `async_lazy_local` adds the node-local tier (--lazy-save-local-dir on --local-dir, a tmpfs by
 default, standing in for a node's NVMe): its rows report the local-durable time (every rank's
