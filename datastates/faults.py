@@ -22,7 +22,7 @@ Phases (in the order a save goes through them):
   tracker  trainer (rank 0), after COMMIT.json, before latest_checkpointed_iteration.txt moves
   merge    universal-checkpoint merge process (started by rank 0 after a commit), after its
            first safetensors file, before its index, manifest and commit marker; its stderr goes
-           to <universal root>/merge_logs/iter_NNNNNNN.log
+           to <universal root>/merge_logs/worker-K.log (K: the worker)
 
 A pause of many seconds models a hung writer (see the drain timeout of the trainer).
 """

@@ -53,17 +53,19 @@ def confined_path(directory: str, path: str, *, rank: Optional[int] = None,
 
 
 def safe_join(directory: str, name: Any, *, rank: Optional[int] = None,
-              what: str = "index") -> str:
+              what: str = "index", confine_to: Optional[str] = None) -> str:
     """Join a file name read from a checkpoint's own metadata (`what` names that metadata, e.g.
     "index", "manifest", "tracker") to `directory`, refusing names that could point outside it
     (absolute paths, separators, '..', odd characters) and files that resolve outside it through
-    a symlink (`confined_path`). Returns the joined path, unresolved."""
+    a symlink (`confined_path`; outside `confine_to` when given, a directory above it whose
+    files its links may name). Returns the joined path, unresolved."""
     if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
         raise CheckpointError(f"{what} names file {name!r}; expected a plain file name inside the "
                               f"checkpoint directory (letters, digits, '_', '.', '-')",
                               rank=rank, file=directory)
     path = os.path.join(directory, name)
-    confined_path(directory, path, rank=rank, what=f"{what} names file {name!r}, which")
+    confined_path(confine_to or directory, path, rank=rank,
+                  what=f"{what} names file {name!r}, which")
     return path
 
 

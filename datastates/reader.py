@@ -288,23 +288,9 @@ class CheckpointReader:
         out = torch.empty(shp, dtype=metas[0].dtype)
         if out.numel() == 0:
             return out
-        covered = torch.zeros(shp, dtype=torch.bool)
-        jobs = []
-        for m in metas:
-            lo = tuple(max(o, mo) for o, mo in zip(off, m.global_offset))
-            hi = tuple(min(o + s, mo + ms)
-                       for o, s, mo, ms in zip(off, shp, m.global_offset, m.shape))
-            if any(h <= l for l, h in zip(lo, hi)):
-                continue
-            dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, off))
-            if bool(covered[dst].all()):
-                continue  # a replica of what another shard already provides
-            covered[dst] = True
-            jobs.append((m, dst, tuple(l - mo for l, mo in zip(lo, m.global_offset)),
-                         tuple(h - l for l, h in zip(lo, hi))))
-        if not bool(covered.all()):
-            raise CheckpointError(f"the saved shards do not cover the requested box at {list(off)} "
-                                  f"of shape {list(shp)}", file=self.directory, tensor=key)
+        jobs = _tiling_jobs(metas, off, shp)
+        if jobs is None:  # shards that overlap partially: count every element
+            jobs = self._covering_jobs(key, metas, off, shp)
 
         def run(job):
             m, dst, lo, size = job
@@ -312,6 +298,20 @@ class CheckpointReader:
 
         self._parallel(run, jobs)
         return out
+
+    def _covering_jobs(self, key: str, metas: List[ShardMeta], off, shp) -> List[tuple]:
+        covered = torch.zeros(shp, dtype=torch.bool)
+        jobs = []
+        for m, lo, hi in _overlaps(metas, off, shp):
+            job = _job(m, lo, hi, off)
+            if bool(covered[job[1]].all()):
+                continue  # a replica of what another shard already provides
+            covered[job[1]] = True
+            jobs.append(job)
+        if not bool(covered.all()):
+            raise CheckpointError(f"the saved shards do not cover the requested box at {list(off)} "
+                                  f"of shape {list(shp)}", file=self.directory, tensor=key)
+        return jobs
 
     def _parallel(self, fn, items) -> List[Any]:
         if len(items) <= 1 or self.threads == 1:
@@ -358,3 +358,37 @@ def math_prod(xs: Sequence[int]) -> int:
     for x in xs:
         p *= x
     return p
+
+
+def _overlaps(metas: List[ShardMeta], off, shp):
+    """(shard, lo, hi) of every shard that overlaps the box at `off` with shape `shp`."""
+    for m in metas:
+        lo = tuple(max(o, mo) for o, mo in zip(off, m.global_offset))
+        hi = tuple(min(o + s, mo + ms) for o, s, mo, ms in zip(off, shp, m.global_offset, m.shape))
+        if all(h > l for l, h in zip(lo, hi)):
+            yield m, lo, hi
+
+
+def _job(m: ShardMeta, lo, hi, off) -> tuple:
+    """(shard, destination slices in the box, offset in the shard, shape) of one piece."""
+    return (m, tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, off)),
+            tuple(l - mo for l, mo in zip(lo, m.global_offset)),
+            tuple(h - l for l, h in zip(lo, hi)))
+
+
+def _tiling_jobs(metas: List[ShardMeta], off, shp) -> Optional[List[tuple]]:
+    """The pieces of the box when the shards tile it (replicas of one box dropped, the rest
+    pairwise disjoint, their volumes summing to the box's): checked on the boxes' corners, not by
+    marking every element (which cost a merge ~0.4 s of CPU per GB). None when they do not."""
+    pieces = {}
+    for m, lo, hi in _overlaps(metas, off, shp):
+        pieces.setdefault((lo, hi), (m, lo, hi))
+    boxes = list(pieces)
+    for i, (lo_a, hi_a) in enumerate(boxes):
+        for lo_b, hi_b in boxes[i + 1:]:
+            if all(max(la, lb) < min(ha, hb) for la, ha, lb, hb in zip(lo_a, hi_a, lo_b, hi_b)):
+                return None
+    if sum(math_prod([h - l for l, h in zip(lo, hi)]) for lo, hi in boxes) != math_prod(shp):
+        return None
+    return [_job(m, lo, hi, off) for m, lo, hi in pieces.values()]
+

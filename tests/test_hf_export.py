@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, launch
+from universal_hf_probe import our_logits
 
 ROPE = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
         "--rotary-base", "500000", "--norm-epsilon", "1e-6"]
@@ -29,16 +30,6 @@ VARIANTS = {
 _i = TINY_MODEL.index("--max-position-embeddings")
 BASE = TINY_MODEL[:_i] + TINY_MODEL[_i + 2:] + NO_DROPOUT + [
     "--num-layers", "2", "--train-iters", "2", "--eval-interval", "0"]
-
-
-def _our_logits(args, load, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               LOGITS_OUT=str(tmp_path / "logits.pt"))
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "universal_hf_probe.py")] + args +
-                         ["--load", str(load)], cwd=str(REPO), env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return torch.load(str(tmp_path / "logits.pt"), weights_only=True)
 
 
 def _to_hf(src, dst):
@@ -70,7 +61,7 @@ def test_llama_export_loads_in_transformers_and_gives_our_logits(variant, tmp_pa
     assert (cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"]) == (256, 255, 255)
     assert (cfg["intermediate_size"], cfg["max_position_embeddings"]) == (128, 32)
 
-    ref = _our_logits(args, src, tmp_path)
+    ref = our_logits(args, src, tmp_path)
     model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
                                                        output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -270,3 +270,26 @@ def test_model_flags_parse_into_the_counted_architecture():
                                    st, pp)) for st in range(pp)):
             over.append(arch.name)
     assert over == ["3B", "7B", "13B", "30B"]
+
+
+def test_merge_projection_scales_with_workers_and_is_capped_by_the_platform(tmp_path, capsys):
+    from tools.scale.merge import UNIVERSAL_BYTES_PER_PARAM, project_merge
+
+    platform = load_inputs(PAPER_INPUTS).platform
+    phases = Phases(forward=1.0, backward=2.0, update=1.0)  # 40 s per 10-iteration interval
+    arch = dataclasses.replace(PAPER_MODELS[1], nodes=2)
+    gb = unique_parameters(arch, arch.tp, 2) * UNIVERSAL_BYTES_PER_PARAM / 1e9
+    one = project_merge(arch, phases, platform, 0.5)
+    assert one.workers == 2 and one.merge_gbps == 1.0 and one.merge_s == pytest.approx(gb)
+    assert one.interval_s == 40.0 and one.fits == (gb <= 40.0)
+    assert one.every_nth == math.ceil(gb / 40.0)
+    many = project_merge(arch, phases, platform, 100.0, workers_per_node=8)  # node links cap it
+    assert many.merge_gbps == 2 * platform.node_write_gbps and many.fits and many.every_nth == 1
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"summary": {"merge_vs_dd": {"merge_gbps_1w": 0.25}}}))
+    assert project_scale.main(["--models", "3B", "70B", "--merge-bench", str(bench)]) == 0
+    out = capsys.readouterr().out
+    assert "universal merge at 0.250 GB/s per worker" in out and "\n70B       20      20" in out
+    bench.write_text("{}")
+    assert project_scale.main(["--merge-bench", str(bench)]) == 2
+    assert "merge_gbps_1w" in capsys.readouterr().err

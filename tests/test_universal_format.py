@@ -199,9 +199,11 @@ def test_background_merger_runs_one_at_a_time_and_keeps_the_newest_waiting(sourc
     assert merger.running.iteration == 2 and merger.pending.iteration == 6
     assert merger.iterations_in_use() == [2, 6]  # what retention must keep meanwhile
     assert "skipped" in lines[0] and lines[0].startswith(" universal merge iteration        4")
-    assert merger.running.proc.args[:3] == ["nice", "-n", "19"]
+    assert merger.workers[0].proc.args[:3] == ["nice", "-n", "19"]
+    worker = merger.workers[0].proc
     merger.wait()
     assert merger.iterations_in_use() == []
+    assert merger.worker_starts == 1 and worker.returncode == 0  # one worker, stopped by wait()
     assert [r["directory"] for r in merger.results] == [os.path.join(root, "iter_0000002"),
                                                         os.path.join(root, "iter_0000006")]
     assert all(is_committed(r["directory"]) for r in merger.results)

@@ -151,7 +151,7 @@ class Node:
     rendezvous at 127.0.0.1:port); its output goes to files under `logdir`."""
 
     def __init__(self, node_rank: int, nnodes: int, nproc: int, port: int, args: List[str],
-                 logdir: Path):
+                 logdir: Path, extra_env: Optional[Dict[str, str]] = None):
         self.out_path = Path(logdir) / f"node{node_rank}.out"
         self.err_path = Path(logdir) / f"node{node_rank}.err"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
@@ -160,6 +160,7 @@ class Node:
         env = {k: v for k, v in os.environ.items()
                if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+        env.update(extra_env or {})
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=out, stderr=err,
                                          start_new_session=True)

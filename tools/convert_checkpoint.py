@@ -5,6 +5,7 @@
     python tools/convert_checkpoint.py from-torch-dist SRC DST   # Megatron torch_dist -> universal
     python tools/convert_checkpoint.py to-torch-dist   SRC DST   # universal or DataStates -> torch_dist
     python tools/convert_checkpoint.py to-hf           SRC DST   # any of ours -> HF Llama or GPT-2
+    python tools/convert_checkpoint.py from-hf         SRC DST   # HF Llama or GPT-2 -> universal
     python tools/convert_checkpoint.py inspect         PATH [--json]
     python tools/convert_checkpoint.py upgrade-universal PATH    # older universal: no pickles,
                                                                  # checksums added
@@ -162,6 +163,23 @@ def _to_hf(args):
           f"{args.dst}")
 
 
+def _from_hf(args):
+    import shlex
+
+    from datastates.megatron_adapter.hf_import import import_hf, launch_flags
+
+    result, model = import_hf(args.src, args.dst, progress=Progress("from-hf", True),
+                              max_file_bytes=args.max_file_size_mb << 20,
+                              approximate_gelu_ok=args.allow_approximate_gelu)
+    print(f"universal checkpoint (release: iteration 0, no optimizer state) committed to "
+          f"{result.directory}: {result.bytes} bytes in {result.seconds:.2f} s "
+          f"({result.gbps:.3f} GB/s)")
+    print("resume it at any TP/PP/DP with these model flags (NullTokenizer's --vocab-size counts "
+          "the ids before the end-of-document id, the model's last):")
+    print("  pretrain_gpt.py " + " ".join(shlex.quote(f) for f in launch_flags(model))
+          + f" --load {shlex.quote(result.directory)} ...")
+
+
 def _inspect(args):
     from datastates.megatron_adapter import describe, render
 
@@ -207,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "LlamaForCausalLM or GPT2LMHeadModel (safetensors + config.json)")
     s.add_argument("src")
     s.add_argument("dst")
+    s = sub.add_parser("from-hf", help="Hugging Face LlamaForCausalLM or GPT2LMHeadModel "
+                       "(config.json + safetensors) -> universal (iteration 0, no optimizer)")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--max-file-size-mb", type=int, default=2048,
+                   help="split the safetensors files at this size (default 2048)")
+    s.add_argument("--allow-approximate-gelu", action="store_true",
+                   help="convert a GPT-2 with a tanh-approximate GELU (the original GPT-2's "
+                        "gelu_new) although megatron's GPT computes the exact one")
     s = sub.add_parser("inspect", help="iteration, tensors, shapes, dtypes, sizes, layout")
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -233,6 +260,8 @@ def main(argv=None) -> int:
             _to_torch_dist(args)
         elif args.command == "to-hf":
             _to_hf(args)
+        elif args.command == "from-hf":
+            _from_hf(args)
         elif args.command == "upgrade-universal":
             _upgrade(args)
         else:

@@ -5,6 +5,7 @@ Usage:
     python tools/project_scale.py --compare-paper          # + ratios vs the paper, with tolerances
     python tools/project_scale.py --models 13B 30B --dp 1 2 4 8 16 --experiment throughput
     python tools/project_scale.py --inputs my_node.json --d2h-gbps 12 --json out.json
+    python tools/project_scale.py --merge-bench bench.json    # + universal merge time per model
 
 Inputs: a JSON file (format in tools/scale/inputs.py; default tools/scale/paper_polaris.json),
 then flags override it. Experiments: "throughput" = a checkpoint every iteration over 5
@@ -22,6 +23,7 @@ from tools.errors import ToolInputError
 from tools.scale.architecture import PAPER_MODELS, WeightsWriter, paper_model
 from tools.scale.compare import dp_scaling_rows, end_to_end_checks, format_checks, throughput_checks
 from tools.scale.inputs import load_inputs
+from tools.scale.merge import format_merge_table, merge_table
 from tools.scale.paper import paper_case
 from tools.scale.projection import Phases, Platform, ScaleCase, Variant, predict
 
@@ -61,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slurm-time", action="store_true",
                         help="end with a Slurm time limit for running every case and variant one "
                              f"after another: x{TIME_MARGIN} + {STARTUP_S:.0f} s of start-up per run")
+    group = parser.add_argument_group("universal merge (tools/scale/merge.py)")
+    group.add_argument("--merge-gbps-per-worker", type=float, default=None,
+                       help="measured merge rate of one worker (GB/s of universal bytes)")
+    group.add_argument("--merge-bench", default=None,
+                       help="or: the --json of benchmarks/universal_merge_bench.py (its median "
+                            "one-worker rate)")
+    group.add_argument("--merge-workers-per-node", type=int, default=1)
     group = parser.add_argument_group("platform overrides")
     for name in _PLATFORM_FLAGS:
         kind = int if name in ("gpus_per_node", "dist_streams") else float
@@ -103,6 +112,23 @@ def _override_phases(args, phases: Phases) -> Phases:
     return dataclasses.replace(phases, **changes)
 
 
+def _merge_rate(args):
+    """GB/s of one merge worker: the flag, or the benchmark's JSON (None: no merge table)."""
+    if args.merge_bench is None:
+        return args.merge_gbps_per_worker
+    try:
+        with open(args.merge_bench, encoding="utf-8") as f:
+            rate = json.load(f)["summary"]["merge_vs_dd"]["merge_gbps_1w"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ToolInputError(f"expected the --json output of benchmarks/universal_merge_bench.py "
+                             f"with summary.merge_vs_dd.merge_gbps_1w: {error!r}",
+                             path=args.merge_bench) from None
+    if not isinstance(rate, (int, float)) or rate <= 0:
+        raise ToolInputError(f"expected a positive merge rate, found {rate!r}",
+                             path=args.merge_bench)
+    return float(rate)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -110,6 +136,7 @@ def main(argv=None) -> int:
         overrides = {k: getattr(args, k) for k in _PLATFORM_FLAGS if getattr(args, k) is not None}
         platform = dataclasses.replace(inputs.platform, **overrides)
         cases = _cases(args, inputs)
+        merge_rate = _merge_rate(args)
     except ToolInputError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -137,6 +164,14 @@ def main(argv=None) -> int:
         print()
         print(format_checks(checks))
         result["paper_checks"] = [dataclasses.asdict(c) for c in checks]
+    if merge_rate is not None:
+        archs = [paper_model(name) for name in args.models]
+        merges = merge_table(archs, {a.name: _override_phases(args, inputs.phases[a.name])
+                                     for a in archs}, platform, merge_rate,
+                             args.merge_workers_per_node)
+        print()
+        print(format_merge_table(merges, merge_rate))
+        result["universal_merge"] = [dataclasses.asdict(m) for m in merges]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

@@ -18,8 +18,9 @@ public API, nothing else. What lives here:
                        Megatron checkpoints -> universal checkpoints (`datastates.universal`),
                        by hand or in a low-priority background process
   inspect.py           what a checkpoint holds
-  hf_export.py, hf_llama.py, hf_common.py
-                       universal -> Hugging Face GPT-2 or Llama (safetensors + config.json)
+  hf_export.py, hf_import.py, hf_common.py, hf_llama.py, hf_gpt2.py
+                       universal <-> Hugging Face GPT-2 or Llama (safetensors + config.json):
+                       the exporter, the importer, and the one mapping both read
   resolve.py           what a path given to a converter names (what --load takes), and what is
                        missing when it names nothing usable
 
@@ -56,6 +57,8 @@ _EXPORTS = {
     "Located": "resolve", "locate": "resolve", "locate_universal": "resolve",
     "UNIVERSAL_KIND": "resolve",
     "expand_local_dir": "local_tier",
+    "PeerReplicator": "peer_replica", "RestoreStats": "peer_replica", "Ring": "peer_replica",
+    "restore_before_load": "peer_replica",
 }
 _RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand"}
 

@@ -6,25 +6,37 @@ as skipped). So merges never pile up, and the newest checkpoint is always merged
 
 Call order (one process, e.g. rank 0 of the trainer):
   1) `on_commit(iteration, directory)` after each checkpoint is committed (every N-th is merged);
-  2) `poll()` now and then (e.g. every iteration): reaps a finished merge, starts the pending one;
-  3) `wait()` before exiting: lets the running and the pending merge finish.
+  2) `poll()` now and then (e.g. every iteration): takes the workers' answers, starts the pending
+     merge when the running one is done;
+  3) `wait()` before exiting: lets the running and the pending merge finish, stops the workers.
 Retention asks `iterations_in_use()` (any time) which sources it must keep.
-The merge runs as ``nice -n <nice> [ionice -c 3] python -m datastates.megatron_adapter.merge``: a process,
-not a thread, so its reads, copies and writes never hold the trainer's GIL, and the scheduler
-gives it only the CPU and disk time training leaves idle.
+The merges run in `MergerConfig.workers` persistent worker processes
+(``nice -n <nice> [ionice -c 3] python -m datastates.megatron_adapter.merge_worker``, see
+merge_worker.py),
+each started once per run at its first merge and fed requests through a pipe: processes, not
+threads, so their reads, copies and writes never hold the trainer's GIL, and the scheduler gives
+them only the CPU and disk time training leaves idle. With one worker it merges and commits; with
+several, each writes its part of the tensors, and once all parts are durable worker 0 commits
+(universal/parts.py); a worker that fails or dies fails the merge, whose temporary directory is
+removed, and is started again for the next one. Workers exit with the trainer: at `wait()`/
+`close()`, at the end of their input, and when the trainer is killed (PR_SET_PDEATHSIG, and a
+watchdog on the parent's pid).
 """
 from __future__ import annotations
 
 import enum
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Set
 
+from ..universal import remove_stale_temporaries
 from .merge import TELEMETRY_FILE
 from .paths import checkpoint_dir
 
@@ -64,6 +76,9 @@ class MergerConfig:
     """Throttle the merge's throughput (None: as fast as the low priority allows)."""
     queue: MergeQueue = MergeQueue.LATEST
     """Policy for commits that arrive while a merge runs."""
+    workers: int = 1
+    """Merge workers: each writes the safetensors files of its share of the tensors, and worker 0
+    commits the manifest once every part is durable (universal/parts.py)."""
 
 
 @dataclass
@@ -71,9 +86,51 @@ class _Job:
     iteration: int
     source: str
     output: str
-    proc: Optional[subprocess.Popen] = None
-    log_path: str = ""
     started: float = field(default_factory=time.time)
+    tmp: str = ""
+    waiting: Set[int] = field(default_factory=set)  # workers whose answer is due
+    committing: bool = False
+    error: Optional[str] = None
+
+
+class _Worker:
+    """One persistent merge worker process (merge_worker.py) and the thread that forwards its
+    answers to the merger's queue ((index, answer), or (index, None) when it exits)."""
+
+    def __init__(self, index: int, command: List[str], log_path: str, answers: queue.Queue,
+                 log_mode: str):
+        self.index = index
+        # One thread of each math library: the merge copies bytes, it must not compete with
+        # training for both cores.
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        self.log_path = log_path
+        with open(log_path, log_mode) as log:
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, env=env, text=True, bufsize=1,
+                                         preexec_fn=_die_with_parent)
+        self.alive = True
+        threading.Thread(target=self._pump, args=(answers,), daemon=True,
+                         name=f"merge-worker-{index}").start()
+
+    def _pump(self, answers: queue.Queue) -> None:
+        for line in self.proc.stdout:
+            answers.put((self.index, json.loads(line)))
+        answers.put((self.index, None))
+
+    def send(self, request: dict) -> None:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self, timeout: float = 30.0) -> None:
+        try:
+            self.proc.stdin.close()  # the worker exits at the end of its input
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class BackgroundMerger:
@@ -84,6 +141,9 @@ class BackgroundMerger:
         self.running: Optional[_Job] = None
         self.pending: Optional[_Job] = None
         self.results: List[dict] = []
+        self.workers: List[_Worker] = []
+        self.worker_starts = 0  # interpreter starts in this run (one per worker unless one died)
+        self._answers: queue.Queue = queue.Queue()
         os.makedirs(config.root, exist_ok=True)
 
     def output_dir(self, iteration: int) -> str:
@@ -106,67 +166,126 @@ class BackgroundMerger:
 
     # 2) ---------------------------------------------------------------------------------------
     def poll(self) -> None:
-        if self.running is not None and self.running.proc.poll() is not None:
-            self._reap(self.running)
-            self.running = None
+        while True:
+            try:
+                index, answer = self._answers.get_nowait()
+            except queue.Empty:
+                break
+            self._on_answer(index, answer)
         if self.running is None and self.pending is not None:
             job, self.pending = self.pending, None
             self._start(job)
 
     def iterations_in_use(self) -> List[int]:
         """The sources of the running and the waiting merge, which retention must keep: the
-        merge process holds its source (`fileio.hold_for_reading`) only once it has started."""
+        merge workers hold their source (`fileio.hold_for_reading`) only once they started."""
         return [job.iteration for job in (self.running, self.pending) if job is not None]
 
     # 3) ---------------------------------------------------------------------------------------
     def wait(self) -> None:
-        while self.running is not None:
-            self.running.proc.wait()
+        """Let the running and the waiting merge finish, then stop the workers (the trainer
+        calls it at exit: no merge process outlives the run)."""
+        self.drain()
+        self.close()
+
+    def drain(self) -> None:
+        """Let the running and the waiting merge finish; the workers stay, for the next."""
+        while self.running is not None or self.pending is not None:
+            if self.running is not None:
+                self._on_answer(*self._answers.get())
             self.poll()
 
-    def _command(self, job: _Job) -> List[str]:
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.workers = []
+
+    # -- internals -----------------------------------------------------------------------------
+    def _command(self) -> List[str]:
         c = self.config
-        cmd = [sys.executable, "-m", "datastates.megatron_adapter.merge", "--source", job.source,
-               "--output", job.output, "--root", c.root, "--max-file-bytes", str(c.max_file_bytes)]
-        if c.max_bytes_per_s:
-            cmd += ["--max-bytes-per-s", str(c.max_bytes_per_s)]
         prefix = ["nice", "-n", str(c.nice)] if shutil.which("nice") else []
         if c.idle_io and shutil.which("ionice"):
             prefix += ["ionice", "-c", "3"]
-        return prefix + cmd
+        return prefix + [sys.executable, "-m", "datastates.megatron_adapter.merge_worker"]
+
+    def _worker(self, k: int) -> _Worker:
+        """Worker `k`, started at its first use (again only if it died)."""
+        while len(self.workers) <= k:
+            self.workers.append(None)
+        if self.workers[k] is None or not self.workers[k].alive:
+            logs = os.path.join(self.config.root, "merge_logs")
+            os.makedirs(logs, exist_ok=True)
+            # A run's first worker k starts its log afresh; a restarted one appends to it.
+            self.workers[k] = _Worker(k, self._command(), os.path.join(logs, f"worker-{k}.log"),
+                                      self._answers, "a" if self.workers[k] else "w")
+            self.worker_starts += 1
+        return self.workers[k]
+
+    def _request(self, job: _Job, **fields) -> dict:
+        c = self.config
+        return dict(fields, id=job.iteration, source=job.source, output=job.output,
+                    root=c.root, max_file_bytes=c.max_file_bytes,
+                    max_bytes_per_s=c.max_bytes_per_s / c.workers if c.max_bytes_per_s else None)
 
     def _start(self, job: _Job) -> None:
-        logs = os.path.join(self.config.root, "merge_logs")
-        os.makedirs(logs, exist_ok=True)
-        job.log_path = os.path.join(logs, os.path.basename(checkpoint_dir(logs, job.iteration))
-                                    + ".log")
-        # One thread of each math library: the merge copies bytes, it must not compete with
-        # training for both cores.
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        with open(job.log_path, "w") as out:
-            job.proc = subprocess.Popen(self._command(job), stdout=out, stderr=subprocess.STDOUT,
-                                        env=env, stdin=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent)
         job.started = time.time()
         self.running = job
+        n = self.config.workers
+        if n == 1:
+            job.waiting = {0}
+            self._send(job, 0, self._request(job, op="merge"))
+            return
+        remove_stale_temporaries(job.output)
+        job.tmp = f"{job.output}.tmp-parts-{os.getpid()}"
+        job.waiting = set(range(n))
+        for k in range(n):
+            self._send(job, k, self._request(job, op="part", tmp=job.tmp, part=k, parts=n))
 
-    def _reap(self, job: _Job) -> None:
-        with open(job.log_path) as f:
-            lines = f.read().splitlines()
+    def _send(self, job: _Job, k: int, request: dict) -> None:
+        try:
+            self._worker(k).send(request)
+        except OSError as err:  # died between two requests: its pump reports it
+            job.error = job.error or f"worker {k} could not take the request: {err}"
+
+    def _on_answer(self, index: int, answer: Optional[dict]) -> None:
+        job = self.running
+        if answer is None:
+            self.workers[index].alive = False
+            self.workers[index].proc.wait()
+            if job is None or index not in job.waiting:
+                return
+            answer = {"ok": False, "error": f"merge worker {index} exited (code "
+                                            f"{self.workers[index].proc.returncode})"}
+        if job is None or index not in job.waiting:
+            return
+        job.waiting.discard(index)
+        if not answer.get("ok"):
+            job.error = job.error or answer.get("error", "failed")
+        if job.waiting:
+            return
+        if job.error is None and self.config.workers > 1 and not job.committing:
+            job.committing, job.waiting = True, {0}
+            self._send(job, 0, self._request(job, op="commit", tmp=job.tmp,
+                                             parts=self.config.workers, started=job.started))
+            return
+        self._finish(job, answer)
+
+    def _finish(self, job: _Job, answer: dict) -> None:
+        self.running = None
         wall = time.time() - job.started
-        if job.proc.returncode == 0:
-            result = dict(json.loads(lines[-1]), process_s=round(wall, 3))
-            # The merge's own line times reading and writing; process (s) adds interpreter
-            # start-up and the wait for CPU at low priority.
-            line = next((x for x in lines if x.startswith(" universal merge")), lines[-1])
-            self.log(f"{line} | process (s): {wall:.1f}")
+        if job.error is None:
+            result = dict(answer["result"], process_s=round(wall, 3))
+            # The merge's own line times reading and writing; process (s) adds the wait for
+            # CPU at low priority (and, for the first merge of a run, the worker's start-up).
+            self.log(f"{answer['line']} | process (s): {wall:.1f}")
             self.results.append(result)
-        else:
-            tail = " | ".join(lines[-3:])
-            self.log(f" universal merge iteration {job.iteration:8d} | FAILED (exit "
-                     f"{job.proc.returncode}), see {job.log_path}: {tail}")
-            self._record({"iteration": job.iteration, "error": job.proc.returncode,
-                          "log": job.log_path})
+            return
+        if job.tmp:
+            shutil.rmtree(job.tmp, ignore_errors=True)  # nothing of a failed merge is kept
+        logs = ", ".join(w.log_path for w in self.workers if w is not None)
+        self.log(f" universal merge iteration {job.iteration:8d} | FAILED, see {logs}: "
+                 f"{job.error}")
+        self._record({"iteration": job.iteration, "error": job.error, "log": logs})
 
     def _record(self, doc: dict) -> None:
         with open(os.path.join(self.config.root, TELEMETRY_FILE), "a") as f:

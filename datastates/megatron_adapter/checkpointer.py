@@ -88,6 +88,8 @@ class LazySaveConfig:
     """Merge every N-th committed checkpoint into a universal one, in the background (None: off)."""
     universal_root: Optional[str] = None
     """Root of the universal checkpoints (None: ROOT/universal)."""
+    universal_workers: int = 1
+    """Merge worker processes (`background_merge.MergerConfig.workers`)."""
     background_nice: int = 5
     """Niceness of the engine's copy/flush threads."""
     local_dir: Optional[str] = None
@@ -104,12 +106,17 @@ class LazySaveConfig:
     """When megatron-core's validation and shard distribution are reused (`save_plan`): CHECK
     compares a structural fingerprint every save; ASSUME_CONSTANT
     (--ckpt-assume-constant-structure) validates the first save only."""
+    peer_replica_bytes: Optional[int] = None
+    """With `local_dir`: after each commit, send this rank's files to the next node of a ring,
+    holding at most this many bytes of one version per rank (`peer_replica`); None: off."""
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be positive, found {self.cache_bytes}")
         if self.local_keep < 1:
             raise ValueError(f"local_keep must be >= 1, found {self.local_keep}")
+        if self.peer_replica_bytes is not None and self.local_dir is None:
+            raise ValueError("peer replicas are held in the node-local directory: set local_dir")
         if self.universal_every_n is not None and self.universal_every_n <= 0:
             raise ValueError(f"universal_every_n must be positive, found {self.universal_every_n}")
 
@@ -145,6 +152,13 @@ class LazyCheckpointer:
             commit_policy=CommitPolicy.MANUAL,  # committed in poll(), after every rank agrees
             checksum=config.checksum, background_nice=config.background_nice,
             local_dir=config.local_dir))
+        self.replicator = None
+        self._last_committed: Optional[int] = None
+        if config.peer_replica_bytes is not None:
+            from .peer_replica import PeerReplicator, Ring
+
+            self.replicator = PeerReplicator(config.local_dir, Ring.discover(), self.rank,
+                                             config.peer_replica_bytes, log=self._warn)
         self.pending: Deque[_Pending] = deque()
         self.durable: Dict[int, object] = {}  # save id -> this rank's SaveRecord
         self._wrapper = None
@@ -168,7 +182,7 @@ class LazyCheckpointer:
 
                 self.universal = BackgroundMerger(MergerConfig(
                     root=config.universal_root or os.path.join(config.root, "universal"),
-                    every_n=config.universal_every_n), log=log)
+                    every_n=config.universal_every_n, workers=config.universal_workers), log=log)
 
     def in_flight(self, iteration: int) -> bool:
         """True when the newest save in flight is of `iteration` (e.g. the end-of-training save
@@ -271,6 +285,10 @@ class LazyCheckpointer:
                 self._apply_policy(lambda: self._commit_ready(blocking=True))
         finally:
             try:
+                if self.replicator is not None:  # every rank: its thread agrees with the others'
+                    self.replicator.close(timeout=self.config.drain_timeout_s)
+                    if self._last_committed is not None:  # what the thread held back, if any
+                        self._prune_local(self._last_committed)
                 self._close_engine()
             finally:
                 self._files.shutdown(wait=False, cancel_futures=True)
@@ -293,12 +311,17 @@ class LazyCheckpointer:
         (never one still migrating, nor the one just committed). A failure only warns: the
         shared copies are what --load trusts."""
         local_dir = self.config.local_dir
-        protected = [committed] + [q.iteration for q in self.pending]
+        protected = [committed] + [q.iteration for q in self.pending] + (
+            self.replicator.unfinished() if self.replicator is not None else [])
         try:
             local_tier.prune(local_dir, self.rank, self.config.local_keep, protected)
         except OSError as err:
             print(f"[rank {self.rank}] WARNING: could not remove old local checkpoint copies "
                   f"under {local_dir}: {err}", flush=True)
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        print(message, flush=True)  # every rank's own warning (the log callback is rank 0's)
 
     def _apply_policy(self, fn) -> None:
         """Run `fn`; an agreed save failure either propagates (STOP) or switches checkpointing
@@ -408,6 +431,9 @@ class LazyCheckpointer:
             except (OSError, CheckpointError) as err:
                 self._local_errors.append(err)
         self._agree(p, True)  # a failed commit raises on every rank, like a failed flush
+        self._last_committed = p.iteration
+        if self.replicator is not None:  # before pruning: the thread reads this version's files
+            self.replicator.on_commit(p.iteration)
         if self.config.local_dir is not None:
             self._prune_local(p.iteration)
 

@@ -1,28 +1,102 @@
-"""What every Hugging Face export shares: the architecture check, the dtype, the special token ids
-and per-layer reads of the universal checkpoint's stacked tensors.
+"""What the Hugging Face export and import share: the layout (which megatron tensor becomes which
+Hugging Face tensors, and how), the architecture check, the dtype, the special token ids and
+per-layer reads of the universal checkpoint's stacked tensors.
 
 A universal checkpoint stacks each transformer-layer tensor along a leading layer axis
-(``decoder.layers.<name>`` has shape [num_layers, ...]); Hugging Face names one tensor per layer,
-so every exporter reads one layer slice at a time, lazily, through `layer_loader`.
+(``decoder.layers.<name>`` has shape [num_layers, ...]); Hugging Face names one tensor per layer.
+A `Layout` is the one description of a model's mapping, read both ways: `export_plan` splits
+each megatron tensor (one layer slice at a time, lazily, through `layer_loader`) into its Hugging
+Face tensors (`to-hf`); `hf_import` joins them back and stacks the layers (`from-hf`). Each
+`Rule`'s `join` is the exact inverse of its `split` (renames, transposes, reorders: no
+arithmetic), so a round trip is bit-exact.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import CheckpointError
 from ..universal import UniversalCheckpoint
 
-__all__ = ["LAYERS", "Loader", "Plan", "architecture_fields", "hf_dtype", "layer_loader",
-           "refuse", "special_token_ids"]
+__all__ = ["DTYPES", "LAYERS", "Layout", "Loader", "Plan", "Rule", "architecture_fields",
+           "export_plan", "hf_dtype", "layer_loader", "refuse", "refuse_import",
+           "special_token_ids"]
 
 LAYERS = "decoder.layers."
 Loader = Callable[[], torch.Tensor]
 Plan = List[Tuple[str, Loader]]
 """(Hugging Face tensor name, loader) pairs in the order they are written."""
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+"""Weight dtypes both directions support, by their Hugging Face ``torch_dtype`` name."""
+
+
+def _one(t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    return (t,)
+
+
+def _first(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return ts[0]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One universal tensor and the Hugging Face tensors it becomes. `split` takes the megatron
+    tensor (one layer's slice of a layered one) and returns the Hugging Face tensors in `hf`
+    order; `join` is its exact inverse. `hf` names may hold ``{i}``, the layer index."""
+
+    key: str
+    hf: Tuple[str, ...]
+    split: Callable[[torch.Tensor], Tuple[torch.Tensor, ...]] = _one
+    join: Callable[[Sequence[torch.Tensor]], torch.Tensor] = _first
+
+    @property
+    def layered(self) -> bool:
+        return self.key.startswith(LAYERS)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A model's whole mapping, in Hugging Face's order: `first` (embeddings), `layer` (each
+    transformer layer, ``{i}`` = 0 .. num_layers-1), `last` (final norm, untied output layer)."""
+
+    num_layers: int
+    first: List[Rule]
+    layer: List[Rule]
+    last: List[Rule] = field(default_factory=list)
+
+    def rules(self) -> List[Rule]:
+        return self.first + self.layer + self.last
+
+    def hf_names(self) -> List[str]:
+        """Every Hugging Face tensor name the layout reads or writes."""
+        out = [n for r in self.first for n in r.hf]
+        out += [n.format(i=i) for i in range(self.num_layers) for r in self.layer for n in r.hf]
+        return out + [n for r in self.last for n in r.hf]
+
+
+def export_plan(u: UniversalCheckpoint, layout: Layout) -> Plan:
+    """(HF name, loader) pairs in the layout's order; each loader reads one megatron tensor (one
+    layer of a layered one) and returns one of the Hugging Face tensors it splits into."""
+    out: Plan = []
+
+    def add(rule: Rule, i: int) -> None:
+        for j, name in enumerate(rule.hf):
+            part = (lambda t, rule=rule, j=j: rule.split(t)[j])
+            load = layer_loader(u, rule.key[len(LAYERS):], i, part) if rule.layered else \
+                (lambda rule=rule, part=part: part(u.read(rule.key)).contiguous())
+            out.append((name.format(i=i), load))
+
+    for rule in layout.first:
+        add(rule, 0)
+    for i in range(layout.num_layers):
+        for rule in layout.layer:
+            add(rule, i)
+    for rule in layout.last:
+        add(rule, 0)
+    return out
 
 
 def refuse(u: UniversalCheckpoint, target: str, problems: List[str], expected: str) -> None:
@@ -30,6 +104,13 @@ def refuse(u: UniversalCheckpoint, target: str, problems: List[str], expected: s
     if problems:
         raise CheckpointError(f"cannot export to a Hugging Face {target} model: "
                               f"{'; '.join(problems)}. {expected}", file=u.directory)
+
+
+def refuse_import(path: str, architecture: str, problems: List[str], expected: str) -> None:
+    """Raise one error naming every part of a Hugging Face model megatron's GPT cannot express."""
+    if problems:
+        raise CheckpointError(f"cannot convert this Hugging Face {architecture}: "
+                              f"{'; '.join(problems)}. {expected}", file=path)
 
 
 def architecture_fields(mc: dict) -> dict:
@@ -50,10 +131,10 @@ def hf_dtype(u: UniversalCheckpoint) -> str:
     """``torch_dtype`` of the export: the dtype the model's weights are stored in (fp32, bf16 or
     fp16; the fp32 main copies live under optimizer.* and are not exported)."""
     dtype = u.info("embedding.word_embeddings.weight").dtype
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise CheckpointError(f"model weights are stored as {dtype}; a Hugging Face export "
-                              f"supports {sorted(_DTYPES.values())}", file=u.directory)
-    return _DTYPES[dtype]
+                              f"supports {sorted(DTYPES.values())}", file=u.directory)
+    return DTYPES[dtype]
 
 
 def special_token_ids(mc: dict) -> dict:

@@ -50,10 +50,16 @@ def run_merge(source_dir: str, output_dir: str, root: Optional[str] = None,
     finally:
         source.close()
     if root is not None:
-        advance_tracker(root, result.iteration)
-        with open(os.path.join(root, TELEMETRY_FILE), "a") as f:
-            f.write(json.dumps(dict(result.to_json(), source=source_dir, time=time.time())) + "\n")
+        record(root, result, source_dir)
     return result
+
+
+def record(root: str, result: MergeResult, source_dir: str, **extra) -> None:
+    """After a merge committed: advance the universal tracker of `root`, append the telemetry."""
+    advance_tracker(root, result.iteration)
+    with open(os.path.join(root, TELEMETRY_FILE), "a") as f:
+        f.write(json.dumps(dict(result.to_json(), source=source_dir, time=time.time(), **extra))
+                + "\n")
 
 
 def main(argv=None) -> int:

@@ -151,6 +151,12 @@ class TensorFile:
         self._data_start = 8 + n
         self._view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
 
+    def listing(self) -> dict:
+        """{tensor name: (dtype name, shape)} as the header says (``__metadata__`` left out); a
+        tensor of a dtype we do not know is listed with its dtype name as found."""
+        return {k: (v.get("dtype"), tuple(v.get("shape") or ())) for k, v in self._header.items()
+                if k != "__metadata__" and isinstance(v, dict)}
+
     def span(self, name: str, dtype: torch.dtype, shape: Tuple[int, ...]) -> Tuple[int, int]:
         """(start, nbytes) of tensor `name` in the file, refused unless the header holds it with
         the manifest's dtype and shape and the file holds all of its bytes."""

@@ -6,8 +6,9 @@ spelling, common.pt) is the source's business (`datastates.megatron_adapter.merg
 Order (one process):
   1) plan the tensors and group them into files of at most `max_file_bytes` (a tensor larger than
      that gets a file of its own);
-  2) write every safetensors file into ``<dst>.tmp-<pid>/``, one file's tensors in memory at a
-     time, each fsynced, with the CRC-32C of every 1 MiB chunk of every tensor (`tensor_files`);
+  2) write every safetensors file into ``<dst>.tmp-<pid>/``, each fsynced, with the CRC-32C of
+     every 1 MiB chunk of every tensor (`tensor_files`): a reader thread reads the tensors while
+     this one writes them (`stream`; at most `stream.QUEUE_BYTES` of tensors in memory);
   3) write the index and the manifest (with the checksums; fsynced), then the commit marker
      (with the CRC-32C of both), fsync the directory;
   4) rename the temporary directory to ``<dst>`` and fsync the parent.
@@ -25,18 +26,18 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..errors import CheckpointError
 from ..faults import fault_point
-from ..fileio import atomic_write, fsync_dir, fsync_file, give_default_mode, hold_for_reading, \
-    read_confined
+from ..fileio import atomic_write, fsync_dir, hold_for_reading, read_confined
 from .format import COMMIT_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, Entry, \
     UniversalCheckpoint, is_committed, read_commit, shard_file_name
 from .objects import DTYPE_NAMES, encode_object
-from .tensor_files import CHUNK_BYTES, checksum_fields, chunk_checksums, crc32c, tensor_bytes
+from .stream import throttle, write_files
+from .tensor_files import CHUNK_BYTES, checksum_fields, crc32c
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current tensor)
 
@@ -70,6 +71,7 @@ class MergeSource(abc.ABC):
     def close(self) -> None:
         pass
 DEFAULT_MAX_FILE_BYTES = 2 << 30
+FILE_METADATA = {"format": "pt", "producer": FORMAT_NAME}
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class MergeResult:
     bytes: int
     seconds: float
     skipped: bool  # already committed: nothing was written
+    cpu_s: float = 0.0
+    """CPU seconds of the merging process (all its threads) for this merge."""
 
     @property
     def gbps(self) -> float:
@@ -87,7 +91,7 @@ class MergeResult:
     def to_json(self) -> dict:
         return {"directory": self.directory, "iteration": self.iteration, "bytes": self.bytes,
                 "seconds": round(self.seconds, 6), "gbps": round(self.gbps, 6),
-                "skipped": self.skipped}
+                "skipped": self.skipped, "cpu_s": round(self.cpu_s, 3)}
 
 
 def group_files(entries: List[Entry], max_file_bytes: int) -> List[List[Entry]]:
@@ -166,7 +170,7 @@ def write_universal(source: MergeSource, dst: str, *, max_file_bytes: int = DEFA
     `max_bytes_per_s` throttles a background merge so its reads and writes leave the disk to
     the training job's own checkpoints. `chunk_bytes`: the piece each checksum covers (readers
     take it from the manifest)."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     iteration = source.iteration()
     dst = os.path.abspath(dst)
     if is_committed(dst) and not overwrite:
@@ -177,60 +181,64 @@ def write_universal(source: MergeSource, dst: str, *, max_file_bytes: int = DEFA
     tmp = f"{dst}.tmp-{os.getpid()}"
     # Retention (of this process or another) keeps the source until the merge is done.
     with hold_for_reading(source.directory):
-        # Small objects first: a forged or unreadable one fails the merge before any tensor is
-        # read.
-        objects = {k: _encode_named(k, v) for k, v in sorted(source.objects().items())}
+        objects = encode_objects(source)
         entries = source.entries()
         groups = group_files(entries, max_file_bytes)
         weight_map = {e.name: shard_file_name(i + 1, len(groups))
                       for i, g in enumerate(groups) for e in g}
         total = sum(e.nbytes for e in entries)
+        files = [(shard_file_name(i + 1, len(groups)), g) for i, g in enumerate(groups)]
         os.makedirs(tmp)
         try:
-            _write_files(source, tmp, entries, groups, weight_map, objects, iteration, total,
-                         t0, progress, max_bytes_per_s, chunk_bytes)
+            crcs = write_tensors(source, tmp, files, total, t0, progress, max_bytes_per_s,
+                                 chunk_bytes)
+            finish(source, tmp, entries, weight_map, objects, crcs, len(groups), chunk_bytes)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed merge leaves nothing behind
             raise
     publish(tmp, dst)
-    return MergeResult(dst, iteration, total, time.perf_counter() - t0, skipped=False)
+    return MergeResult(dst, iteration, total, time.perf_counter() - t0, skipped=False,
+                       cpu_s=time.process_time() - cpu0)
 
 
-def _write_files(source: MergeSource, tmp: str, entries: List[Entry], groups: List[List[Entry]],
-                 weight_map: Dict[str, str], objects: dict, iteration: int, total: int, t0: float,
-                 progress: Optional[Progress], max_bytes_per_s: Optional[float],
-                 chunk_bytes: int) -> None:
-    """Steps 2) and 3) of the module docstring, into the temporary directory `tmp`."""
-    from safetensors.torch import save_file
+def encode_objects(source: MergeSource) -> Dict[str, dict]:
+    """The source's small objects as the manifest stores them (read before any tensor, so a
+    forged or unreadable one fails a merge early)."""
+    return {k: _encode_named(k, v) for k, v in sorted(source.objects().items())}
 
-    crcs: Dict[str, List[int]] = {}
-    done = 0
-    for i, group in enumerate(groups):
-        tensors: Dict[str, torch.Tensor] = {}
-        for e in group:
-            t = source.read(e.source_key)
-            if tuple(t.shape) != e.shape or t.dtype != e.dtype:
-                raise CheckpointError(f"read {t.dtype}{list(t.shape)}, metadata says "
-                                      f"{e.dtype}{list(e.shape)}", file=source.directory,
-                                      tensor=e.source_key)
-            # Every read returns fresh memory (safetensors refuses tensors that share storage,
-            # e.g. an fp32 weight and its main-weight copy read from the same source key).
-            tensors[e.name] = t.contiguous()
-            crcs[e.name] = chunk_checksums(tensor_bytes(tensors[e.name]), chunk_bytes)
-            done += e.nbytes
-            if max_bytes_per_s:
-                ahead = done / max_bytes_per_s - (time.perf_counter() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
-            if progress is not None:
-                progress(done, total, e.name)
-        path = os.path.join(tmp, shard_file_name(i + 1, len(groups)))
-        save_file(tensors, path, metadata={"format": "pt", "producer": FORMAT_NAME})
-        give_default_mode(path)
-        fsync_file(path)
-        del tensors
+
+def write_tensors(source: MergeSource, tmp: str, files: List[Tuple[str, List[Entry]]],
+                  total: int, t0: float, progress: Optional[Progress] = None,
+                  max_bytes_per_s: Optional[float] = None,
+                  chunk_bytes: int = CHUNK_BYTES) -> Dict[str, List[int]]:
+    """Step 2) of the module docstring: `files` (name, entries) into the directory `tmp`.
+    Returns each tensor's chunk checksums."""
+    done = [0]
+    wait = throttle(max_bytes_per_s, t0)
+    iteration = source.iteration()
+
+    def written(e: Entry) -> None:
+        done[0] += e.nbytes
+        wait(done[0])
+        if progress is not None:
+            progress(done[0], total, e.name)
+
+    def after_file(i: int) -> None:
         if i == 0:  # crash tests: a kill here leaves a half-written .tmp- directory
             fault_point("merge", iteration, 0)
+
+    return write_files([(os.path.join(tmp, name), g) for name, g in files],
+                       lambda e: source.read(e.source_key), directory=source.directory,
+                       metadata=FILE_METADATA, chunk_bytes=chunk_bytes, written=written,
+                       after_file=after_file)
+
+
+def finish(source: MergeSource, tmp: str, entries: List[Entry], weight_map: Dict[str, str],
+           objects: Dict[str, dict], crcs: Dict[str, List[int]], nfiles: int,
+           chunk_bytes: int) -> None:
+    """Step 3) of the module docstring: index, manifest and commit marker into `tmp`, whose
+    tensor files are all durable."""
+    total = sum(e.nbytes for e in entries)
     index = write_json(os.path.join(tmp, INDEX_FILE),
                        {"metadata": {"total_size": total, "format": FORMAT_NAME,
                                      "format_version": FORMAT_VERSION}, "weight_map": weight_map})
@@ -240,7 +248,7 @@ def _write_files(source: MergeSource, tmp: str, entries: List[Entry], groups: Li
                                checksum=checksum_fields(chunk_bytes),
                                tensors=_tensor_table(entries, weight_map, crcs)))
     write_json(os.path.join(tmp, COMMIT_FILE),
-               new_commit_marker(iteration, len(groups), total, manifest, index))
+               new_commit_marker(source.iteration(), nfiles, total, manifest, index))
     fsync_dir(tmp)
 
 

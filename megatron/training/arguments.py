@@ -181,13 +181,29 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, save at the end of the current iteration and exit 0")
 
 
+def _save_interval(text: str):
+    """--save-interval: a positive count of iterations, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of iterations or 'auto', got "
+                                         f"{text!r}") from None
+
+
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", type=str, default=None, help="directory to save checkpoints in")
     g.add_argument("--load", type=str, default=None,
                    help="directory to resume from (a missing tracker: start from scratch)")
-    g.add_argument("--save-interval", type=int, default=None,
-                   help="save every N iterations (and at the end, with --save)")
+    g.add_argument("--save-interval", type=_save_interval, default=None,
+                   help="save every N iterations (and at the end, with --save); 'auto': choose N "
+                        "from the measured cost of a checkpoint and --mtbf-hours (Young/Daly), "
+                        "re-evaluated at every save")
+    g.add_argument("--mtbf-hours", type=float, default=None,
+                   help="with --save-interval auto: the mean time between failures of the whole "
+                        "job, in hours")
     g.add_argument("--no-save-optim", action="store_true",
                    help="save no optimizer or scheduler state")
     g.add_argument("--no-load-optim", action="store_true",
@@ -220,6 +236,16 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="local copies kept under --lazy-save-local-dir, newest first (default "
                         f"{LAZY_SAVE_DEFAULTS['lazy_save_local_keep']}); older ones are removed "
                         "once a newer checkpoint is committed")
+    g.add_argument("--lazy-save-peer-replica", action="store_true", default=None,
+                   help="after each commit, also hold every rank's shards in node-local memory "
+                        "(--lazy-save-local-dir, default a directory under /dev/shm) and on the "
+                        "next node of a ring; a restarted job restores from its own node's copy, "
+                        "else a peer's, else --save (with --async-lazy-save, two or more nodes)")
+    g.add_argument("--lazy-save-peer-replica-mb", type=int, default=None,
+                   help="MiB a rank may hold of one checkpoint with --lazy-save-peer-replica: its "
+                        "own shards plus the replica it receives (default: twice this rank's "
+                        "checkpoint bound); a replica that would exceed it is skipped, with a "
+                        "warning")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="keep only the newest N complete checkpoints under --save")
     g.add_argument("--ckpt-failure-policy", choices=[x.value for x in CkptFailurePolicy],
@@ -269,6 +295,10 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--universal-checkpoint-interval", type=int, default=None,
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")
+    g.add_argument("--universal-merge-workers", type=int, default=1,
+                   help="merge worker processes (started once per run on rank 0): each writes "
+                        "the safetensors files of its share of the tensors; the manifest is "
+                        "committed once every part is durable")
     g.add_argument("--universal-save", type=str, default=None,
                    help="root of the universal checkpoints (default: <save>/universal)")
     g.add_argument("--keep-last-n-universal", type=int, default=None,
@@ -424,7 +454,21 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
 #: Flags that only --async-lazy-save reads, and their defaults (applied after the check below).
 LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": None, "lazy_save_checksum": "crc32c",
                       "ckpt_drain_timeout": 1800.0, "lazy_save_local_dir": None,
-                      "lazy_save_local_keep": 2}
+                      "lazy_save_local_keep": 2, "lazy_save_peer_replica": False,
+                      "lazy_save_peer_replica_mb": None}
+
+
+def default_memory_dir(save: str) -> str:
+    """--lazy-save-local-dir under --lazy-save-peer-replica when not given: a per-user directory
+    in /dev/shm (memory that outlives the training processes, not the node), one per --save root
+    so that a new launch with the same nodes and --save finds it, one subdirectory per node."""
+    import getpass
+    import hashlib
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    digest = hashlib.sha256(os.path.abspath(save).encode()).hexdigest()[:12]
+    return os.path.join(base, f"datastates-{getpass.getuser()}-{digest}", "node{node}")
 
 
 def host_cache_budget_mb() -> Tuple[int, int, int]:
@@ -485,6 +529,15 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     given = _flags(a, LAZY_SAVE_DEFAULTS)
     _require(a.async_lazy_save or not given, f"{', '.join(given)} configure --async-lazy-save, "
              "which is not on: add --async-lazy-save, or drop the flag (it would be ignored)")
+    if a.lazy_save_peer_replica:  # the node's own copy is the local level: in memory by default
+        if a.lazy_save_local_dir is None and a.save is not None:
+            a.lazy_save_local_dir = default_memory_dir(a.save)
+        if a.lazy_save_local_keep is None:
+            a.lazy_save_local_keep = 1  # only the newest committed version is held in memory
+        _require(a.lazy_save_peer_replica_mb is None or a.lazy_save_peer_replica_mb > 0,
+                 f"--lazy-save-peer-replica-mb must be > 0, got {a.lazy_save_peer_replica_mb}")
+    _require(a.lazy_save_peer_replica_mb is None or a.lazy_save_peer_replica,
+             "--lazy-save-peer-replica-mb bounds --lazy-save-peer-replica, which is not given")
     _fill_defaults(a, LAZY_SAVE_DEFAULTS)
     if a.async_lazy_save:
         _require(not a.async_save, "--async-lazy-save and --async-save are two different "
@@ -505,6 +558,8 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
                  f"> 0, got {a.universal_checkpoint_interval}")
         _require(a.async_lazy_save and a.save is not None, "--universal-checkpoint-interval "
                  "merges --async-lazy-save checkpoints; it needs --async-lazy-save and --save")
+    _require(a.universal_merge_workers >= 1, "--universal-merge-workers must be >= 1, got "
+             f"{a.universal_merge_workers}")
     _require(a.universal_save is None or a.universal_checkpoint_interval is not None,
              "--universal-save needs --universal-checkpoint-interval N")
     _require(a.keep_last_n_universal is None or a.universal_checkpoint_interval is not None,
@@ -518,8 +573,15 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     _require(a.ckpt_drain_timeout > 0,
              f"--ckpt-drain-timeout must be > 0 seconds, got {a.ckpt_drain_timeout}")
     _check_megatron_ckpt_flags(a)
-    _require(a.save_interval is None or a.save_interval > 0,
-             f"--save-interval must be > 0, got {a.save_interval}")
+    _require(a.save_interval is None or a.save_interval == "auto" or a.save_interval > 0,
+             f"--save-interval must be > 0 or 'auto', got {a.save_interval}")
+    _require(a.save_interval != "auto" or a.mtbf_hours is not None,
+             "--save-interval auto needs --mtbf-hours H (the job's mean time between failures)")
+    _require(a.mtbf_hours is None or a.save_interval == "auto",
+             f"--mtbf-hours is only used by --save-interval auto, got --save-interval "
+             f"{a.save_interval}")
+    _require(a.mtbf_hours is None or a.mtbf_hours > 0,
+             f"--mtbf-hours must be > 0, got {a.mtbf_hours}")
     _require(a.save_interval is None or a.save is not None, "--save-interval needs --save DIR")
     _require(not a.async_lazy_save or a.save is not None, "--async-lazy-save writes checkpoints "
              "under --save, which is not given: add --save DIR, or drop --async-lazy-save")
@@ -784,13 +846,17 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
         exit_interval=a.exit_interval, exit_signal_handler=a.exit_signal_handler)
     checkpoint = CheckpointConfig(
-        save=a.save, load=a.load, save_interval=a.save_interval,
+        save=a.save, load=a.load,
+        save_interval=None if a.save_interval == "auto" else a.save_interval,
+        save_interval_auto=a.save_interval == "auto", mtbf_hours=a.mtbf_hours,
         ckpt_format=CkptFormat(a.ckpt_format), async_save=a.async_save,
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
         async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,
         lazy_save_checksum=a.lazy_save_checksum, lazy_save_local_dir=a.lazy_save_local_dir,
         lazy_save_local_keep=a.lazy_save_local_keep,
+        lazy_save_peer_replica=a.lazy_save_peer_replica,
+        lazy_save_peer_replica_mb=a.lazy_save_peer_replica_mb,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
         ckpt_fully_parallel_save=a.ckpt_fully_parallel_save,
         ckpt_assume_constant_structure=a.ckpt_assume_constant_structure,
@@ -800,7 +866,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         allow_unsafe_pickle=a.allow_unsafe_pickle,
         ckpt_drain_timeout=a.ckpt_drain_timeout,
         universal_checkpoint_interval=a.universal_checkpoint_interval,
-        universal_save=a.universal_save, keep_last_n_universal=a.keep_last_n_universal)
+        universal_save=a.universal_save, keep_last_n_universal=a.keep_last_n_universal,
+        universal_merge_workers=a.universal_merge_workers)
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
         tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size,

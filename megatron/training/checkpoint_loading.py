@@ -35,7 +35,7 @@ from megatron.training.checkpoint_contents import (
 from megatron.training.checkpoint_verify import damage_hint, newest_intact
 from megatron.training.config import CkptFormat, RunConfig
 from megatron.training.from_universal import load_universal
-from megatron.training.lazy_checkpointing import local_dir_of_this_rank
+from megatron.training.lazy_checkpointing import local_dir_of_this_rank, restore_peer_copies
 from megatron.training.log import print_rank_0
 from megatron.training.metrics import Metrics
 from megatron.training.timers import process_bytes_read, report_times_across_ranks
@@ -129,8 +129,10 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     if fmt is CkptFormat.TORCH_DIST:
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=load_rng)
+        peers = restore_peer_copies(config, directory)  # --lazy-save-peer-replica
         loaded = _load_torch_dist(sd, directory, loader, unsafe, local_dir_of_this_rank(config),
-                                  ckpt.ckpt_fully_parallel_load)
+                                  ckpt.ckpt_fully_parallel_load,
+                                  on_read=None if peers is None else peers.report)
     else:
         loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
                                  unsafe)
@@ -213,7 +215,8 @@ def _layout_of(saved: dict) -> dict:
 
 
 def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool = False,
-                     local_dir: Optional[str] = None, fully_parallel: bool = False) -> dict:
+                     local_dir: Optional[str] = None, fully_parallel: bool = False,
+                     on_read: Optional[Callable[[dict], None]] = None) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException as DcpException
@@ -234,6 +237,8 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
                                          common_strategy=common)
         if local_dir is not None and getattr(sharded, "last_read", None) is not None:
             _report_sources(directory, sharded.last_read)
+            if on_read is not None:
+                on_read(sharded.last_read)
         return loaded
     except UnsafePickleError:
         raise  # already names the file and the offending global

@@ -10,7 +10,8 @@ Call order, every rank:
      and the tracker's spare, for every format;
   1) `before_optimizer_step()` each step, after forward/backward, before ``optimizer.step()``;
   2) `maybe_save(state, force=False)` right after the optimizer step of the iteration;
-  3) `after_iteration(iteration)` at the end of each iteration (non-blocking);
+  3) `after_iteration(iteration)` at the end of each iteration (non-blocking; with
+     --save-interval auto, rank 0 also times the iteration here);
   4) `finalize()` once at the end (or exit interval / SIGTERM): drain in-flight saves.
 Every save call is followed by Megatron's `(min, max) time across ranks (ms):` report of
 `save-checkpoint` (one all-reduce on the checkpoint control plane); each complete checkpoint is
@@ -27,6 +28,7 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
+from datastates import control_plane
 from datastates.megatron_adapter import paths
 
 from megatron.training.checkpoint_contents import TrainState
@@ -34,6 +36,7 @@ from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
 from megatron.training.metrics import CheckpointRecord, Metrics
 from megatron.training.retention import apply_retention, remove_now
+from megatron.training.save_interval import AutoInterval, Decision
 from megatron.training.timers import report_times_across_ranks
 
 
@@ -53,6 +56,24 @@ class CheckpointManager:
         self._save_started: Dict[int, float] = {}
         self._save_call_s: Dict[int, float] = {}
         self._durable_s: Dict[int, float] = {}
+        #: --save-interval auto (`start_auto_interval`); None: the fixed --save-interval.
+        self.auto: Optional[AutoInterval] = None
+        self._iteration_t0: Optional[float] = None
+
+    def start_auto_interval(self, start_iteration: int) -> None:
+        """Every rank, once the resumed iteration is known (before the first iteration)."""
+        if not self.ckpt.save_interval_auto:
+            return
+
+        def agree(proposal: int) -> int:
+            return int(control_plane.all_reduce([proposal], op=dist.ReduceOp.MAX)[0])
+
+        def report(iteration: int, decision: Decision) -> None:
+            self.metrics.checkpoint_interval(iteration, decision.interval, decision.cost_s)
+
+        self.auto = AutoInterval(self.ckpt.mtbf_hours, start_iteration, dist.get_rank() == 0,
+                                 agree, print_rank_0, report)
+        self._iteration_t0 = time.perf_counter()
 
     # 0) every rank, once
     def start(self) -> None:
@@ -64,6 +85,8 @@ class CheckpointManager:
         pass
 
     def should_save(self, iteration: int) -> bool:
+        if self.auto is not None:
+            return bool(self.ckpt.save) and self.auto.should_save(iteration)
         interval = self.ckpt.save_interval
         return bool(self.ckpt.save and interval and iteration % interval == 0)
 
@@ -89,11 +112,17 @@ class CheckpointManager:
             self._report_complete(iteration)
         slowest = report_times_across_ranks("save-checkpoint", seconds)
         self.metrics.timer("save-checkpoint", slowest, iteration)
+        if self.auto is not None:
+            self.auto.saved(iteration)
         return True
 
     # 3) every rank, end of each iteration
     def after_iteration(self, iteration: int) -> None:
-        pass
+        self._poll(iteration)
+        if self.auto is not None and self.auto.is_rank0:
+            now = time.perf_counter()
+            self.auto.iteration_done(now - self._iteration_t0)
+            self._iteration_t0 = now
 
     # 4) every rank, once
     def finalize(self) -> None:
@@ -102,6 +131,15 @@ class CheckpointManager:
     # -- for subclasses ------------------------------------------------------------------------
     def _save(self, state: TrainState) -> None:
         raise NotImplementedError
+
+    def _poll(self, iteration: int) -> None:
+        """End of each iteration: progress of saves in flight (non-blocking)."""
+
+    def _record(self, record: CheckpointRecord) -> None:
+        """Rank 0: a checkpoint is complete; report it (metrics, the auto interval)."""
+        self.metrics.checkpoint(record)
+        if self.auto is not None:
+            self.auto.record(record.iteration, record.stall_ms / 1e3, record.durable_s)
 
     def _decided(self, iteration: int) -> Optional[bool]:
         """None to save `iteration` now; True/False to report it saved/not saved without a new
@@ -127,7 +165,7 @@ class CheckpointManager:
             return
         call_s, durable_s = self._save_call_s.pop(iteration), self._durable_s.pop(iteration)
         directory = paths.checkpoint_dir(self.ckpt.save, iteration)
-        self.metrics.checkpoint(CheckpointRecord(
+        self._record(CheckpointRecord(
             iteration=iteration, bytes=_directory_bytes(directory), stall_ms=call_s * 1e3,
             durable_s=durable_s))
 

@@ -86,7 +86,7 @@ class TorchDistCheckpointManager(CheckpointManager):
             request.add_finalize_fn(finish)
             self._queue.schedule_async_request(request)
 
-    def after_iteration(self, iteration: int) -> None:
+    def _poll(self, iteration: int) -> None:
         if self._queue is not None:
             self._queue.maybe_finalize_async_calls(blocking=False)
 

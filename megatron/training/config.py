@@ -248,6 +248,10 @@ class CheckpointConfig:
     """Directory to resume from (None: start from scratch)."""
     save_interval: Optional[int] = None
     """Save every this many iterations."""
+    save_interval_auto: bool = False
+    """--save-interval auto: the interval follows measured checkpoint costs and `mtbf_hours`."""
+    mtbf_hours: Optional[float] = None
+    """The job's mean time between failures (hours), for --save-interval auto."""
     ckpt_format: CkptFormat = CkptFormat.TORCH_DIST
     """On-disk format."""
     async_save: bool = False
@@ -278,6 +282,12 @@ class CheckpointConfig:
     lazy_save_local_keep: int = 2
     """Local copies kept under lazy_save_local_dir (newest first; never one still migrating nor
     the newest committed one)."""
+    lazy_save_peer_replica: bool = False
+    """Hold every rank's shards of the newest committed checkpoint on its node (the local dir)
+    and on the next node of a ring; restore from there before --save."""
+    lazy_save_peer_replica_mb: Optional[int] = None
+    """MiB one rank may hold of one checkpoint (own shards + the replica it receives); None:
+    twice this rank's checkpoint bound."""
     ckpt_fully_parallel_save: bool = True
     """Spread the writes of replicated shards over the data-parallel group (Megatron-LM's
     default); False: the first data-parallel rank writes them."""
@@ -305,6 +315,9 @@ class CheckpointConfig:
     universal_checkpoint_interval: Optional[int] = None
     """Merge every N-th committed --async-lazy-save checkpoint into a universal checkpoint, in a
     separate low-priority process while training continues (None: never)."""
+    universal_merge_workers: int = 1
+    """Merge worker processes (persistent, started once per run on rank 0); each writes its share
+    of the tensors' files, the manifest is committed once every part is durable."""
     universal_save: Optional[str] = None
     """Root of the merged universal checkpoints (None: <save>/universal); --load it to resume at
     any TP/PP/DP."""

@@ -73,6 +73,10 @@ def _fill(sd: Any, u: UniversalCheckpoint) -> Any:
     if isinstance(sd, ShardedTensor):
         return _read_box(u, sd)
     if isinstance(sd, ShardedObject):
+        if u.manifest.get("release") and sd.key.endswith("._extra_state"):
+            # A Hugging Face import has no per-module extra state (TE's fp8 metadata; None for
+            # the local spec): each module keeps the one it was built with.
+            return sd.data
         return u.object(sd.unique_key)  # decoded without running code
     if isinstance(sd, LocalNonpersistentObject):
         return sd.unwrap()
@@ -124,6 +128,25 @@ def _apply_common(loaded: dict, m: dict, load_optim: bool, distributed: bool,
         holder.setdefault("state", {})["common_step"] = torch.tensor(step, dtype=torch.float32)
 
 
+def _saved_model(m: dict, config: RunConfig) -> dict:
+    """The checkpoint's model config as the shape check compares it. An unpadded vocabulary
+    (``vocab_unpadded``: a Hugging Face import) fits any run that pads it to at least its size:
+    the embedding and output rows past it start at zero (megatron-core's padding on load)."""
+    model = dict(m["model_config"])
+    if m.get("vocab_unpadded") and config.model.padded_vocab_size >= model["padded_vocab_size"]:
+        model["padded_vocab_size"] = config.model.padded_vocab_size
+    return model
+
+
+def release_note(m: dict, directory: str) -> str:
+    """What a resume from a release checkpoint (a Hugging Face import) starts with, as
+    Megatron-LM treats one: iteration 0 and fresh optimizer, schedule and RNG."""
+    return (f"{directory} is a release checkpoint ({m['source']['layout']}, no optimizer state): "
+            "training starts at iteration 0 with a fresh optimizer, learning-rate schedule and "
+            "RNG, as Megatron-LM starts from a release checkpoint (what --finetune "
+            "--no-load-optim --no-load-rng do for another one)")
+
+
 def open_universal(directory: str, config: RunConfig,
                    damage_hint: Callable[[], str] = lambda: "") -> UniversalCheckpoint:
     """Every rank: the universal checkpoint `directory`, its model checked against this run's
@@ -137,7 +160,8 @@ def open_universal(directory: str, config: RunConfig,
     except datastates.CheckpointError as err:
         raise CheckpointError(str(err) + damage_hint(), path=directory) from err
     try:
-        check_model_shape(json.dumps({"model": u.manifest["model_config"]}), config, directory)
+        check_model_shape(json.dumps({"model": _saved_model(u.manifest, config)}), config,
+                          directory)
     except BaseException:
         u.close()
         raise
@@ -166,6 +190,8 @@ def load_universal(state: TrainState, config: RunConfig, directory: str,
     with open_universal(directory, config, damage_hint) as u:
         m = u.manifest
         load_optim = ckpt.load_optim and not ckpt.finetune and m["optimizer"] is not None
+        if m.get("release"):
+            print_rank_0(release_note(m, directory))
         distributed = config.parallel.use_distributed_optimizer
         if load_optim and distributed:
             init_distributed_optimizer_state(state.optimizer)
@@ -188,7 +214,7 @@ def load_universal(state: TrainState, config: RunConfig, directory: str,
                                   "it damaged (see that rank's error)", path=directory)
         _apply_common(loaded, m, load_optim, distributed, u.megatron_common)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=False,
-                                   finetune=ckpt.finetune,
+                                   finetune=ckpt.finetune or bool(m.get("release")),
                                    schedule=config.optimizer.scheduler_on_resume, path=directory)
     if note:
         print_rank_0(note)

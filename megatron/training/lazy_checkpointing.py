@@ -19,19 +19,23 @@ checkpointer's `on_record` callback.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 import torch.distributed as dist
 
-from datastates import Checksum, TensorShard
-from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
-    StructurePolicy, expand_local_dir, paths
+from datastates import Checksum, TensorShard, control_plane
+from datastates.megatron_adapter import TELEMETRY_FILENAME, FailurePolicy, LazyCheckpointer, \
+    LazySaveConfig, StructurePolicy, expand_local_dir, paths, restore_before_load
 
 from megatron.training import distopt_shards
 from megatron.training.checkpoint_contents import (
     OPTIMIZER_METADATA,
+    CheckpointError,
     TrainState,
     build_sharded_state_dict,
 )
@@ -81,6 +85,81 @@ def size_host_cache(config: RunConfig, model) -> RunConfig:
     return dataclasses.replace(config, checkpoint=dataclasses.replace(ckpt, lazy_save_cache_mb=mb))
 
 
+def size_peer_replica(config: RunConfig, model) -> RunConfig:
+    """`config` with --lazy-save-peer-replica-mb resolved (default: twice this rank's checkpoint
+    bound: its own shards and the replica it receives). Every rank, collective: a budget below
+    any rank's bound stops every rank with one error naming them."""
+    ckpt = config.checkpoint
+    if not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica):
+        return config
+    bound_mb = -(-checkpoint_bytes_bound(model) // 2**20)
+    mb = ckpt.lazy_save_peer_replica_mb or 2 * bound_mb
+    short = [(r, b) for r, b in enumerate(control_plane.all_gather_ints(
+        bound_mb if mb < bound_mb else 0)) if b]
+    if short:
+        raise CheckpointError(
+            f"--lazy-save-peer-replica-mb {mb} is smaller than one rank's checkpoint: "
+            + ", ".join(f"rank {r} holds up to {b} MiB" for r, b in short)
+            + f"; give at least {2 * max(b for _, b in short)} MiB (its own shards and the replica "
+            "it receives), or drop the flag for the default", path=ckpt.lazy_save_local_dir)
+    print_rank_0(f"DataStates peer replicas: up to {mb} MiB per rank in "
+                 f"{ckpt.lazy_save_local_dir} (its own shards of the newest committed checkpoint "
+                 "and the replica of the previous node's)")
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(
+        ckpt, lazy_save_peer_replica_mb=mb))
+
+
+class PeerRestore:
+    """--lazy-save-peer-replica at --load, every rank (collective): before the reader is built,
+    intact copies of every saved rank's shards are put back on both of their holders' nodes
+    from whichever still has one (`datastates.megatron_adapter.peer_replica`); after the load,
+    `report` says per rank what came from a peer, the node-local copy and --save, and rank 0
+    appends it to the telemetry under --save (a `restore` event)."""
+
+    def __init__(self, config: RunConfig, directory: str, world_size: int):
+        self.config, self.directory = config, directory
+        self.stats = restore_before_load(directory, local_dir_of_this_rank(config), world_size)
+        rank = dist.get_rank()
+        for saved, (frm, nbytes, seconds) in sorted(self.stats.received.items()):
+            print(f"[rank {rank}] received saved rank {saved}'s shards from peer rank {frm}: "
+                  f"{nbytes / 2**20:.2f} MiB in {seconds:.3f} s", flush=True)
+
+    def report(self, last_read: dict) -> None:
+        rank = dist.get_rank()
+        if self.stats.unavailable and rank == 0:
+            print(f"no intact memory copy of saved rank(s) {self.stats.unavailable} on any node: "
+                  f"read from {self.directory}", flush=True)
+        src = last_read["sources"]
+        mine = [sum(n for _, n, _ in self.stats.received.values()),
+                src.get("local", (0, 0.0))[0], src.get("shared", (0, 0.0))[0],
+                int(1e6 * sum(s for _, s in src.values()))]
+        rows = control_plane.all_gather_ints(mine)
+        root = self.config.checkpoint.save
+        if rank != 0 or root is None:
+            return
+        event = {"event": "restore", "iteration": paths.iteration_of(self.directory),
+                 "time": time.time(), "ranks": {
+                     str(r): {"peer_bytes": p, "local_bytes": loc, "shared_bytes": sh,
+                              "read_s": us / 1e6} for r, (p, loc, sh, us) in enumerate(rows)}}
+        try:
+            os.makedirs(root, exist_ok=True)
+            with open(os.path.join(root, TELEMETRY_FILENAME), "a") as f:
+                f.write(json.dumps(event) + "\n")
+        except OSError as err:
+            print(f"WARNING: cannot record the restore in {root}: {err}", flush=True)
+
+
+def restore_peer_copies(config: RunConfig, directory: str) -> Optional[PeerRestore]:
+    """`PeerRestore` for a DataStates checkpoint when --lazy-save-peer-replica is on, else None."""
+    ckpt = config.checkpoint
+    commit = os.path.join(directory, paths.DATASTATES_COMMIT_FILENAME)
+    if not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica and os.path.isfile(commit)):
+        return None
+    with open(commit) as f:
+        world = int(json.load(f)["world_size"])
+    return PeerRestore(config, directory, world)
+
+
 def lazy_save_config(config: RunConfig) -> LazySaveConfig:
     """The adapter's typed config from the run's flags."""
     ckpt = config.checkpoint
@@ -90,11 +169,13 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
         structure_policy=(StructurePolicy.ASSUME_CONSTANT if ckpt.ckpt_assume_constant_structure
                           else StructurePolicy.CHECK),
         root=ckpt.save, cache_bytes=ckpt.lazy_save_cache_mb << 20,
+        peer_replica_bytes=(ckpt.lazy_save_peer_replica_mb << 20
+                            if ckpt.lazy_save_peer_replica else None),
         checksum=Checksum(ckpt.lazy_save_checksum), drain_timeout_s=ckpt.ckpt_drain_timeout,
         failure_policy=FailurePolicy(ckpt.ckpt_failure_policy.value),
         run_config_json=config.to_json(),
         universal_every_n=ckpt.universal_checkpoint_interval,
-        universal_root=ckpt.universal_save)
+        universal_root=ckpt.universal_save, universal_workers=ckpt.universal_merge_workers)
 
 
 class LazyCheckpointManager(CheckpointManager):
@@ -110,7 +191,7 @@ class LazyCheckpointManager(CheckpointManager):
         self._trash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
         self.checkpointer = LazyCheckpointer(
             lazy_save_config(config), log=print_rank_0, after_commit=self._after_commit,
-            on_record=lambda r: self.metrics.checkpoint(CheckpointRecord.from_telemetry(r)))
+            on_record=lambda r: self._record(CheckpointRecord.from_telemetry(r)))
 
     def start(self) -> None:
         pass  # the checkpointer prepared the root (tracker spare) when it was built
@@ -151,7 +232,7 @@ class LazyCheckpointManager(CheckpointManager):
     def before_optimizer_step(self) -> None:
         self.checkpointer.before_optimizer_step()
 
-    def after_iteration(self, iteration: int) -> None:
+    def _poll(self, iteration: int) -> None:
         self.checkpointer.poll(iteration)
         self._universal_retention()
 

@@ -212,6 +212,14 @@ class Metrics:
         if self._checkpoints:
             self._write(self._checkpoints, record.scalars(), record.iteration, None)
 
+    def checkpoint_interval(self, iteration: int, interval: int, cost_s: Optional[float]) -> None:
+        """--save-interval auto chose `interval` at `iteration` (from a checkpoint cost)."""
+        if self._checkpoints:
+            values = {"checkpoint/interval-iterations": interval}
+            if cost_s is not None:
+                values["checkpoint/cost-s"] = cost_s
+            self._write(self._checkpoints, values, iteration, None)
+
     # -- every rank ------------------------------------------------------------------------------
     def close(self, failed: bool = False) -> None:
         """Flush and close this rank's writers (once, at the end of training)."""

@@ -20,7 +20,7 @@ from megatron.training.data import Datasets, MicroBatchIterator, build_datasets,
 from megatron.training.flops import num_floating_point_operations, shape_of, \
     throughput_tflops_per_gpu
 from megatron.training.initialize import backend_name, initialize_distributed, set_random_seeds
-from megatron.training.lazy_checkpointing import size_host_cache
+from megatron.training.lazy_checkpointing import size_host_cache, size_peer_replica
 from megatron.training.log import print_rank_0, print_rank_last, training_log_line, validation_lines
 from megatron.training.metrics import Metrics
 from megatron.training.model import (
@@ -133,6 +133,7 @@ def setup(config: RunConfig) -> Trainer:
                  f"{ps.get_data_parallel_world_size()}), backend {backend_name()}")
     datasets = build_datasets(config.data, config.model, t)
     config = size_host_cache(config, model)  # --async-lazy-save without --lazy-save-cache-mb
+    config = size_peer_replica(config, model)  # --lazy-save-peer-replica
     return Trainer(config=config, state=state, datasets=datasets,
                    checkpoints=make_checkpoint_manager(config, metrics),
                    model_config=model_config, device=_device(), metrics=metrics)
@@ -335,6 +336,7 @@ def _train_loop(trainer: Trainer) -> int:
     saved_last = True  # nothing new to save unless an iteration runs
     print_rank_0(f"training from iteration {state.iteration} to {t.train_iters}")
     summary = _Summary(trainer)
+    trainer.checkpoints.start_auto_interval(state.iteration)
     try:
         while state.iteration < t.train_iters:
             loss, grad_norm, ok = train_step(trainer, iterators)

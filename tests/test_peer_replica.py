@@ -1,0 +1,214 @@
+"""`--lazy-save-peer-replica`: every rank's shards held on its node and on the next node of a ring,
+restored from there before --save.
+
+Units first (the ring; the flags), then the restore plan on three gloo processes acting as three
+nodes with hand-made copies (one node lost, one replica damaged), then the trainer on two nodes of
+one machine: node 1 killed mid-run and its memory copy deleted, both restart, node 1's rank
+restores from node 0 with zero shard bytes from --save and the losses of an uninterrupted run;
+then with both copies gone, from --save, same losses.
+"""
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+
+import pytest
+import torch.multiprocessing as mp
+
+from datastates import layout
+from datastates.errors import CheckpointError
+from datastates.megatron_adapter.peer_replica import Ring
+
+from trainer_launch import NO_DROPOUT, TINY_MODEL, Node, after, free_port, launch
+
+
+def test_ring_pairs_positions_across_nodes():
+    ring = Ring.of([0, 0, 1, 1, 2, 2])  # ranks 0-1 on node 0, 2-3 on node 1, 4-5 on node 2
+    assert [ring.successor(r) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert [ring.predecessor(r) for r in range(6)] == [4, 5, 0, 1, 2, 3]
+    # Node indices need not be contiguous rank blocks: ranks are ordered within their node.
+    odd = Ring.of([1, 0, 1, 0])
+    assert odd.nodes == ((1, 3), (0, 2)) and odd.successor(1) == 0 and odd.successor(0) == 1
+
+
+@pytest.mark.parametrize("nodes,message", [
+    ([0, 0], "all 2 rank(s) run on one node (node index 0)"),
+    ([0, 0, 1], "needs the same number of ranks on every node; found node 0: 2, node 1: 1"),
+])
+def test_ring_refuses_what_it_cannot_pair(nodes, message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        Ring.of(nodes)
+
+
+def _config(extra):
+    from megatron.training.arguments import build_run_config, parse_args
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --mock-data "
+            "--vocab-size 255 --save /tmp/peer_save ")
+    return build_run_config(parse_args((base + extra).split()), world_size=1).checkpoint
+
+
+def test_flags_resolve_to_a_memory_level_holding_one_version():
+    from megatron.training.arguments import ArgumentError
+
+    ckpt = _config("--async-lazy-save --lazy-save-peer-replica")
+    assert ckpt.lazy_save_peer_replica and ckpt.lazy_save_local_keep == 1
+    assert ckpt.lazy_save_local_dir.startswith("/dev/shm/datastates-")
+    assert ckpt.lazy_save_local_dir.endswith("/node{node}")
+    given = _config("--async-lazy-save --lazy-save-peer-replica --lazy-save-local-dir /nvme/x "
+                    "--lazy-save-local-keep 2 --lazy-save-peer-replica-mb 64")
+    assert (given.lazy_save_local_dir, given.lazy_save_local_keep,
+            given.lazy_save_peer_replica_mb) == ("/nvme/x", 2, 64)
+    with pytest.raises(ArgumentError, match="configure --async-lazy-save, which is not on"):
+        _config("--lazy-save-peer-replica")
+    with pytest.raises(ArgumentError, match="bounds --lazy-save-peer-replica, which is not given"):
+        _config("--async-lazy-save --lazy-save-peer-replica-mb 8")
+
+
+# -- the restore plan, three processes as three nodes --------------------------------------------
+
+def _files(rank, step=3):
+    shard = bytes([rank]) * (1000 + rank)
+    index = json.dumps({"rank": rank}).encode()
+    marker = dict(layout.format_header(), index=layout.index_file(rank),
+                  index_crc32=zlib.crc32(index), step=step)
+    return [shard, index, json.dumps(marker).encode()]
+
+
+def _restore_worker(rank, port, root, out):
+    import torch.distributed as dist
+
+    from datastates.megatron_adapter.peer_replica import restore_before_load
+
+    os.environ.update(GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    stats = restore_before_load(os.path.join(root, "save", "iter_0000003"),
+                                os.path.join(root, f"node{rank}"), 3)
+    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+        json.dump({"received": {str(k): list(v) for k, v in stats.received.items()},
+                   "unavailable": stats.unavailable}, f)
+    dist.destroy_process_group()
+
+
+def test_restore_plan_refills_both_holders_and_never_trusts_a_mismatch(tmp_path):
+    from datastates.megatron_adapter.peer_replica import _write_files
+
+    shared = tmp_path / "save" / "iter_0000003"
+    for r in range(3):
+        _write_files(str(shared), r, _files(r))
+    # Ring 0 -> 1 -> 2 -> 0: node n holds its rank and its predecessor's. Node 1 is lost (empty);
+    # node 2's replica of rank 1 is of another save (its marker names step 2): not trusted.
+    _write_files(str(tmp_path / "node0" / "iter_0000003"), 0, _files(0))
+    _write_files(str(tmp_path / "node0" / "iter_0000003"), 2, _files(2))
+    _write_files(str(tmp_path / "node2" / "iter_0000003"), 2, _files(2))
+    _write_files(str(tmp_path / "node2" / "iter_0000003"), 1, _files(1, step=2))
+    (tmp_path / "node1").mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.start_processes(_restore_worker, args=(free_port(), str(tmp_path), str(out)), nprocs=3,
+                       start_method="spawn")
+    result = {r: json.loads((out / f"r{r}.json").read_text()) for r in range(3)}
+    # Rank 0's own copy went back to node 1 (its replica holder); rank 1 has no intact copy.
+    assert result[1]["received"] == {"0": [0, sum(len(b) for b in _files(0)),
+                                           result[1]["received"]["0"][2]]}
+    assert result[0]["received"] == {} and result[2]["received"] == {}
+    assert all(result[r]["unavailable"] == [1] for r in range(3))
+    node1 = tmp_path / "node1" / "iter_0000003"
+    for name, data in zip((layout.shard_file(0), layout.index_file(0),
+                           layout.rank_marker_file(0)), _files(0)):
+        assert (node1 / name).read_bytes() == data
+    assert not (node1 / layout.rank_marker_file(1)).exists()
+
+
+# -- the trainer, two nodes on one machine -------------------------------------------------------
+
+ARGS = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--use-distributed-optimizer",
+                                  "--train-iters", "6"]
+
+
+def _two_nodes(args, tmp_path, name, memory, env=None):
+    port, logs = free_port(), tmp_path / name
+    logs.mkdir()
+    return [Node(r, 2, 1, port, args + ["--lazy-save-local-dir", str(memory / "node{node}")],
+                 logs, extra_env=env) for r in (0, 1)]
+
+
+def _restore_event(save):
+    lines = (save / "datastates_checkpoints.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if '"restore"' in x][-1]
+
+
+def test_two_nodes_lost_node_restores_from_its_peer_then_from_storage(tmp_path):
+    reference = launch(2, ARGS)
+    assert reference.returncode == 0, reference.describe()
+    save, memory = tmp_path / "save", tmp_path / "memory"
+    lazy = ARGS + ["--async-lazy-save", "--lazy-save-peer-replica",
+                   "--save", str(save), "--load", str(save)]
+    # Saves at 3 and 6; rank 1's copy of save 6 stalls (a fault point), so iteration 3 stays the
+    # newest committed one while its replicas complete in the background. Then node 1 is
+    # killed and its memory deleted (a lost node), and node 0 is killed too.
+    first = _two_nodes(lazy + ["--save-interval", "3"], tmp_path, "first", memory,
+                       env={"DATASTATES_FAULT_DELAY_COPY": "120@6:1"})
+    deadline = time.time() + 240
+    replica = memory / "node0" / "iter_0000003" / "done_r00001.json"
+    while not ("phase=copy step=6 rank=1" in first[1].err_path.read_text() and replica.exists()):
+        assert time.time() < deadline and first[0].proc.poll() is None, \
+            first[0].result().describe() + first[1].result().describe()
+        time.sleep(0.2)
+    first[1].kill()
+    first[0].kill()
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    # Each node held the newest committed version: its own rank and the other's.
+    for node in ("node0", "node1"):
+        held = sorted(os.listdir(memory / node / "iter_0000003"))
+        assert [n for n in held if n.startswith("done_")] == ["done_r00000.json",
+                                                               "done_r00001.json"], held
+    shutil.copytree(save, tmp_path / "save_copy")
+    shutil.rmtree(memory / "node1")  # node 1 lost: its memory is gone
+
+    second = [n.result(timeout=240) for n in _two_nodes(lazy + ["--save-interval", "3"],
+                                                        tmp_path, "second", memory)]
+    assert all(r.returncode == 0 for r in second), second[0].describe() + second[1].describe()
+    assert "[rank 1] received saved rank 1's shards from peer rank 0: " in second[1].stdout
+    event = _restore_event(save)
+    assert event["iteration"] == 3 and event["ranks"]["1"]["peer_bytes"] > 0
+    assert [event["ranks"][r]["shared_bytes"] for r in ("0", "1")] == [0, 0], event
+    losses = {**second[0].losses(), **second[1].losses()}
+    assert losses == after(reference.losses(), 3), (losses, reference.losses())
+
+    # Both nodes' memory gone: every rank reads --save, the losses do not change.
+    save_b = tmp_path / "save_copy"
+    lazy_b = [str(save_b) if a == str(save) else a for a in lazy + ["--save-interval", "3"]]
+    third = [n.result(timeout=240) for n in _two_nodes(lazy_b, tmp_path, "third",
+                                                       tmp_path / "empty_memory")]
+    assert all(r.returncode == 0 for r in third), third[0].describe() + third[1].describe()
+    event = _restore_event(save_b)
+    assert all(event["ranks"][r]["shared_bytes"] > 0 and event["ranks"][r]["peer_bytes"] == 0
+               for r in ("0", "1")), event
+    assert {**third[0].losses(), **third[1].losses()} == after(reference.losses(), 3)
+
+
+ONE_RANK = TINY_MODEL + NO_DROPOUT + ["--train-iters", "2", "--async-lazy-save",
+                                      "--save-interval", "1", "--lazy-save-peer-replica"]
+
+
+def test_one_node_is_refused_at_start(tmp_path):
+    run = launch(1, ONE_RANK + ["--save", str(tmp_path / "save"),
+                                "--lazy-save-local-dir", str(tmp_path / "mem")])
+    assert run.returncode == 2
+    assert "--lazy-save-peer-replica sends each rank's shards to another node, but all 1 " \
+           "rank(s) run on one node" in run.stderr, run.describe()
+    assert " iteration " not in run.stdout
+
+
+def test_budget_below_one_ranks_checkpoint_is_refused_at_start(tmp_path):
+    run = launch(1, ONE_RANK + ["--save", str(tmp_path / "save"),
+                                "--lazy-save-peer-replica-mb", "1",
+                                "--lazy-save-local-dir", str(tmp_path / "mem")])
+    assert run.returncode == 2
+    assert "--lazy-save-peer-replica-mb 1 is smaller than one rank's checkpoint: rank 0 holds " \
+           "up to" in run.stderr, run.describe()
+    assert " iteration " not in run.stdout
