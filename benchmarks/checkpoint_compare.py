@@ -14,7 +14,8 @@ a forked writer shares copy-on-write are counted twice), and whether the checkpo
 next iteration ran holds exactly what torch_dist sync saved (stock megatron-core load, bit-exact).
 The `io_floor` variant trains without checkpointing while a `dd` writes a checkpoint's worth of
 bytes after every iteration: what the I/O alone costs the 2 compute cores, the floor for any saver
-(add `--variants none,io_floor,async_lazy` to see how close ours gets). `async_lazy_zlib`
+(add `--variants none,io_floor,async_lazy` to see how close ours gets); when it runs, every
+variant's end-to-end and median iteration time are also printed over io_floor's (/floor, it/floor). `async_lazy_zlib`
 (named explicitly) saves with zlib crc32 chunk checksums instead of crc32c: the checksum's cost.
 `async_lazy_local` adds the node-local tier (--lazy-save-local-dir on --local-dir, a tmpfs by
 default, standing in for a node's NVMe): its rows report the local-durable time (every rank's
@@ -241,6 +242,10 @@ def summarize(results: List[Result], dd_gbps: List[float]) -> Dict[str, Dict]:
     base_e2e = statistics.median(r.e2e_s for r in base)
     base_iter = statistics.median(x for r in base for x in r.iter_ms[1:])
     dd = statistics.median(dd_gbps)
+    floor = [r for r in results if r.variant == "io_floor"]
+    floor_e2e = statistics.median(r.e2e_s for r in floor) if floor else None
+    floor_iter = (statistics.median(x for r in floor for x in r.iter_ms[1:]) if floor
+                  else None)
     table = {}
     for name in VARIANTS:
         rs = [r for r in results if r.variant == name]
@@ -260,6 +265,10 @@ def summarize(results: List[Result], dd_gbps: List[float]) -> Dict[str, Dict]:
             "iteration_excess_ms": iter_ms - base_iter,
             "e2e_s": statistics.median(r.e2e_s for r in rs),
             "e2e_over_none": statistics.median(r.e2e_s for r in rs) / base_e2e,
+            # Against what the I/O alone costs in the same run (None without io_floor).
+            "e2e_over_io_floor": (statistics.median(r.e2e_s for r in rs) / floor_e2e
+                                  if floor_e2e else None),
+            "iteration_over_io_floor": iter_ms / floor_iter if floor_iter else None,
             "checkpoint_bytes": nbytes,
             "durable_gbps": gbps,
             "durable_over_dd": gbps / dd if gbps else None,
@@ -275,7 +284,7 @@ def print_table(table: Dict[str, Dict], dd: List[float]) -> None:
     print(f"\ndd conv=fdatasync: {', '.join(f'{x:.2f}' for x in dd)} GB/s; "
           f"load average {os.getloadavg()[0]:.2f}")
     hdr = (f"{'variant':18s} {'stall ms':>9s} {'% iter':>7s} {'iter ms':>8s} {'e2e s':>7s} "
-           f"{'e2e/none':>8s} {'GB/s':>6s} {'/dd':>5s} {'local s':>7s} {'shared s':>8s} "
+           f"{'e2e/none':>8s} {'/floor':>6s} {'it/floor':>8s} {'GB/s':>6s} {'/dd':>5s} {'local s':>7s} {'shared s':>8s} "
            f"{'RSS GB':>7s} {'consistent':>10s}")
     print(hdr)
     for name, t in table.items():
@@ -284,8 +293,12 @@ def print_table(table: Dict[str, Dict], dd: List[float]) -> None:
         c = {True: "yes", False: "NO", None: "n/a"}[t["consistent"]]
         loc = "n/a" if t["local_durable_s_median"] is None else f"{t['local_durable_s_median']:.3f}"
         sh = "n/a" if t["durable_s_median"] is None else f"{t['durable_s_median']:.3f}"
+        fl = "n/a" if t["e2e_over_io_floor"] is None else f"{t['e2e_over_io_floor']:.3f}"
+        it = ("n/a" if t["iteration_over_io_floor"] is None
+              else f"{t['iteration_over_io_floor']:.3f}")
         print(f"{name:18s} {t['stall_ms_median']:9.1f} {t['stall_pct_of_iteration']:7.2f} "
               f"{t['iteration_ms_median']:8.1f} {t['e2e_s']:7.2f} {t['e2e_over_none']:8.3f} "
+              f"{fl:>6s} {it:>8s} "
               f"{g:>6s} {f:>5s} {loc:>7s} {sh:>8s} {t['peak_rss_gb']:7.2f} {c:>10s}")
     if "async_lazy_local" in table:
         t = table["async_lazy_local"]

@@ -171,6 +171,9 @@ def _dcp_allowed() -> Dict[Tuple[str, str], Any]:
         ("torch", "Size"): torch.Size,
         ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        # a dataclass of one string: megatron's cached-structure save (Megatron-LM's
+        # --ckpt-assume-constant-structure) stores the storage metadata it caches
+        ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): filesystem._StoragePrefix,
         ("pathlib", "PosixPath"): pathlib.PosixPath,
         ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
         ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # a path string, never opened

@@ -41,6 +41,11 @@ def test_checkpoint_compare_small_runs_every_variant_and_reports_consistency(tmp
     # io_floor writes what a checkpoint holds: 12 bytes per parameter, rounded to 64 MiB blocks.
     assert table["io_floor"]["checkpoint_bytes"] % (64 << 20) == 0
     assert all(t["e2e_over_none"] > 0 for t in table.values())
+    # Every variant is also set against the I/O floor of the same run.
+    assert table["io_floor"]["e2e_over_io_floor"] == table["io_floor"]["iteration_over_io_floor"] \
+        == 1.0
+    assert all(t["e2e_over_io_floor"] > 0 and t["iteration_over_io_floor"] > 0
+               for t in table.values())
     # Speed-ups are printed only against the variants that ran.
     speedups = [line for line in run.stdout.splitlines() if "speed-up" in line]
     assert len(speedups) == 1 and "over torch_dist sync" in speedups[0], speedups

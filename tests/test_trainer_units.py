@@ -69,6 +69,14 @@ def test_megatron_checkpoint_flags_map_onto_ours(capsys):
     assert not config("--no-ckpt-fully-parallel-save").checkpoint.ckpt_fully_parallel_save
     local = config("--async-lazy-save --save /s --lazy-save-local-dir /nvme/{node}").checkpoint
     assert local.lazy_save_local_dir == "/nvme/{node}" and local.lazy_save_local_keep == 2
+    constant = config("--async-lazy-save --save /s --ckpt-assume-constant-structure").checkpoint
+    assert constant.ckpt_assume_constant_structure and not local.ckpt_assume_constant_structure
+    from datastates.megatron_adapter import StructurePolicy
+    from megatron.training.lazy_checkpointing import lazy_save_config
+
+    assert lazy_save_config(config("--async-lazy-save --save /s --lazy-save-cache-mb 16 "
+                                   "--ckpt-assume-constant-structure")
+                            ).structure_policy is StructurePolicy.ASSUME_CONSTANT
 
 
 def test_local_dir_placeholders():

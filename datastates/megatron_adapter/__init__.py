@@ -9,6 +9,8 @@ public API, nothing else. What lives here:
   strategies.py        megatron-core dist_checkpointing strategies: our save/load strategy (backend
                        "datastates", registered when megatron-core is imported), torch_dist and
                        common.pt loads that never run code, common.pt written durably
+  save_plan.py         cached save plans: megatron's validation and shard distribution reused
+                       while a structural fingerprint is unchanged (--ckpt-assume-constant-structure)
   local_tier.py        --lazy-save-local-dir: placeholders, usability probe, pruning of old copies
   paths.py             Megatron checkpoint paths: iter_XXXXXXX naming, tracker, format detection,
                        run_config.json, complete iterations (no megatron import)
@@ -42,6 +44,8 @@ _EXPORTS = {
     "durable_common_save": "strategies", "engine_payload": "strategies",
     "load_strategies": "strategies", "read_sharded_tensor": "strategies",
     "save_strategy": "strategies",
+    # save_plan
+    "SavePlanCache": "save_plan", "StructurePolicy": "save_plan",
     # merge
     "DataStatesSource": "merge_sources", "Source": "merge_sources",
     "TorchDistSource": "merge_sources", "open_source": "merge_sources",

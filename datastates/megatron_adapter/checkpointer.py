@@ -8,12 +8,15 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
   0) `LazyCheckpointer(config, log=...)` after the process group exists; rank 0 prepares the root.
   1) `save(iteration, sharded_state_dict, extra_shards, content_metadata)` right after optimizer
      step i: megatron-core's `dist_checkpointing.save` with our strategy. It returns without
-     copying a tensor (small objects are serialized at once); not collective beyond megatron's own.
+     copying a tensor (small objects are serialized at once; rank 0's common.pt is written and
+     fsync'd by a background thread); megatron's validation runs only when the sharded structure
+     changed (`save_plan`); not collective beyond megatron's own and one flag while checking.
   2) forward/backward of iteration i+1 run while the engine copies the snapshot to its host cache
      and its writers drain the cache to storage.
   3) `before_optimizer_step()` before step i+1 waits for the snapshot only if it is not done.
   4) `poll(iteration)` at the end of every iteration: a non-blocking local poll plus one
-     all-reduce (MIN of "durable here") while a save is pending. Once every rank is durable:
+     all-reduce (MIN of "durable here": shards, index, marker and, on rank 0, common.pt) while a
+     save is pending. Once every rank is durable:
      every rank runs megatron's finalize (rank 0 writes metadata.json, barrier); rank 0 fsyncs
      it, writes the commit marker (`try_commit`), moves the tracker (`paths.write_tracker`),
      calls `after_commit(iteration)` (e.g. retention), logs, and starts the background merge.
@@ -31,7 +34,9 @@ import os
 import shutil
 import time
 from collections import deque
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
@@ -42,10 +47,11 @@ from ..config import Checksum, CommitPolicy, EngineConfig
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
 from ..faults import fault_point
-from ..fileio import fsync_file, make_spare, release_spare
+from ..fileio import atomic_write, fsync_file, make_spare, release_spare
 from ..flatten import TensorShard
 from ..layout import COMMIT_FILE, is_committed, try_commit
 from . import local_tier
+from .save_plan import SavePlanCache, StructurePolicy
 from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
     tracked_iteration, write_tracker
 
@@ -96,6 +102,10 @@ class LazySaveConfig:
     local_keep: int = 2
     """With `local_dir`: local copies kept (newest first); older ones are removed after each
     commit, never one still migrating nor the newest committed one."""
+    structure_policy: StructurePolicy = StructurePolicy.CHECK
+    """When megatron-core's validation and shard distribution are reused (`save_plan`): CHECK
+    compares a structural fingerprint every save; ASSUME_CONSTANT
+    (--ckpt-assume-constant-structure) validates the first save only."""
     peer_replica_bytes: Optional[int] = None
     """With `local_dir`: after each commit, send this rank's files to the next node of a ring,
     holding at most this many bytes of one version per rank (`peer_replica`); None: off."""
@@ -120,6 +130,7 @@ class _Pending:
     stall_s: float  # time the training loop was blocked by this save
     t_start: float  # wall clock at the save call (for the timeline)
     t_returned: float  # wall clock when the save call returned
+    files: List[Future] = field(default_factory=list)  # rank 0: common.pt written durably
 
 
 class LazyCheckpointer:
@@ -152,6 +163,10 @@ class LazyCheckpointer:
         self.durable: Dict[int, object] = {}  # save id -> this rank's SaveRecord
         self._wrapper = None
         self._dp_group = None
+        self.plans = SavePlanCache(config.structure_policy)
+        # common.pt is serialized in the save call and written (temp, fsync, rename) here, off the
+        # training thread; a version commits only once its write is done (`_files_durable`).
+        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-common")
         # Errors this rank hit since the last agreement, in order (a full disk can fail both
         # common.pt of the next save and the flush of the previous one: all are reported).
         self._local_errors: List[BaseException] = []
@@ -186,40 +201,65 @@ class LazyCheckpointer:
         directory = checkpoint_dir(self.config.root, iteration)
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if self.rank == 0:
+            self._prepare_directory(directory)
+        # After rank 0's spares: when the plan is reused, the plan check's all-reduce is what
+        # orders them before any rank's shard bytes (StructurePolicy.ASSUME_CONSTANT has none).
+        plan = self.plans.prepare(sharded_state_dict, extra_shards)
+        if not plan.reuse_distribution:
+            self._wrapper = None  # its cached distribution belongs to the previous structure
         strategy, base = save_strategy(
             self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
             self._wrapper, extra_shards=extra_shards)
         if strategy is not base:
             self._wrapper = strategy
         request = None
+        files: List[Future] = []
+
+        def defer(path: str, data: bytes) -> None:
+            files.append(self._files.submit(atomic_write, path, data))
+
         try:
-            if self.rank == 0:
-                os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
-                leftovers = sorted(os.listdir(directory))
-                if leftovers:  # megatron's own warning would fire for our spares too: ours only
-                    shown = ", ".join(leftovers[:3]) + (", ..." if len(leftovers) > 3 else "")
-                    self.log(f"WARNING: {directory} already holds files of an earlier, incomplete "
-                             f"save ({shown}); overwriting them")
-                # Room for COMMIT.json (written into it) and metadata.json (megatron writes it:
-                # released right before), taken before any shard byte of this save or a later
-                # one, so a disk that the next save fills up rarely keeps this save, once
-                # durable, from committing.
-                make_spare(os.path.join(directory, COMMIT_FILE), COMMIT_RESERVE_BYTES)
-                make_spare(os.path.join(directory, METADATA_FILENAME), COMMIT_RESERVE_BYTES)
-            # After megatron's collectives, rank 0 writes common.pt and every rank opens its
-            # shard: a full disk fails here on some ranks only, so the failure is recorded and
-            # agreed on in poll() instead of raised (the others would wait for us).
-            # common.pt fsync'd (a full disk is an ENOSPC OSError); megatron's overwrite warning
-            # is replaced by the check above.
-            with durable_common_save(), quiet_overwrite_warning():
+            # After megatron's collectives, rank 0 hands common.pt to its writer thread and every
+            # rank opens its shard: a full disk fails here (or in that write) on some ranks only,
+            # so the failure is recorded and agreed on in poll() instead of raised (the others
+            # would wait for us). common.pt is fsync'd (a full disk is an ENOSPC OSError);
+            # megatron's overwrite warning is replaced by the check above.
+            with durable_common_save(defer), quiet_overwrite_warning():
                 request = dist_checkpointing.save(sharded_state_dict, directory,
                                                   sharded_strategy=strategy,
                                                   async_sharded_save=True,
+                                                  validate_access_integrity=plan.validate,
                                                   content_metadata=content_metadata)
+            self.plans.confirm()
         except (OSError, RuntimeError, CheckpointError) as err:
             self._local_errors.append(err)
+            self.plans.forget()
+        except BaseException:
+            self.plans.forget()
+            raise
         self.pending.append(_Pending(iteration, directory, request, base.handle,
-                                     time.perf_counter() - t0, wall0, time.time()))
+                                     time.perf_counter() - t0, wall0, time.time(), files))
+
+    def _prepare_directory(self, directory: str) -> None:
+        """Rank 0, at a save call: the version directory, a warning naming leftovers of an
+        earlier save, and the room set aside for COMMIT.json and metadata.json. A failure is
+        recorded for the next agreement (the other ranks go on into the save's collectives)."""
+        try:
+            os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
+            leftovers = sorted(os.listdir(directory))
+            if leftovers:  # megatron's own warning would fire for our spares too: ours only
+                shown = ", ".join(leftovers[:3]) + (", ..." if len(leftovers) > 3 else "")
+                self.log(f"WARNING: {directory} already holds files of an earlier, incomplete "
+                         f"save ({shown}); overwriting them")
+            # Room for COMMIT.json (written into it) and metadata.json (megatron writes it:
+            # released right before), taken before any shard byte of this save or a later
+            # one, so a disk that the next save fills up rarely keeps this save, once
+            # durable, from committing.
+            make_spare(os.path.join(directory, COMMIT_FILE), COMMIT_RESERVE_BYTES)
+            make_spare(os.path.join(directory, METADATA_FILENAME), COMMIT_RESERVE_BYTES)
+        except OSError as err:
+            self._local_errors.append(err)
 
     # -- 3) before optimizer step i+1 --------------------------------------------------------
     def before_optimizer_step(self) -> None:
@@ -251,6 +291,7 @@ class LazyCheckpointer:
                         self._prune_local(self._last_committed)
                 self._close_engine()
             finally:
+                self._files.shutdown(wait=False, cancel_futures=True)
                 if self.universal is not None:
                     self.universal.wait()  # no merge process outlives the run
 
@@ -318,6 +359,23 @@ class LazyCheckpointer:
             self._local_errors.append(err)
             return None
 
+    def _files_durable(self, p: _Pending, blocking: bool) -> bool:
+        """Whether `p`'s common.pt write is done (waiting for it if `blocking`); its failure is
+        recorded for the next agreement, like the engine's."""
+        while p.files:
+            if not blocking and not p.files[0].done():
+                return False
+            try:
+                err = p.files[0].exception(timeout=self.config.drain_timeout_s)
+            except FutureTimeout:
+                err = CheckpointError(f"writing common.pt took longer than "
+                                      f"{self.config.drain_timeout_s:g} s (storage not "
+                                      "responding?)", rank=self.rank, file=p.directory)
+            p.files.pop(0)
+            if err is not None:
+                self._local_errors.append(err)
+        return True
+
     def _agree(self, p: _Pending, local_done: bool) -> bool:
         """All ranks: True when every rank has `p` durable (or committed); raises the same
         CheckpointError on every rank if any rank recorded an error."""
@@ -348,7 +406,8 @@ class LazyCheckpointer:
                     head.handle, timeout=self.config.drain_timeout_s)
                 for record in self._guard(wait) or []:
                     self.durable[record.step] = record
-            if not self._agree(head, head.iteration in self.durable):
+            if not self._agree(head, head.iteration in self.durable
+                               and self._files_durable(head, blocking)):
                 return
             self.pending.popleft()
             self._commit(head, self.durable.pop(head.iteration))

@@ -72,6 +72,8 @@ def _local_view(sh: ShardedTensor) -> torch.Tensor:
         raise CheckpointError(f"ShardedTensor {sh.key!r} uses flattened_range, which megatron-core "
                               "0.16.1 itself rejects; use the fully_reshardable optimizer format")
     data = sh.data.detach()
+    if not sh.prepend_axis_num:
+        return data
     return data.reshape((1,) * sh.prepend_axis_num + tuple(data.shape))
 
 
@@ -140,26 +142,38 @@ def save_strategy(engine: CheckpointEngine, step: int, dp_group=None, cached_wra
 class DurableCommonSaveStrategy(TorchCommonSaveStrategy):
     """megatron's common.pt, byte for byte what `torch.save` writes, but durable and atomic
     (temp + fsync + rename), and a full disk surfaces as OSError(ENOSPC) naming the file: stock
-    `torch.save` to a path reports it as "[enforce fail at inline_container.cc] unexpected pos"."""
+    `torch.save` to a path reports it as "[enforce fail at inline_container.cc] unexpected pos".
+    With `defer`, the bytes are serialized in the call (the state as of the save) and
+    `defer(path, data)` is asked to write them durably, e.g. on a background thread whose
+    completion the caller awaits before committing the version."""
+
+    def __init__(self, backend: str, version: int,
+                 defer: Optional[Callable[[str, bytes], None]] = None):
+        super().__init__(backend, version)
+        self.defer = defer
 
     def save_common(self, common_state_dict, checkpoint_dir) -> None:
         if torch.distributed.get_rank() != 0:
             return
         buf = io.BytesIO()
         torch.save(common_state_dict, buf)
-        fileio.atomic_write(os.path.join(str(checkpoint_dir), COMMON_FILENAME), buf.getbuffer())
+        path = os.path.join(str(checkpoint_dir), COMMON_FILENAME)
+        if self.defer is not None:
+            self.defer(path, buf.getvalue())
+        else:
+            fileio.atomic_write(path, buf.getbuffer())
 
 
 @contextlib.contextmanager
-def durable_common_save() -> Iterator[None]:
+def durable_common_save(defer: Optional[Callable[[str, bytes], None]] = None) -> Iterator[None]:
     """Within the block, `dist_checkpointing.save` writes common.pt with
-    `DurableCommonSaveStrategy` (megatron-core 0.16.1 refuses an explicit `common_strategy`
-    argument and looks the default up in its registry on every save). Restored on exit, so
-    saves outside our lazy path keep megatron's own behaviour."""
+    `DurableCommonSaveStrategy(defer=defer)` (megatron-core 0.16.1 refuses an explicit
+    `common_strategy` argument and looks the default up in its registry on every save). Restored
+    on exit, so saves outside our lazy path keep megatron's own behaviour."""
     table = default_strategies[StrategyAction.SAVE_COMMON.value]
     key = ("torch", 1)
     previous = table[key]  # registered when megatron's strategies package is imported
-    table[key] = DurableCommonSaveStrategy("torch", 1)
+    table[key] = DurableCommonSaveStrategy("torch", 1, defer)
     try:
         yield
     finally:

@@ -276,6 +276,12 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="write each replicated shard from the first data-parallel rank instead of "
                         "spreading the writes over the data-parallel group (torch_dist and "
                         "--async-lazy-save)")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="the sharded structure of the state (keys, shapes, dtypes, sharding) "
+                        "never changes during the run: validate the first save only and reuse "
+                        "its plan without checking (torch_dist and --async-lazy-save; without "
+                        "the flag --async-lazy-save still reuses a plan while a cheap structural "
+                        "check finds the structure unchanged)")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="each data-parallel rank reads a part of the replicated shards and they "
                         "exchange the rest (megatron-core's exchange runs on CUDA tensors: GPU "
@@ -853,6 +859,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lazy_save_peer_replica_mb=a.lazy_save_peer_replica_mb,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
         ckpt_fully_parallel_save=a.ckpt_fully_parallel_save,
+        ckpt_assume_constant_structure=a.ckpt_assume_constant_structure,
         ckpt_fully_parallel_load=a.ckpt_fully_parallel_load,
         ckpt_failure_policy=CkptFailurePolicy(a.ckpt_failure_policy),
         ckpt_fallback_to_previous=a.ckpt_fallback_to_previous,

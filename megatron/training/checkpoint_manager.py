@@ -35,7 +35,7 @@ from megatron.training.checkpoint_contents import TrainState
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
 from megatron.training.metrics import CheckpointRecord, Metrics
-from megatron.training.retention import apply_retention
+from megatron.training.retention import apply_retention, remove_now
 from megatron.training.save_interval import AutoInterval, Decision
 from megatron.training.timers import report_times_across_ranks
 
@@ -174,7 +174,7 @@ class CheckpointManager:
         flight are newer than `iteration`, so retention never reaches them; checkpoints that
         `_in_use` names or another process reads are kept for now."""
         done = apply_retention(self.ckpt.save, self.ckpt.keep_last_n_checkpoints, iteration,
-                               in_flight=self._in_use())
+                               in_flight=self._in_use(), remove=self._remove)
         if done.kept_in_use:
             print_rank_0(f"retention: keeping iteration(s) {done.kept_in_use} under "
                          f"{self.ckpt.save} for now: a merge or a converter is reading them")
@@ -183,6 +183,10 @@ class CheckpointManager:
         """Rank 0: iterations under --save that retention must keep for now although they are
         old enough to go (e.g. the source of a merge that waits or is starting)."""
         return []
+
+    def _remove(self, trash: str) -> None:
+        """Rank 0: delete a checkpoint retention has renamed out of the `iter_*` namespace."""
+        remove_now(trash)
 
 
 def _directory_bytes(directory: str) -> int:

@@ -31,6 +31,7 @@ class TorchDistCheckpointManager(CheckpointManager):
     def __init__(self, config: RunConfig):
         super().__init__(config)
         self._queue = None
+        self._strategy = None  # kept across saves with --ckpt-assume-constant-structure
         if self.ckpt.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -46,11 +47,17 @@ class TorchDistCheckpointManager(CheckpointManager):
             FullyParallelSaveStrategyWrapper
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+        constant = self.ckpt.ckpt_assume_constant_structure
+        if constant and self._strategy is not None:
+            return self._strategy  # Megatron-LM: its cached plan and distribution are reused
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+        strategy.use_cached_ckpt_structure = constant
         group = ps.get_data_parallel_group(with_context_parallel=True)
         if self.ckpt.ckpt_fully_parallel_save and dist.get_world_size(group) > 1:
             # Megatron-LM's default: replicated shards are written once, spread over DP ranks.
-            strategy = FullyParallelSaveStrategyWrapper(strategy, group)
+            strategy = FullyParallelSaveStrategyWrapper(strategy, group, constant)
+        if constant:
+            self._strategy = strategy
         return strategy
 
     def _save(self, state: TrainState) -> None:
@@ -66,9 +73,11 @@ class TorchDistCheckpointManager(CheckpointManager):
         sd = build_sharded_state_dict(state, self.config, is_loading=False,
                                       include_optim=self.ckpt.save_optim,
                                       include_rng=self.ckpt.save_rng)
+        validate = self._strategy is None  # with --ckpt-assume-constant-structure: first only
         request = dist_checkpointing.save(
             sd, directory, sharded_strategy=self.save_strategy(),
-            async_sharded_save=self._queue is not None, content_metadata=dict(OPTIMIZER_METADATA))
+            async_sharded_save=self._queue is not None, validate_access_integrity=validate,
+            content_metadata=dict(OPTIMIZER_METADATA))
         finish = lambda: self._complete(iteration)  # noqa: E731
         if self._queue is None:
             control_plane.barrier()

@@ -291,6 +291,10 @@ class CheckpointConfig:
     ckpt_fully_parallel_save: bool = True
     """Spread the writes of replicated shards over the data-parallel group (Megatron-LM's
     default); False: the first data-parallel rank writes them."""
+    ckpt_assume_constant_structure: bool = False
+    """Megatron-LM's flag: the sharded structure never changes, so only the first save is
+    validated and later ones reuse its plan unchecked (without it, --async-lazy-save reuses a
+    plan only while a structural fingerprint is unchanged on every rank)."""
     ckpt_fully_parallel_load: bool = False
     """Each data-parallel rank reads part of the replicated shards and they exchange the rest
     (megatron-core's FullyParallelLoadStrategyWrapper; CUDA only)."""

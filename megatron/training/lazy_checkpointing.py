@@ -21,14 +21,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 import torch.distributed as dist
 
 from datastates import Checksum, TensorShard, control_plane
 from datastates.megatron_adapter import TELEMETRY_FILENAME, FailurePolicy, LazyCheckpointer, \
-    LazySaveConfig, expand_local_dir, paths, restore_before_load
+    LazySaveConfig, StructurePolicy, expand_local_dir, paths, restore_before_load
 
 from megatron.training import distopt_shards
 from megatron.training.checkpoint_contents import (
@@ -164,6 +166,8 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
     return LazySaveConfig(
         local_dir=local_dir_of_this_rank(config), local_keep=ckpt.lazy_save_local_keep,
         fully_parallel_save=ckpt.ckpt_fully_parallel_save,
+        structure_policy=(StructurePolicy.ASSUME_CONSTANT if ckpt.ckpt_assume_constant_structure
+                          else StructurePolicy.CHECK),
         root=ckpt.save, cache_bytes=ckpt.lazy_save_cache_mb << 20,
         peer_replica_bytes=(ckpt.lazy_save_peer_replica_mb << 20
                             if ckpt.lazy_save_peer_replica else None),
@@ -182,6 +186,9 @@ class LazyCheckpointManager(CheckpointManager):
     def __init__(self, config: RunConfig):
         super().__init__(config)
         self._merges_retained = 0  # merges whose universal retention has run (rank 0)
+        # Rank 0: checkpoints retention renamed away are deleted here, off the training thread
+        # (~200 ms per commit for the 117M GPT); drained by `finalize`.
+        self._trash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
         self.checkpointer = LazyCheckpointer(
             lazy_save_config(config), log=print_rank_0, after_commit=self._after_commit,
             on_record=lambda r: self._record(CheckpointRecord.from_telemetry(r)))
@@ -230,8 +237,14 @@ class LazyCheckpointManager(CheckpointManager):
         self._universal_retention()
 
     def finalize(self) -> None:
-        self.checkpointer.finish()
-        self._universal_retention()
+        try:
+            self.checkpointer.finish()
+            self._universal_retention()
+        finally:
+            self._trash.shutdown(wait=True)
+
+    def _remove(self, trash: str) -> None:
+        self._trash.submit(shutil.rmtree, trash, ignore_errors=True)
 
     def _in_use(self) -> List[int]:
         """The sources of the merge that runs and of the one that waits: a merge process holds

@@ -7,7 +7,9 @@ iteration listed as in use (e.g. the source of a merge that is waiting or starti
 directory another process is reading (a merge or a converter holds `fileio.hold_for_reading` on
 it): those are kept and go at a later call, once free. A directory is first renamed out of the
 `iter_*` namespace, then removed, so a crash half-way through a removal never leaves a partial
-directory that looks like a checkpoint.
+directory that looks like a checkpoint. The renamed directory is deleted by `remove` (default:
+at once; the lazy trainer passes a background remover, since deleting a checkpoint's files takes
+longer than saving one is allowed to stall training).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 from datastates.fileio import claim_for_removal
 
@@ -40,9 +42,15 @@ def iteration_dirs(root: str) -> List[int]:
                   if (m := _ITER_DIR.match(name)) and os.path.isdir(os.path.join(root, name)))
 
 
+def remove_now(trash: str) -> None:
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def apply_retention(root: str, keep: Optional[int], latest: int,
-                    in_flight: Iterable[int] = ()) -> Removal:
-    """Remove checkpoints older than the newest `keep` ones up to `latest` (see module doc)."""
+                    in_flight: Iterable[int] = (),
+                    remove: Callable[[str], None] = remove_now) -> Removal:
+    """Remove checkpoints older than the newest `keep` ones up to `latest` (see module doc);
+    `remove(trash)` deletes each one once it is renamed out of the `iter_*` namespace."""
     out = Removal()
     if not keep or keep <= 0:
         return out
@@ -57,6 +65,6 @@ def apply_retention(root: str, keep: Optional[int], latest: int,
                 out.kept_in_use.append(it)
                 continue
             os.replace(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        remove(trash)
         out.removed.append(it)
     return out

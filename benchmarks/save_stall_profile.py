@@ -1,0 +1,177 @@
+"""Where the stall of one `--async-lazy-save` checkpoint goes, phase by phase.
+
+    python benchmarks/save_stall_profile.py --config small --iters 12
+    python benchmarks/save_stall_profile.py --config 117m --iters 4
+
+Trains the GPT of `checkpoint_compare.py` in this process (one rank, a checkpoint after every
+iteration) with `time.perf_counter` spans wrapped around the functions a save goes through, and
+prints each span's median inclusive time per call (ms) over the saves after the first (the first
+builds caches). Spans nest: an indented line is part of the line above it. "save call" and "wait
+before step" together are the stall `checkpoint_compare.py` reports; "poll" (agreement, commit,
+tracker) runs at the end of each iteration, outside that stall. No change to the code measured:
+the spans are installed by replacing module attributes before training starts.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+_TIMES: Dict[str, List[float]] = defaultdict(list)
+_ORDER: List[str] = []
+
+
+def _wrap(owner, attr: str, label: str) -> None:
+    fn = getattr(owner, attr)
+    if label not in _ORDER:
+        _ORDER.append(label)
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _TIMES[label].append(time.perf_counter() - t0)
+
+    setattr(owner, attr, timed)
+
+
+def install_spans() -> None:
+    """The phases of a save, outermost first (labels are indented by nesting)."""
+    from megatron.core.dist_checkpointing import serialization, state_dict_utils
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    import datastates.engine as engine
+    import datastates.megatron_adapter.checkpointer as checkpointer
+    import datastates.megatron_adapter.strategies as strategies
+    from megatron.training import distopt_shards, lazy_checkpointing
+
+    mgr = lazy_checkpointing.LazyCheckpointManager
+    spans = [
+        (mgr, "_save", "save call"),
+        (mgr, "_state_dict", "  sharded state dict (trainer)"),
+        (lazy_checkpointing, "build_sharded_state_dict", "    megatron sharded_state_dict()"),
+        (distopt_shards, "param_state_boxes", "    distributed-optimizer boxes"),
+        (checkpointer.LazyCheckpointer, "save", "  LazyCheckpointer.save"),
+        (checkpointer.SavePlanCache, "prepare", "    plan check (fingerprint)"),
+        (checkpointer, "make_spare", "    spare files (rank 0)"),
+        (serialization, "save_preprocess", "    megatron save_preprocess"),
+        (state_dict_utils, "apply_factories", "      apply_factories"),
+        (state_dict_utils, "extract_sharded_base", "      extract_sharded_base"),
+        (state_dict_utils, "determine_global_metadata", "      determine_global_metadata"),
+        (state_dict_utils, "validate_sharding_integrity", "      validate_sharding_integrity"),
+        (strategies.DurableCommonSaveStrategy, "save_common", "    common.pt (torch.save+fsync)"),
+        (fully_parallel.FullyParallelSaveStrategyWrapper, "async_save",
+         "    fully-parallel wrapper async_save"),
+        (strategies.DataStatesSaveStrategy, "async_save", "      DataStates async_save"),
+        (strategies, "engine_payload", "        engine_payload"),
+        (engine.CheckpointEngine, "save", "        engine.save"),
+        (engine, "flatten_state", "          flatten_state"),
+        (engine.layout, "invalidate", "          layout.invalidate"),
+        (engine, "plan_layout", "          plan_layout"),
+        (mgr, "before_optimizer_step", "wait before step"),
+        (mgr, "after_iteration", "poll (end of iteration)"),
+        (checkpointer.LazyCheckpointer, "_commit", "  commit (finalize, marker, tracker)"),
+        (checkpointer.LazyCheckpointer, "_gather_stats", "    stats all-reduce"),
+        (checkpointer.LazyCheckpointer, "_publish", "    publish (rank 0)"),
+        (checkpointer, "fsync_file", "      fsync metadata.json"),
+        (checkpointer, "try_commit", "      commit marker"),
+        (checkpointer, "write_tracker", "      tracker"),
+        (mgr, "_after_commit", "      retention"),
+    ]
+    for owner, attr, label in spans:
+        _wrap(owner, attr, label)
+
+
+def install_cprofile(skip: int):
+    """cProfile around `LazyCheckpointer.save` calls after the first `skip` (function-level
+    detail inside the spans; it slows what it measures, so read its shares, not its times)."""
+    import cProfile
+
+    import datastates.megatron_adapter.checkpointer as checkpointer
+
+    prof, calls = cProfile.Profile(), [0]
+    fn = checkpointer.LazyCheckpointer.save
+
+    def profiled(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] <= skip:
+            return fn(*args, **kwargs)
+        prof.enable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            prof.disable()
+
+    checkpointer.LazyCheckpointer.save = profiled
+    return prof
+
+
+def report(skip: int) -> None:
+    print(f"\nper-call medians over calls after the first {skip} "
+          f"(load average {os.getloadavg()[0]:.2f}):")
+    print(f"{'phase':46s} {'ms':>8s} {'calls':>6s}")
+    for label in _ORDER:
+        xs = _TIMES.get(label, [])
+        used = xs[skip:] if len(xs) > skip else xs
+        if used:
+            print(f"{label:46s} {statistics.median(used) * 1e3:8.2f} {len(xs):6d}")
+    stall = [a + b for a, b in zip(_TIMES["save call"][skip:], _TIMES["wait before step"][skip:])]
+    if stall:
+        print(f"{'stall (save call + wait before step)':46s} "
+              f"{statistics.median(stall) * 1e3:8.2f}")
+
+
+def main(argv=None) -> int:
+    from checkpoint_compare import COMMON, CONFIGS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--extra", default="", help="more trainer flags, space-separated")
+    p.add_argument("--no-plan-cache", action="store_true",
+                   help="rebuild and validate the plan on every save (the cost before cached "
+                        "plans, for a same-machine comparison)")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also print the N functions with the most own time inside the save call")
+    a = p.parse_args(argv)
+    from megatron.training import warning_filters
+
+    warning_filters.install()
+    import pretrain_gpt
+
+    if a.no_plan_cache:
+        from datastates.megatron_adapter import save_plan
+
+        save_plan.SavePlanCache.confirm = save_plan.SavePlanCache.forget
+    prof = install_cprofile(skip=1) if a.cprofile else None
+    install_spans()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    with tempfile.TemporaryDirectory(dir=str(REPO / "runs") if (REPO / "runs").is_dir()
+                                     else None) as save:
+        args = (CONFIGS[a.config] + COMMON + ["--train-iters", str(a.iters), "--async-lazy-save",
+                "--save", save, "--save-interval", "1", "--keep-last-n-checkpoints", "2"]
+                + a.extra.split())
+        rc = pretrain_gpt.main(args)
+    report(skip=1)
+    if prof is not None:
+        import pstats
+
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.cprofile)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Cached save plans (`datastates.megatron_adapter.save_plan`): megatron-core's validation is
+skipped only while the sharded structure is unchanged, and a changed structure is validated,
+saved and loaded back correctly. One process on a one-rank gloo group, no trainer."""
+import pytest
+import torch
+
+from megatron.core.dist_checkpointing import ShardedTensor, load, state_dict_utils
+from megatron.core.dist_checkpointing.core import CheckpointingException
+
+
+@pytest.fixture
+def one_rank(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    parallel_state.initialize_model_parallel()
+    calls = []
+    real = state_dict_utils.validate_sharding_integrity
+    monkeypatch.setattr(state_dict_utils, "validate_sharding_integrity",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    yield calls
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _state(shapes, step, global_shapes=None):
+    """{name: ShardedTensor} holding step-dependent values (one rank holds whole tensors unless
+    `global_shapes` says otherwise)."""
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        data = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+        data += 1000 * step + i
+        gshape = (global_shapes or {}).get(name, shape)
+        out[name] = ShardedTensor(name, data, data.dtype, tuple(shape), tuple(gshape),
+                                  (0,) * len(shape), tuple(g // s for g, s in zip(gshape, shape)))
+    out["iteration"] = step
+    return out
+
+
+def _checkpointer(root, policy):
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig, StructurePolicy
+
+    return LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20,
+                                           structure_policy=StructurePolicy(policy)),
+                            log=lambda _msg: None)
+
+
+def _save(ckpt, step, state):
+    ckpt.save(step, state)
+    ckpt.before_optimizer_step()
+    ckpt.poll(step)
+
+
+def _load_and_check(root, step, shapes):
+    import datastates  # noqa: F401  (registers our load strategy)
+
+    expected = _state(shapes, step)
+    empty = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v.data))
+             for k, v in expected.items() if isinstance(v, ShardedTensor)}
+    loaded = load(empty, str(root / f"iter_{step:07d}"))
+    for name in shapes:
+        assert torch.equal(loaded[name], expected[name].data), (step, name)
+    assert set(loaded) == set(shapes) | {"iteration"} and loaded["iteration"] == step
+
+
+def test_plan_reused_while_unchanged_and_rebuilt_when_the_structure_changes(tmp_path, one_rank):
+    old = {"a": (4, 4), "b": (8,)}
+    new = {"a": (4, 4), "b": (16,), "c": (3, 2)}  # one tensor resized, one added
+    ckpt = _checkpointer(tmp_path / "ckpt", "check")
+    for step, shapes in ((1, old), (2, old), (3, new), (4, new), (5, old)):
+        _save(ckpt, step, _state(shapes, step))
+    ckpt.finish()
+    assert (ckpt.plans.rebuilt, ckpt.plans.reused) == (3, 2)
+    assert len(one_rank) == 3  # megatron validated saves 1, 3 and 5 only
+    for step, shapes in ((1, old), (2, old), (3, new), (4, new), (5, old)):
+        _load_and_check(tmp_path / "ckpt", step, shapes)
+
+
+def test_a_changed_invalid_structure_is_still_validated(tmp_path, one_rank):
+    """A stale plan would let this save through: the second save's tensor covers half of its
+    global shape and no rank holds the rest."""
+    ckpt = _checkpointer(tmp_path / "ckpt", "check")
+    _save(ckpt, 1, _state({"a": (4,)}, 1))
+    with pytest.raises(CheckpointingException, match="Invalid access pattern"):
+        ckpt.save(2, _state({"a": (4,)}, 2, global_shapes={"a": (8,)}))
+    ckpt.finish()
+
+
+def test_assume_constant_structure_validates_the_first_save_only(tmp_path, one_rank):
+    ckpt = _checkpointer(tmp_path / "ckpt", "assume_constant")
+    shapes = {"a": (4, 4), "b": (8,)}
+    for step in (1, 2, 3):
+        _save(ckpt, step, _state(shapes, step))
+    ckpt.finish()
+    assert len(one_rank) == 1 and (ckpt.plans.rebuilt, ckpt.plans.reused) == (1, 2)
+    _load_and_check(tmp_path / "ckpt", 3, shapes)
