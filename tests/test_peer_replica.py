@@ -78,7 +78,7 @@ def _files(rank, step=3):
     return [shard, index, json.dumps(marker).encode()]
 
 
-def _restore_worker(rank, port, root, out):
+def _restore_worker(rank, port, root, out, needed):
     import torch.distributed as dist
 
     from datastates.megatron_adapter.peer_replica import restore_before_load
@@ -86,11 +86,30 @@ def _restore_worker(rank, port, root, out):
     os.environ.update(GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
     stats = restore_before_load(os.path.join(root, "save", "iter_0000003"),
-                                os.path.join(root, f"node{rank}"), 3)
+                                os.path.join(root, f"node{rank}"), 3, needed[rank])
     with open(os.path.join(out, f"r{rank}.json"), "w") as f:
         json.dump({"received": {str(k): list(v) for k, v in stats.received.items()},
                    "unavailable": stats.unavailable}, f)
     dist.destroy_process_group()
+
+
+def _run_restore(tmp_path, needed):
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.start_processes(_restore_worker, args=(free_port(), str(tmp_path), str(out), needed),
+                       nprocs=3, start_method="spawn")
+    return {r: json.loads((out / f"r{r}.json").read_text()) for r in range(3)}
+
+
+def _senders(result):
+    return {int(s): frm for s, (frm, _, _) in result["received"].items()}
+
+
+def _holds(tmp_path, node, saved):
+    directory = tmp_path / node / "iter_0000003"
+    return all((directory / name).is_file() and (directory / name).read_bytes() == data
+               for name, data in zip((layout.shard_file(saved), layout.index_file(saved),
+                                      layout.rank_marker_file(saved)), _files(saved)))
 
 
 def test_restore_plan_refills_both_holders_and_never_trusts_a_mismatch(tmp_path):
@@ -106,21 +125,39 @@ def test_restore_plan_refills_both_holders_and_never_trusts_a_mismatch(tmp_path)
     _write_files(str(tmp_path / "node2" / "iter_0000003"), 2, _files(2))
     _write_files(str(tmp_path / "node2" / "iter_0000003"), 1, _files(1, step=2))
     (tmp_path / "node1").mkdir()
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.start_processes(_restore_worker, args=(free_port(), str(tmp_path), str(out)), nprocs=3,
-                       start_method="spawn")
-    result = {r: json.loads((out / f"r{r}.json").read_text()) for r in range(3)}
+    result = _run_restore(tmp_path, {0: [0, 1, 2], 1: [1], 2: [1, 2]})
     # Rank 0's own copy went back to node 1 (its replica holder); rank 1 has no intact copy.
-    assert result[1]["received"] == {"0": [0, sum(len(b) for b in _files(0)),
-                                           result[1]["received"]["0"][2]]}
+    assert _senders(result[1]) == {0: 0} and result[1]["received"]["0"][1] == \
+        sum(len(b) for b in _files(0))
     assert result[0]["received"] == {} and result[2]["received"] == {}
     assert all(result[r]["unavailable"] == [1] for r in range(3))
-    node1 = tmp_path / "node1" / "iter_0000003"
-    for name, data in zip((layout.shard_file(0), layout.index_file(0),
-                           layout.rank_marker_file(0)), _files(0)):
-        assert (node1 / name).read_bytes() == data
-    assert not (node1 / layout.rank_marker_file(1)).exists()
+    assert _holds(tmp_path, "node1", 0) and not _holds(tmp_path, "node1", 1)
+    assert not (tmp_path / "node1" / "iter_0000003" / layout.rank_marker_file(1)).exists()
+
+
+def test_restore_brings_what_each_rank_reads_from_other_nodes(tmp_path):
+    """Phase 2: with three nodes a node holds two ranks' files; a rank that reads a third's
+    (replicated tensors written by a data-parallel peer elsewhere) gets them from a holder, once
+    per node; a stale copy there is replaced, never used."""
+    from datastates.megatron_adapter.peer_replica import _write_files
+
+    shared = tmp_path / "save" / "iter_0000003"
+    for r in range(3):
+        _write_files(str(shared), r, _files(r))
+    _write_files(str(tmp_path / "node0" / "iter_0000003"), 0, _files(0))
+    _write_files(str(tmp_path / "node0" / "iter_0000003"), 2, _files(2))
+    _write_files(str(tmp_path / "node0" / "iter_0000003"), 1, _files(1, step=2))  # stale
+    _write_files(str(tmp_path / "node2" / "iter_0000003"), 2, _files(2))
+    _write_files(str(tmp_path / "node2" / "iter_0000003"), 1, _files(1))
+    (tmp_path / "node1").mkdir()  # lost
+    result = _run_restore(tmp_path, {0: [0, 1, 2], 1: [0, 1], 2: [0, 1, 2]})
+    assert _senders(result[1]) == {0: 0, 1: 2}  # phase 1: both of node 1's copies come back
+    assert _senders(result[0]) == {1: 2}  # phase 2: rank 0 reads saved rank 1's files
+    assert _senders(result[2]) == {0: 0}  # phase 2: rank 2 reads saved rank 0's files
+    assert all(result[r]["unavailable"] == [] for r in range(3))
+    for node in ("node0", "node1", "node2"):
+        assert all(_holds(tmp_path, node, s) for s in (0, 1)), node
+    assert _holds(tmp_path, "node0", 2) and _holds(tmp_path, "node2", 2)
 
 
 # -- the trainer, two nodes on one machine -------------------------------------------------------

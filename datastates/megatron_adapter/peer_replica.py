@@ -15,8 +15,10 @@ and the last node to the first. Every node must run the same number of ranks.
 Restore (`restore_before_load`, every rank, before the reader is built): each saved rank s has two
 holders, its own rank on its node and its successor. A holder whose copy is missing or does not
 match the committed rank marker in --save (step, index name, index checksum) receives it from the
-other holder over the control plane; the reader then reads every saved rank it finds intact in
-the node-local directory from there (chunk checksums verified, as always) and the rest from --save.
+other holder over the control plane. Then every node receives, once, the saved ranks its ranks
+will read (`needed_saved_ranks`: the shards overlapping what each rank loads) and lacks. The
+reader reads every saved rank it finds intact in the node-local directory from there (chunk
+checksums verified, as always) and the rest from --save.
 A copy that fails verification is never used: the reader falls back to --save for that rank.
 
 Budget: `budget_bytes` bounds what a rank holds of one version (its own files plus the replica
@@ -29,7 +31,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -334,11 +336,13 @@ class RestoreStats:
     """Saved ranks with no intact copy on either holder (read from --save)."""
 
 
-def restore_before_load(shared_dir: str, local_dir: str, world_size: int) -> RestoreStats:
+def restore_before_load(shared_dir: str, local_dir: str, world_size: int,
+                        needed: Sequence[int] = ()) -> RestoreStats:
     """Every rank, collective: make both holders of every saved rank hold an intact copy of
-    version `shared_dir` in their node-local directories, where one of them still does (see
-    module doc). A saved world size other than this run's: nothing is moved (the reader still
-    uses intact copies it finds)."""
+    version `shared_dir` in their node-local directories, where one of them still does; then
+    bring every saved rank in `needed` (the files this rank will read, `needed_saved_ranks`) to
+    its node from a holder, once per node (see module doc). A saved world size other than this
+    run's: nothing is moved (the reader still uses intact copies it finds)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -363,10 +367,80 @@ def restore_before_load(shared_dir: str, local_dir: str, world_size: int) -> Res
             plan.append((s, s, succ, own[s]))
         elif replica[s][0] >= 0 and own[s][0] < 0:
             plan.append((s, succ, s, replica[s]))
+    # Phase 2, what this rank reads from other nodes' ranks (e.g. replicated tensors written by
+    # one data-parallel rank): from the holder that had it, to the lowest needing rank of each
+    # node that lacks it, after phase 1's files are all in place.
+    holder = {s: s if own[s][0] >= 0 else ring.successor(s) for s in range(world_size)
+              if own[s][0] >= 0 or replica[s][0] >= 0}
     t0 = time.perf_counter()
     _transfer({(to, s): held[s] for s, frm, to, _ in plan if frm == rank},
               {(frm, s): _Incoming(copy_dir, s, n) for s, frm, to, n in plan if to == rank})
     seconds = time.perf_counter() - t0
     received = {s: (frm, sum(n), seconds) for s, frm, to, n in plan if to == rank}
-    lost = [s for s in range(world_size) if own[s][0] < 0 and replica[s][0] < 0]
+    control_plane.barrier()
+    lacking = [s for s in needed if s in holder and not _matches(copy_dir, shared_dir, s)]
+    wants = control_plane.all_gather_ints(_bitmap(lacking, world_size))
+    plan2 = []  # (saved rank, from, to, sizes)
+    for s, frm in sorted(holder.items()):
+        sizes_s = own[s] if frm == s else replica[s]
+        receivers: Dict[int, int] = {}  # node -> lowest rank of it that lacks s
+        for r in range(world_size):
+            if _bit(wants[r], s) and ring.node_of(r) not in receivers:
+                receivers[ring.node_of(r)] = r
+        plan2 += [(s, frm, to, sizes_s) for to in receivers.values() if to != frm]
+    t0 = time.perf_counter()
+    _transfer({(to, s): held[s] for s, frm, to, _ in plan2 if frm == rank},
+              {(frm, s): _Incoming(copy_dir, s, n) for s, frm, to, n in plan2 if to == rank})
+    seconds = time.perf_counter() - t0
+    received.update({s: (frm, sum(n), seconds) for s, frm, to, n in plan2 if to == rank})
+    lost = [s for s in range(world_size) if s not in holder]
     return RestoreStats(received, lost)
+
+
+def _bitmap(ranks: Sequence[int], world_size: int) -> List[int]:
+    words = [0] * (-(-world_size // 62))
+    for r in ranks:
+        words[r // 62] |= 1 << (r % 62)
+    return words
+
+
+def _bit(words: Sequence[int], rank: int) -> bool:
+    return bool(words[rank // 62] >> (rank % 62) & 1)
+
+
+def needed_saved_ranks(shared_dir: str, sharded_state_dict) -> List[int]:
+    """The saved ranks whose shard files a load of `sharded_state_dict` (megatron-core's, this
+    rank's) reads: every saved shard overlapping a box it asks for. Leaves that are not plain
+    ShardedTensors (factories, flattened ranges) count every shard of their key: a superset."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from ..reader import CheckpointReader
+
+    reader = CheckpointReader(shared_dir, verify=False)
+    try:
+        keys = set(reader.tensor_keys(shards_only=True))
+        ranks = set()
+        for leaf in nested_values(sharded_state_dict):
+            key = getattr(leaf, "key", None)
+            if key is None:
+                continue
+            exact = isinstance(leaf, ShardedTensor) and leaf.flattened_range is None
+            for k in ([key] if exact else [k for k in keys if k.startswith(key)]):
+                if k not in keys:
+                    continue
+                for saved, offset, shape in reader.tensor_meta(k).shards:
+                    if not exact or _overlaps(leaf, offset, shape):
+                        ranks.add(saved)
+        return sorted(ranks)
+    finally:
+        reader.close()
+
+
+def _overlaps(sh, offset: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether ShardedTensor `sh`'s global box meets the box at `offset` with `shape`."""
+    lo = tuple(sh.global_offset)
+    hi = tuple(o + n for o, n in zip(sh.global_offset[:sh.prepend_axis_num],
+                                     (1,) * sh.prepend_axis_num)) + tuple(
+        o + n for o, n in zip(sh.global_offset[sh.prepend_axis_num:], sh.local_shape))
+    return all(a < o + n and o < b for a, b, o, n in zip(lo, hi, offset, shape))

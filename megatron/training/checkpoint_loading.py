@@ -152,7 +152,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=load_rng, optimizer_metadata=optimizer_metadata,
                                       rng_layout=rng_layout)
-        peers = restore_peer_copies(config, directory)  # --lazy-save-peer-replica
+        peers = restore_peer_copies(config, directory, sd)  # --lazy-save-peer-replica
         loaded = _load_torch_dist(sd, directory, loader, unsafe, local_dir_of_this_rank(config),
                                   ckpt.ckpt_fully_parallel_load,
                                   on_read=None if peers is None else peers.report)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from datastates import Checksum, TensorShard, control_plane
 from datastates.megatron_adapter import TELEMETRY_FILENAME, FailurePolicy, LazyCheckpointer, \
     LazySaveConfig, StructurePolicy, expand_local_dir, paths, restore_before_load
+from datastates.megatron_adapter.peer_replica import needed_saved_ranks
 
 from megatron.training import distopt_shards
 from megatron.training.checkpoint_contents import (
@@ -116,9 +117,11 @@ class PeerRestore:
     `report` says per rank what came from a peer, the node-local copy and --save, and rank 0
     appends it to the telemetry under --save (a `restore` event)."""
 
-    def __init__(self, config: RunConfig, directory: str, world_size: int):
+    def __init__(self, config: RunConfig, directory: str, world_size: int, sharded_state_dict):
         self.config, self.directory = config, directory
-        self.stats = restore_before_load(directory, local_dir_of_this_rank(config), world_size)
+        needed = needed_saved_ranks(directory, sharded_state_dict)
+        self.stats = restore_before_load(directory, local_dir_of_this_rank(config), world_size,
+                                         needed)
         rank = dist.get_rank()
         for saved, (frm, nbytes, seconds) in sorted(self.stats.received.items()):
             print(f"[rank {rank}] received saved rank {saved}'s shards from peer rank {frm}: "
@@ -149,15 +152,17 @@ class PeerRestore:
             print(f"WARNING: cannot record the restore in {root}: {err}", flush=True)
 
 
-def restore_peer_copies(config: RunConfig, directory: str) -> Optional[PeerRestore]:
-    """`PeerRestore` for a DataStates checkpoint when --lazy-save-peer-replica is on, else None."""
+def restore_peer_copies(config: RunConfig, directory: str,
+                        sharded_state_dict) -> Optional[PeerRestore]:
+    """`PeerRestore` of what loading `sharded_state_dict` reads from a DataStates checkpoint
+    when --lazy-save-peer-replica is on, else None."""
     ckpt = config.checkpoint
     commit = os.path.join(directory, paths.DATASTATES_COMMIT_FILENAME)
     if not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica and os.path.isfile(commit)):
         return None
     with open(commit) as f:
         world = int(json.load(f)["world_size"])
-    return PeerRestore(config, directory, world)
+    return PeerRestore(config, directory, world, sharded_state_dict)
 
 
 def lazy_save_config(config: RunConfig) -> LazySaveConfig:
