@@ -58,7 +58,7 @@ _EXPORTS = {
     "UNIVERSAL_KIND": "resolve",
     "expand_local_dir": "local_tier",
     "PeerReplicator": "peer_replica", "RestoreStats": "peer_replica", "Ring": "peer_replica",
-    "restore_before_load": "peer_replica",
+    "restore_before_load": "peer_replica", "needed_saved_ranks": "peer_replica",
 }
 _RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand"}
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from datastates import Checksum, TensorShard, control_plane
 from datastates.megatron_adapter import TELEMETRY_FILENAME, FailurePolicy, LazyCheckpointer, \
-    LazySaveConfig, StructurePolicy, expand_local_dir, paths, restore_before_load
-from datastates.megatron_adapter.peer_replica import needed_saved_ranks
+    LazySaveConfig, StructurePolicy, expand_local_dir, needed_saved_ranks, paths, \
+    restore_before_load
 
 from megatron.training import distopt_shards
 from megatron.training.checkpoint_contents import (
