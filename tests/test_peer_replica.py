@@ -249,3 +249,24 @@ def test_budget_below_one_ranks_checkpoint_is_refused_at_start(tmp_path):
     assert "--lazy-save-peer-replica-mb 1 is smaller than one rank's checkpoint: rank 0 holds " \
            "up to" in run.stderr, run.describe()
     assert " iteration " not in run.stdout
+
+
+def test_a_failing_side_still_finishes_the_stream_and_never_leaves_a_trusted_copy(tmp_path):
+    """A transfer must run to its end on both ranks (the other is mid-stream): a sender whose
+    file vanished sends zeros from there on (no valid marker arrives); a receiver that cannot
+    write keeps receiving and raises at commit."""
+    from datastates.megatron_adapter.peer_replica import _Incoming, _Outgoing, _write_files
+
+    files = _files(3)
+    _write_files(str(tmp_path / "src"), 3, files)
+    out = _Outgoing(str(tmp_path / "src"), 3)
+    assert out.read(0, 1 << 20) == b"".join(files)
+    os.unlink(tmp_path / "src" / layout.index_file(3))
+    stream = out.read(0, 1 << 20)
+    assert stream[:len(files[0])] == files[0] and stream[len(files[0]):] == \
+        bytes(len(files[1]) + len(files[2]))
+    (tmp_path / "a_file").write_text("")
+    sink = _Incoming(str(tmp_path / "a_file" / "dir"), 3, [len(b) for b in files])
+    sink.write(0, b"".join(files))  # dropped, no error yet
+    with pytest.raises(OSError):
+        sink.commit()

@@ -112,15 +112,26 @@ class _Outgoing:
     def __init__(self, directory: str, rank: int):
         self.paths = [os.path.join(directory, name(rank)) for name in _FILES]
         self.sizes = [os.path.getsize(p) for p in self.paths]  # OSError: not all there
+        self.failed = False
 
     def read(self, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of the stream. Once a read fails (a file vanished), the
+        rest of the stream is zeros: the receiver's copy then has no valid marker, is never
+        trusted, and the transfer still completes on both sides."""
         out, pos = [], 0
         for path, size in zip(self.paths, self.sizes):
             lo, hi = max(offset, pos), min(offset + n, pos + size)
             if lo < hi:
-                with open(path, "rb") as f:
-                    f.seek(lo - pos)
-                    out.append(f.read(hi - lo))
+                data = b""
+                if not self.failed:
+                    try:
+                        with open(path, "rb") as f:
+                            f.seek(lo - pos)
+                            data = f.read(hi - lo)
+                    except OSError:
+                        pass
+                    self.failed = len(data) != hi - lo
+                out.append(data if not self.failed else bytes(hi - lo))
             pos += size
         return b"".join(out)
 
@@ -135,26 +146,37 @@ def _outgoing(directory: str, rank: int) -> Optional[_Outgoing]:
 class _Incoming:
     """One saved rank's files arriving as one stream: written to temporary files, then moved
     into place shard, index, marker last, after this rank's old marker is removed (a reader
-    never sees a marker before the files it describes)."""
+    never sees a marker before the files it describes). A local write failure (a full /dev/shm)
+    does not stop the stream: the sender is mid-transfer, so the rest is received and dropped,
+    and `commit` raises the failure."""
 
     def __init__(self, directory: str, rank: int, sizes: List[int]):
         self.directory, self.rank, self.sizes = directory, rank, sizes
-        os.makedirs(directory, exist_ok=True)
         self.tmp = [os.path.join(directory, f".{name(rank)}.peer.tmp") for name in _FILES]
-        for path in self.tmp:
-            open(path, "wb").close()
+        self.failed: Optional[OSError] = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            for path in self.tmp:
+                open(path, "wb").close()
+        except OSError as err:
+            self.failed = err
 
     def write(self, offset: int, data: bytes) -> None:
         pos = 0
         for path, size in zip(self.tmp, self.sizes):
             lo, hi = max(offset, pos), min(offset + len(data), pos + size)
-            if lo < hi:
-                with open(path, "r+b") as f:
-                    f.seek(lo - pos)
-                    f.write(data[lo - offset:hi - offset])
+            if lo < hi and self.failed is None:
+                try:
+                    with open(path, "r+b") as f:
+                        f.seek(lo - pos)
+                        f.write(data[lo - offset:hi - offset])
+                except OSError as err:
+                    self.failed = err
             pos += size
 
     def commit(self) -> None:
+        if self.failed is not None:
+            raise self.failed
         fmt = os.path.join(self.directory, layout.FORMAT_FILE)
         if not os.path.exists(fmt):
             atomic_write(fmt, layout.dumps(layout.format_header()))
@@ -202,7 +224,7 @@ def _transfer(sends: Dict[Tuple[int, int], _Outgoing], recvs: Dict[Tuple[int, in
     two streams between one pair never mix), then move what arrived into place. Both ends know
     every size beforehand."""
     total = max([sum(x.sizes) for x in list(sends.values()) + list(recvs.values())] + [0])
-    try:
+    try:  # every round runs to the end on both sides, whatever fails locally (see _Incoming)
         for offset in range(0, total, _CHUNK):
             out = {key: torch.frombuffer(bytearray(x.read(offset, _CHUNK)), dtype=torch.uint8)
                    for key, x in sends.items() if offset < sum(x.sizes)}
