@@ -90,7 +90,11 @@ def _restore_worker(rank, port, root, out, needed):
     with open(os.path.join(out, f"r{rank}.json"), "w") as f:
         json.dump({"received": {str(k): list(v) for k, v in stats.received.items()},
                    "unavailable": stats.unavailable}, f)
-    dist.destroy_process_group()
+    dist.barrier()
+    # Leave without tearing gloo down: on a loaded machine its teardown at interpreter exit
+    # aborted one worker once (SIGABRT, "terminate called without an active exception") after
+    # every result was written; the results are what this test checks.
+    os._exit(0)
 
 
 def _run_restore(tmp_path, needed):
