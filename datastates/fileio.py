@@ -204,16 +204,25 @@ def spare_path(path: str) -> str:
 
 
 def make_spare(path: str, nbytes: int = SPARE_BYTES) -> bool:
-    """Allocate (write and fsync `nbytes`) the spare of `path` if there is none. Best effort:
-    False, with nothing left behind, if the filesystem has no room for it."""
+    """Allocate `nbytes` of blocks for the spare of `path` if there is none. Best effort:
+    False, with nothing left behind, if the filesystem has no room for it.
+
+    `posix_fallocate` takes the blocks at once (writes into them can no longer fail for lack of
+    space) without a data write or an fsync: the spare holds no data, so nothing about it needs
+    to survive a crash (`replace_from_spare` falls back to a plain atomic write without one).
+    Where the filesystem cannot allocate ahead (libc then writes zeros, e.g. on NFS) the blocks
+    are counted only once written back: the fsync then takes them now, as a write would."""
     spare = spare_path(path)
     if os.path.isfile(spare):
         return True
     try:
-        with open(spare, "wb") as f:
-            f.write(bytes(nbytes))
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            if os.fstat(fd).st_blocks * 512 < nbytes:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         return True
     except OSError:
         try:

@@ -225,3 +225,23 @@ def test_commit_marker_goes_into_space_set_aside_at_save_time(tmp_path):
         assert not is_committed(str(mnt / "without_room"))
         assert try_commit(str(mnt / "with_room"), 1) and is_committed(str(mnt / "with_room"))
         assert not os.path.exists(spare_path(str(mnt / "with_room" / COMMIT_FILE)))
+
+
+def test_spare_takes_its_blocks_at_once_or_leaves_nothing(tmp_path):
+    """`make_spare` allocates without writing data or fsyncing (it runs in every save call): the
+    blocks must be taken when it returns True, so a disk filled right after cannot take them, and
+    on a full disk it returns False leaving no file behind."""
+    from datastates.fileio import make_spare, spare_path
+
+    with mounted_tmpfs(tmp_path / "fs", "1m") as mnt:
+        taken = str(mnt / "COMMIT.json")
+        assert make_spare(taken, 64 * 1024)
+        assert os.stat(spare_path(taken)).st_blocks * 512 >= 64 * 1024
+        _fill(mnt)
+        fd = os.open(spare_path(taken), os.O_WRONLY)  # its blocks are still writable
+        try:
+            assert os.pwrite(fd, b"x" * 64 * 1024, 0) == 64 * 1024
+        finally:
+            os.close(fd)
+        assert not make_spare(str(mnt / "other"), 64 * 1024)
+        assert not os.path.exists(spare_path(str(mnt / "other")))
