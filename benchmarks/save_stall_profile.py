@@ -55,6 +55,7 @@ def install_spans() -> None:
 
     import datastates.engine as engine
     import datastates.megatron_adapter.checkpointer as checkpointer
+    import datastates.megatron_adapter.payload as payload
     import datastates.megatron_adapter.strategies as strategies
     from megatron.training import distopt_shards, lazy_checkpointing
 
@@ -76,7 +77,9 @@ def install_spans() -> None:
         (fully_parallel.FullyParallelSaveStrategyWrapper, "async_save",
          "    fully-parallel wrapper async_save"),
         (strategies.DataStatesSaveStrategy, "async_save", "      DataStates async_save"),
-        (strategies, "engine_payload", "        engine_payload"),
+        (payload.PayloadPlan, "flatten", "        payload (PayloadPlan.flatten)"),
+        (payload, "engine_payload", "          engine_payload (plan built)"),
+        (payload, "flatten_state", "          flatten_state (all / objects only)"),
         (engine.CheckpointEngine, "save", "        engine.save"),
         (engine, "flatten_state", "          flatten_state"),
         (engine.layout, "invalidate", "          layout.invalidate"),

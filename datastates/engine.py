@@ -30,7 +30,7 @@ from .errors import CheckpointError
 from .faults import fault_point
 from .flush import migrate_version_files, write_block, write_version_files
 from .job import FILE_ALIGN, SaveHandle, SaveJob, Segment, is_small, plan_layout
-from .flatten import TensorEntry, flatten_state
+from .flatten import FlatState, TensorEntry, flatten_state
 from .telemetry import SaveRecord, append_record
 from .transfer import Copier, iter_pieces
 
@@ -83,7 +83,8 @@ class CheckpointEngine:
     # ----------------------------------------------------------------- public API
     def save(self, state: Any, directory: str, step: int) -> SaveHandle:
         """Register a snapshot of `state` into version directory `directory` and return at once.
-        The tensors must not be mutated until `wait_for_snapshot()` returns."""
+        The tensors must not be mutated until `wait_for_snapshot()` returns. `state` may also be
+        a `FlatState`: what `flatten_state` returns for it, made by the caller."""
         t0 = time.perf_counter()
         self._check_open()
         self._raise_pending()
@@ -93,7 +94,10 @@ class CheckpointEngine:
             raise CheckpointError("the node-local directory (level 3) disappeared (deleted or "
                                   "unmounted); it is not recreated: restore it, or save without "
                                   "it", rank=self.cfg.rank, file=self.cfg.local_dir)
-        skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
+        if isinstance(state, FlatState):
+            skeleton, entries = state.skeleton, state.entries
+        else:
+            skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
         write_dir = (directory if self.cfg.local_dir is None
                      else layout.local_version_dir(self.cfg.local_dir, directory))
         shard_path = os.path.join(write_dir, layout.shard_file(self.cfg.rank))

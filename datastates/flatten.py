@@ -13,7 +13,7 @@ import math
 import pickle
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -72,15 +72,57 @@ class TensorEntry:
         self.shape = tuple(self.tensor.shape)
         self.nbytes = self.tensor.numel() * self.tensor.element_size()
 
+    def holding(self, tensor: torch.Tensor) -> "TensorEntry":
+        """This entry's copy for a later save of the same structure, holding `tensor`: a tensor of
+        this entry's dtype and number of elements whose row-major bytes are the entry's (e.g. the
+        same data without the leading axes of length 1 that `shape` has). The caller checks that
+        it is; nothing is recomputed."""
+        out = TensorEntry.__new__(TensorEntry)
+        out.__dict__.update(self.__dict__)
+        out.tensor = tensor
+        return out
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A state already split into `flatten_state`'s (skeleton, entries), to hand to
+    `CheckpointEngine.save` in place of the nested state (e.g. rebuilt from a cached plan)."""
+
+    skeleton: Any
+    entries: List[TensorEntry]
+
+
+def tensor_ref(i: int) -> dict:
+    """The skeleton leaf that stands for tensor entry `i`."""
+    return {TAG: "tensor", "id": i}
+
+
+def dict_skeleton(items: Sequence[Tuple[str, Any]]) -> dict:
+    """The skeleton of a dict with str keys whose values are already encoded."""
+    return {TAG: "dict", "items": [[k, v] for k, v in items]}
+
+
+_PLAIN = frozenset((int, str, bool, type(None)))
+
+
+def _plain(seq) -> bool:
+    """Whether every item of `seq` is encoded as itself (e.g. the 625 ints of Python's
+    `random.getstate()`, saved with every RNG state)."""
+    for v in seq:
+        t = type(v)
+        if t not in _PLAIN and not (t is float and math.isfinite(v)):
+            return False
+    return True
+
 
 def _path_str(path: Sequence[Any]) -> str:
     return "/".join(str(p) for p in path) if path else "<root>"
 
 
 class _Encoder:
-    def __init__(self, allow_pickle: bool):
+    def __init__(self, allow_pickle: bool, entries: List[TensorEntry]):
         self.allow_pickle = allow_pickle
-        self.entries: List[TensorEntry] = []
+        self.entries = entries
 
     def encode(self, obj: Any, path: List[Any]) -> Any:
         if isinstance(obj, TensorShard):
@@ -111,8 +153,12 @@ class _Encoder:
                 items.append([self.encode(k, path + ["<key>"]), self.encode(v, path + [k])])
             return {TAG: "dict", "items": items}
         if isinstance(obj, list):
+            if _plain(obj):
+                return list(obj)
             return [self.encode(v, path + [i]) for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and type(obj) is tuple:
+            if _plain(obj):
+                return {TAG: "tuple", "items": list(obj)}
             return {TAG: "tuple", "items": [self.encode(v, path + [i]) for i, v in enumerate(obj)]}
         if isinstance(obj, bytes):
             return {TAG: "bytes", "b64": base64.b64encode(obj).decode()}
@@ -133,7 +179,7 @@ class _Encoder:
                                   f"{_path_str(path)!r}: only dense tensors are supported",
                                   tensor=key)
         self.entries.append(TensorEntry(key, t.detach(), tuple(gshape), tuple(goff), is_shard))
-        return {TAG: "tensor", "id": len(self.entries) - 1}
+        return tensor_ref(len(self.entries) - 1)
 
     def _other(self, obj, path):
         if not self.allow_pickle:
@@ -145,11 +191,15 @@ class _Encoder:
         return {TAG: "pickle", "b64": base64.b64encode(pickle.dumps(obj)).decode()}
 
 
-def flatten_state(state: Any, allow_pickle: bool) -> Tuple[Any, List[TensorEntry]]:
+def flatten_state(state: Any, allow_pickle: bool, entries: Optional[List[TensorEntry]] = None,
+                  path: Sequence[Any] = ()) -> Tuple[Any, List[TensorEntry]]:
     """Return (JSON-able skeleton, tensor entries) for a nested state. Raises CheckpointError on
-    a type the safe format cannot hold (unless allow_pickle)."""
-    enc = _Encoder(allow_pickle)
-    skeleton = enc.encode(state, [])
+    a type the safe format cannot hold (unless allow_pickle). To flatten one part of a larger
+    state (e.g. the part a cached plan does not hold): `entries`, the tensor entries already
+    taken (their `tensor_ref`s placed by the caller), to which the part's own are appended,
+    numbered after them; `path`, where the part sits (the keys of its plain tensors)."""
+    enc = _Encoder(allow_pickle, [] if entries is None else entries)
+    skeleton = enc.encode(state, list(path))
     seen: Dict[Tuple[str, Tuple[int, ...]], int] = {}
     for e in enc.entries:
         ident = (e.key, e.global_offset)

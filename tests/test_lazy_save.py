@@ -164,6 +164,7 @@ def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):
 
 
 @pytest.mark.parametrize("imports", ["import datastates.megatron_adapter.strategies",
+                                     "import datastates.megatron_adapter.payload",
                                      "import datastates.megatron_adapter",
                                      "import datastates; import megatron.core",
                                      "import megatron.core; import datastates"])

@@ -74,6 +74,7 @@ def test_plan_reused_while_unchanged_and_rebuilt_when_the_structure_changes(tmp_
     ckpt.finish()
     assert (ckpt.plans.rebuilt, ckpt.plans.reused) == (3, 2)
     assert len(one_rank) == 3  # megatron validated saves 1, 3 and 5 only
+    assert (ckpt.payloads.built, ckpt.payloads.refilled) == (3, 2)  # the engine payload too
     for step, shapes in ((1, old), (2, old), (3, new), (4, new), (5, old)):
         _load_and_check(tmp_path / "ckpt", step, shapes)
 
@@ -96,3 +97,17 @@ def test_assume_constant_structure_validates_the_first_save_only(tmp_path, one_r
     ckpt.finish()
     assert len(one_rank) == 1 and (ckpt.plans.rebuilt, ckpt.plans.reused) == (1, 2)
     _load_and_check(tmp_path / "ckpt", 3, shapes)
+
+
+def test_assume_constant_structure_never_writes_a_stale_payload(tmp_path, one_rank):
+    """Under the flag megatron's validation is skipped after the first save, but the engine
+    payload's plan checks every tensor against itself: a resized and an added tensor are planned
+    again and saved as they are."""
+    ckpt = _checkpointer(tmp_path / "ckpt", "assume_constant")
+    old, new = {"a": (4, 4), "b": (8,)}, {"a": (4, 4), "b": (16,), "c": (3, 2)}
+    for step, shapes in ((1, old), (2, old), (3, new)):
+        _save(ckpt, step, _state(shapes, step))
+    ckpt.finish()
+    assert (ckpt.payloads.built, ckpt.payloads.refilled) == (2, 1)
+    _load_and_check(tmp_path / "ckpt", 2, old)
+    _load_and_check(tmp_path / "ckpt", 3, new)

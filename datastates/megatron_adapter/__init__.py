@@ -11,6 +11,8 @@ public API, nothing else. What lives here:
                        common.pt loads that never run code, common.pt written durably
   save_plan.py         cached save plans: megatron's validation and shard distribution reused
                        while a structural fingerprint is unchanged (--ckpt-assume-constant-structure)
+  payload.py           what the engine is handed per save (this rank's main replicas), refilled
+                       from the previous save's flattened form while every tensor matches it
   local_tier.py        --lazy-save-local-dir: placeholders, usability probe, pruning of old copies
   paths.py             Megatron checkpoint paths: iter_XXXXXXX naming, tracker, format detection,
                        run_config.json, complete iterations (no megatron import)
@@ -41,7 +43,7 @@ _EXPORTS = {
     "BACKEND": "strategies", "DataStatesLoadStrategy": "strategies",
     "DataStatesSaveStrategy": "strategies", "DurableCommonSaveStrategy": "strategies",
     "SafeCommonLoadStrategy": "strategies", "SafeTorchDistLoadStrategy": "strategies",
-    "durable_common_save": "strategies", "engine_payload": "strategies",
+    "durable_common_save": "strategies", "engine_payload": "payload",
     "load_strategies": "strategies", "read_sharded_tensor": "strategies",
     "save_strategy": "strategies",
     # save_plan

@@ -51,6 +51,7 @@ from ..fileio import atomic_write, fsync_file, make_spare, release_spare
 from ..flatten import TensorShard
 from ..layout import COMMIT_FILE, is_committed, try_commit
 from . import local_tier
+from .payload import PayloadPlan
 from .save_plan import SavePlanCache, StructurePolicy
 from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
     tracked_iteration, write_tracker
@@ -164,6 +165,7 @@ class LazyCheckpointer:
         self._wrapper = None
         self._dp_group = None
         self.plans = SavePlanCache(config.structure_policy)
+        self.payloads = PayloadPlan()  # the engine's flattened payload, refilled while it matches
         # common.pt is serialized in the save call and written (temp, fsync, rename) here, off the
         # training thread; a version commits only once its write is done (`_files_durable`).
         self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-common")
@@ -208,9 +210,10 @@ class LazyCheckpointer:
         plan = self.plans.prepare(sharded_state_dict, extra_shards)
         if not plan.reuse_distribution:
             self._wrapper = None  # its cached distribution belongs to the previous structure
+            self.payloads.forget()
         strategy, base = save_strategy(
             self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
-            self._wrapper, extra_shards=extra_shards)
+            self._wrapper, extra_shards=extra_shards, payload_plan=self.payloads)
         if strategy is not base:
             self._wrapper = strategy
         request = None
@@ -235,8 +238,10 @@ class LazyCheckpointer:
         except (OSError, RuntimeError, CheckpointError) as err:
             self._local_errors.append(err)
             self.plans.forget()
+            self.payloads.forget()
         except BaseException:
             self.plans.forget()
+            self.payloads.forget()
             raise
         self.pending.append(_Pending(iteration, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files))

@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -59,56 +59,26 @@ from ..reader import CheckpointReader
 from ..safe_load import SafeBytesMixin, SafeFileSystemReader, reraise_dcp_failure, torch_load
 from ..flatten import TensorShard
 from .paths import COMMON_FILENAME, saved_common, sharded_backend
+# A module reference, not its names: importing payload first imports megatron.core, whose import
+# hook imports this module while payload is still half-initialised.
+from . import payload as _payload
 
 BACKEND = "datastates"
 BACKEND_VERSION = 1
-_TENSORS, _OBJECTS = "tensors", "objects"
-
-
-def _local_view(sh: ShardedTensor) -> torch.Tensor:
-    """The shard's data with the axes megatron prepends (e.g. the layer axis) made explicit, so
-    its shape matches its global offsets."""
-    if sh.flattened_range is not None:
-        raise CheckpointError(f"ShardedTensor {sh.key!r} uses flattened_range, which megatron-core "
-                              "0.16.1 itself rejects; use the fully_reshardable optimizer format")
-    data = sh.data.detach()
-    if not sh.prepend_axis_num:
-        return data
-    return data.reshape((1,) * sh.prepend_axis_num + tuple(data.shape))
-
-
-def engine_payload(sharded_state_dict, extra_shards: Sequence[TensorShard] = ()
-                 ) -> Dict[str, Dict[str, Any]]:
-    """This rank's main-replica tensor shards and objects, keyed uniquely across ranks, plus
-    `extra_shards` this rank alone holds (described outside megatron's ShardedTensor, e.g. the
-    irregular pieces of the distributed optimizer's state)."""
-    tensors: Dict[str, TensorShard] = {
-        f"{t.key}@{','.join(map(str, t.global_offset))}": t for t in extra_shards}
-    objects: Dict[str, Any] = {}
-    for item in nested_values(sharded_state_dict):
-        if isinstance(item, ShardedTensor):
-            if is_main_replica(item.replica_id):
-                name = f"{item.key}@{','.join(map(str, item.global_offset))}"
-                tensors[name] = TensorShard(_local_view(item), item.key, tuple(item.global_shape),
-                                            tuple(item.global_offset))
-        elif isinstance(item, ShardedObject):
-            if is_main_replica(item.replica_id):
-                objects[item.unique_key] = item.data
-        else:
-            raise CheckpointError(f"unexpected {type(item).__name__} in a sharded state dict after "
-                                  "megatron's preprocessing; expected ShardedTensor/ShardedObject")
-    return {_TENSORS: tensors, _OBJECTS: objects}
 
 
 class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
-    """Hands shards to a `CheckpointEngine`; the returned request does no work of its own."""
+    """Hands shards to a `CheckpointEngine`; the returned request does no work of its own.
+    With a `PayloadPlan` (kept by the caller across saves), the payload is refilled from it."""
 
     def __init__(self, engine: CheckpointEngine, step: int,
-                 extra_shards: Sequence[TensorShard] = ()):
+                 extra_shards: Sequence[TensorShard] = (),
+                 payload_plan: Optional[_payload.PayloadPlan] = None):
         super().__init__(BACKEND, BACKEND_VERSION)
         self.engine = engine
         self.step = step
         self.extra_shards = extra_shards
+        self.payload_plan = payload_plan
         self.handle: Optional[SaveHandle] = None
 
     @property
@@ -116,8 +86,12 @@ class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
         return True
 
     def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
-        self.handle = self.engine.save(engine_payload(sharded_state_dict, self.extra_shards),
-                                       str(checkpoint_dir), step=self.step)
+        if self.payload_plan is None:
+            state = _payload.engine_payload(sharded_state_dict, self.extra_shards)
+        else:
+            state = self.payload_plan.flatten(sharded_state_dict, self.extra_shards,
+                                              self.engine.cfg.allow_pickle)
+        self.handle = self.engine.save(state, str(checkpoint_dir), step=self.step)
         return AsyncRequest(None, (), [])
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
@@ -126,11 +100,12 @@ class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
 
 
 def save_strategy(engine: CheckpointEngine, step: int, dp_group=None, cached_wrapper=None,
-                  extra_shards: Sequence[TensorShard] = ()):
+                  extra_shards: Sequence[TensorShard] = (),
+                  payload_plan: Optional[_payload.PayloadPlan] = None):
     """Our strategy wrapped so replicated shards are written once, spread across the DP group
     (megatron's FullyParallelSaveStrategyWrapper assigns each replicated shard one writer).
     Pass the previous wrapper back as `cached_wrapper` to reuse its cached distribution."""
-    base = DataStatesSaveStrategy(engine, step, extra_shards)
+    base = DataStatesSaveStrategy(engine, step, extra_shards, payload_plan)
     if dp_group is None or torch.distributed.get_world_size(dp_group) == 1:
         return base, base
     if cached_wrapper is None:
@@ -219,7 +194,7 @@ class DataStatesLoadStrategy(LoadShardedStrategy):
     def _objects(self, reader: CheckpointReader) -> Dict[str, Any]:
         objects: Dict[str, Any] = {}
         for rank in reader.ranks():
-            objects.update(reader.load_objects(rank)[_OBJECTS])
+            objects.update(reader.load_objects(rank)[_payload.OBJECTS])
         return objects
 
     def load(self, sharded_state_dict, checkpoint_dir):
