@@ -55,7 +55,8 @@ class TensorShard:
 
 @dataclass
 class TensorEntry:
-    """One tensor to save: where it comes from and where it goes in the global tensor."""
+    """One tensor to save: where it comes from and where it goes in the global tensor. `tensor`
+    may still require grad (the copy threads detach it, off the caller's thread)."""
 
     key: str
     tensor: torch.Tensor

@@ -60,7 +60,7 @@ def _assert_same_as_scratch(flat, sd, extra):
     for got, want in zip(flat.entries, entries):
         assert all(getattr(got, f) == getattr(want, f) for f in ENTRY_FIELDS), (got.key, f)
         assert torch.equal(_bytes(got.tensor), _bytes(want.tensor)), got.key
-        assert not got.tensor.requires_grad
+        assert got.tensor.data_ptr() == want.tensor.data_ptr()  # the live tensor: nothing copied
 
 
 def test_refilled_payload_equals_the_payload_flattened_from_scratch():
@@ -96,6 +96,30 @@ def test_any_change_the_plan_holds_plans_again(change):
     _assert_same_as_scratch(flat, sd, extra)
     plan.flatten(sd, extra, allow_pickle=False)  # the new plan holds the new structure
     assert plan.refilled == 1
+
+
+def test_engine_saves_refilled_parameters_as_they_were_at_the_save_call(tmp_path):
+    """Refilled entries hold live tensors, parameters included (the copy threads detach them):
+    a transposed (non-contiguous) parameter and a contiguous one round-trip bit-exactly, and
+    their update after `wait_for_snapshot` does not reach the checkpoint."""
+    from datastates import CheckpointEngine, CheckpointReader, EngineConfig
+
+    plan = PayloadPlan()
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20)) as eng:
+        for step in (1, 2):
+            p = torch.nn.Parameter(torch.randn(6, 5, generator=torch.Generator().manual_seed(step)))
+            sd = {"p": _tensor("p", p), "pt": _tensor("pt", p.t())}
+            want = {k: v.data.detach().clone() for k, v in sd.items()}
+            h = eng.save(plan.flatten(sd, [], allow_pickle=False), str(tmp_path / f"{step}"), step)
+            eng.wait_for_snapshot()
+            with torch.no_grad():
+                p.add_(1.0)
+            eng.wait_for_durable(h)
+            reader = CheckpointReader(str(tmp_path / f"{step}"))
+            for key, value in want.items():
+                assert torch.equal(reader.read(key, (0, 0), tuple(value.shape)), value), key
+            reader.close()
+    assert (plan.built, plan.refilled) == (1, 1)
 
 
 def test_colliding_names_are_never_planned():

@@ -94,8 +94,9 @@ def _matches(want: _Expect, key, global_offset, global_shape, data: torch.Tensor
             and data.shape == want.shape and prepend == want.prepend)
 
 
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    return t.detach() if t.requires_grad else t
+def _main(replica_id) -> bool:
+    """megatron's `is_main_replica`, without a generator per call."""
+    return replica_id == 0 if isinstance(replica_id, int) else not any(replica_id)
 
 
 class PayloadPlan:
@@ -150,11 +151,11 @@ class PayloadPlan:
                 return None
             if not _matches(expect[i], sh.key, sh.global_offset, sh.global_shape, sh.data, 0):
                 return None
-            entries.append(t.entries[i].holding(_detached(sh.data)))
+            entries.append(t.entries[i].holding(sh.data))
         objects: Dict[str, Any] = {}
         for item in nested_values(sharded_state_dict):
             if isinstance(item, ShardedTensor):
-                if not is_main_replica(item.replica_id):
+                if not _main(item.replica_id):
                     continue
                 i = len(entries)
                 if i == n:
@@ -164,9 +165,10 @@ class PayloadPlan:
                         item.prepend_axis_num):
                     return None
                 # The entry keeps the prepended shape; the bytes are the same without the axes.
-                entries.append(t.entries[i].holding(_detached(item.data)))
+                # A parameter is handed over as it is: the copy thread detaches it.
+                entries.append(t.entries[i].holding(item.data))
             elif isinstance(item, ShardedObject):
-                if is_main_replica(item.replica_id):
+                if _main(item.replica_id):
                     objects[item.unique_key] = item.data
             else:
                 return None  # the full path raises the error that names it
