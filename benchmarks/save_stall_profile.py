@@ -50,7 +50,8 @@ def _wrap(owner, attr: str, label: str) -> None:
 
 def install_spans() -> None:
     """The phases of a save, outermost first (labels are indented by nesting)."""
-    from megatron.core.dist_checkpointing import serialization, state_dict_utils
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import state_dict_utils
     from megatron.core.dist_checkpointing.strategies import fully_parallel
 
     import datastates.engine as engine
@@ -66,24 +67,30 @@ def install_spans() -> None:
         (lazy_checkpointing, "build_sharded_state_dict", "    megatron sharded_state_dict()"),
         (distopt_shards, "param_state_boxes", "    distributed-optimizer boxes"),
         (checkpointer.LazyCheckpointer, "save", "  LazyCheckpointer.save"),
+        (checkpointer.LazyCheckpointer, "_prepare_directory", "    version directory (rank 0)"),
+        (checkpointer, "make_spare", "      spare files (2 per save)"),
         (checkpointer.SavePlanCache, "prepare", "    plan check (fingerprint)"),
-        (checkpointer, "make_spare", "    spare files (rank 0)"),
-        (serialization, "save_preprocess", "    megatron save_preprocess"),
-        (state_dict_utils, "apply_factories", "      apply_factories"),
-        (state_dict_utils, "extract_sharded_base", "      extract_sharded_base"),
-        (state_dict_utils, "determine_global_metadata", "      determine_global_metadata"),
-        (state_dict_utils, "validate_sharding_integrity", "      validate_sharding_integrity"),
-        (strategies.DurableCommonSaveStrategy, "save_common", "    common.pt (torch.save+fsync)"),
+        (dist_checkpointing, "save", "    megatron dist_checkpointing.save"),
+        (dist_checkpointing.serialization, "save_preprocess", "      megatron save_preprocess"),
+        (state_dict_utils, "apply_factories", "        apply_factories"),
+        (state_dict_utils, "extract_nonpersistent", "        extract_nonpersistent"),
+        (state_dict_utils, "extract_sharded_base", "        extract_sharded_base"),
+        (state_dict_utils, "filter_out_empty_flatten_tensor",
+         "        filter_out_empty_flatten_tensor"),
+        (state_dict_utils, "determine_global_metadata", "        determine_global_metadata"),
+        (state_dict_utils, "validate_sharding_integrity", "        validate_sharding_integrity"),
+        (strategies.DurableCommonSaveStrategy, "save_common", "      common.pt (torch.save)"),
         (fully_parallel.FullyParallelSaveStrategyWrapper, "async_save",
-         "    fully-parallel wrapper async_save"),
-        (strategies.DataStatesSaveStrategy, "async_save", "      DataStates async_save"),
-        (payload.PayloadPlan, "flatten", "        payload (PayloadPlan.flatten)"),
-        (payload, "engine_payload", "          engine_payload (plan built)"),
-        (payload, "flatten_state", "          flatten_state (all / objects only)"),
-        (engine.CheckpointEngine, "save", "        engine.save"),
-        (engine, "flatten_state", "          flatten_state"),
-        (engine.layout, "invalidate", "          layout.invalidate"),
-        (engine, "plan_layout", "          plan_layout"),
+         "      fully-parallel wrapper async_save"),
+        (strategies.DataStatesSaveStrategy, "async_save", "        DataStates async_save"),
+        (payload.PayloadPlan, "flatten", "          payload (PayloadPlan.flatten)"),
+        (payload, "engine_payload", "            engine_payload (plan built)"),
+        (payload, "flatten_state", "            flatten_state (all / objects only)"),
+        (engine.CheckpointEngine, "save", "          engine.save"),
+        (engine, "flatten_state", "            flatten_state"),
+        (engine.layout, "invalidate", "            layout.invalidate"),
+        (engine, "plan_layout", "            plan_layout"),
+        (engine.CheckpointEngine, "start_copies", "    engine.start_copies"),
         (mgr, "before_optimizer_step", "wait before step"),
         (mgr, "after_iteration", "poll (end of iteration)"),
         (checkpointer.LazyCheckpointer, "_commit", "  commit (finalize, marker, tracker)"),
@@ -172,7 +179,7 @@ def main(argv=None) -> int:
     if prof is not None:
         import pstats
 
-        pstats.Stats(prof).sort_stats("tottime").print_stats(a.cprofile)
+        pstats.Stats(prof).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(a.cprofile)
     return rc
 
 

@@ -3,7 +3,9 @@
 Call order, per rank:
   1) `save(state, directory, step)`: small objects are encoded now; tensors are queued for the
      copy threads (live -> host cache), which hand each copied piece to the writer threads
-     (host cache -> shard file). Returns a `SaveHandle` at once.
+     (host cache -> shard file). Returns a `SaveHandle` at once. With `defer_copies=True` the
+     copies are held until `start_copies()` (or the next call of any step here), so that a
+     caller with more to do before it returns keeps the GIL to itself meanwhile.
   2) `wait_for_snapshot()`: right before the caller mutates its tensors (optimizer step).
   3) `poll()` now and then, or `wait_for_durable()`: get `SaveRecord`s of finished saves and any
      background error. A save is durable when its shard and index are fsync'd and its rank marker
@@ -67,6 +69,7 @@ class CheckpointEngine:
         self._cache.add_peak_listener(self._on_cache_use)
         self._copier = Copier(self._cache)
         self._copy_q: "queue.Queue" = queue.Queue()
+        self._held: List[tuple] = []  # (save, its copy groups) not yet handed to copy threads
         self._write_q: "queue.Queue" = queue.Queue()
         self._threads = [threading.Thread(target=self._copy_loop, name=f"datastates-copy-{i}",
                                           daemon=True) for i in range(config.copy_threads)]
@@ -81,12 +84,14 @@ class CheckpointEngine:
         atexit.register(self._atexit)
 
     # ----------------------------------------------------------------- public API
-    def save(self, state: Any, directory: str, step: int) -> SaveHandle:
+    def save(self, state: Any, directory: str, step: int, *,
+             defer_copies: bool = False) -> SaveHandle:
         """Register a snapshot of `state` into version directory `directory` and return at once.
         The tensors must not be mutated until `wait_for_snapshot()` returns. `state` may also be
         a `FlatState`: what `flatten_state` returns for it, made by the caller."""
         t0 = time.perf_counter()
         self._check_open()
+        self.start_copies()  # an earlier save's held copies go first
         self._raise_pending()
         if self.cfg.local_dir is not None and not os.path.isdir(self.cfg.local_dir):
             # Not recreated: on an unmounted node-local disk that would write into the mount
@@ -128,12 +133,25 @@ class CheckpointEngine:
             sv.write_dir = write_dir
             sv.ready_events = self._record_ready_events(entries)
             self._saves.append(sv)
-        for group in groups:
-            self._copy_q.put((sv, group))
+        self._held.append((sv, groups))
+        if not defer_copies:
+            self.start_copies()
         if not entries:
             self._maybe_finalize(sv)
         sv.blocked_s += time.perf_counter() - t0
         return handle
+
+    def start_copies(self) -> None:
+        """Hand the copies that `save(..., defer_copies=True)` held back to the copy threads.
+        Every wait, `poll`, `close` and the next `save` call it too: no snapshot is left
+        waiting for it."""
+        held, self._held = self._held, []
+        for sv, groups in held:
+            # One hand-off per copy thread, not per group: each put wakes a thread that then
+            # contends for the GIL with the caller.
+            n = min(self.cfg.copy_threads, len(groups))
+            for k in range(n):
+                self._copy_q.put((sv, groups[k::n]))
 
     def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
         """Block until every tensor of every pending save is in the host cache (or on disk).
@@ -144,6 +162,7 @@ class CheckpointEngine:
     def poll(self) -> List[SaveRecord]:
         """Non-blocking: records of saves that became durable since the last poll/wait; raises a
         pending background error. Rank 0 (CommitPolicy.RANK0) also retries pending commits."""
+        self.start_copies()
         self._raise_pending()
         self._retry_commits()
         return self._collect()
@@ -241,6 +260,7 @@ class CheckpointEngine:
 
     def _wait(self, pred, raise_errors: bool = True, timeout: Optional[float] = None,
               what: str = "wait") -> None:
+        self.start_copies()
         t0 = time.perf_counter()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -357,30 +377,34 @@ class CheckpointEngine:
             item = self._copy_q.get()
             if item is _STOP:
                 return
-            sv, group = item
-            try:
-                if group[0] == 0:
-                    fault_point("copy", sv.handle.step, self.cfg.rank)
-                if sv.error is None:
-                    if not is_small(sv.entries[group[0]].nbytes, self._max_piece()):
-                        self._copy_large(sv, group[0])
-                    else:
-                        self._copy_bundle(sv, group)
-            except CheckpointError as e:
-                self._fail(sv, e)
-            except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
-                self._fail(sv, CheckpointError(f"copy to host cache failed: {e!r}",
-                                               rank=self.cfg.rank, file=sv.shard_path,
-                                               tensor=sv.entries[group[0]].key))
-            with self._cond:
-                sv.entries_copied += len(group)
-                if sv.entries_copied == len(sv.entries):
-                    sv.t_copied = time.perf_counter()
-                for i in group:
-                    sv.entries[i].tensor = None  # drop our reference to the live tensor
-                self._cond.notify_all()
-            self._maybe_finalize(sv)
-            self._release_failed(sv)
+            sv, groups = item
+            for group in groups:
+                self._copy_group(sv, group)
+
+    def _copy_group(self, sv: SaveJob, group: List[int]) -> None:
+        try:
+            if group[0] == 0:
+                fault_point("copy", sv.handle.step, self.cfg.rank)
+            if sv.error is None:
+                if not is_small(sv.entries[group[0]].nbytes, self._max_piece()):
+                    self._copy_large(sv, group[0])
+                else:
+                    self._copy_bundle(sv, group)
+        except CheckpointError as e:
+            self._fail(sv, e)
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
+            self._fail(sv, CheckpointError(f"copy to host cache failed: {e!r}",
+                                           rank=self.cfg.rank, file=sv.shard_path,
+                                           tensor=sv.entries[group[0]].key))
+        with self._cond:
+            sv.entries_copied += len(group)
+            if sv.entries_copied == len(sv.entries):
+                sv.t_copied = time.perf_counter()
+            for i in group:
+                sv.entries[i].tensor = None  # drop our reference to the live tensor
+            self._cond.notify_all()
+        self._maybe_finalize(sv)
+        self._release_failed(sv)
 
     def _alloc(self, sv: SaveJob, nbytes: int) -> int:
         return self._cache.alloc(nbytes, abort=lambda: sv.error is not None)
@@ -392,7 +416,7 @@ class CheckpointEngine:
 
     def _copy_large(self, sv: SaveJob, i: int) -> None:
         """One big tensor, streamed through the cache in pieces of at most `_max_piece()`."""
-        t = sv.entries[i].tensor
+        t = sv.entries[i].tensor.detach()  # may be a parameter (see TensorEntry)
         ready = sv.ready_events.get(t.device) if t.is_cuda else None
         for piece, off in iter_pieces(t, self._max_piece()):
             nbytes = piece.numel() * piece.element_size()
@@ -419,7 +443,7 @@ class CheckpointEngine:
                 if e.nbytes:
                     pos = sv.file_offsets[i] - base
                     ready = sv.ready_events.get(e.tensor.device) if e.tensor.is_cuda else None
-                    self._copier.copy(e.tensor, start + pos, ready)
+                    self._copier.copy(e.tensor.detach(), start + pos, ready)
                     segments.append(Segment(i, 0, e.nbytes, pos))
         except BaseException:
             self._cache.free(start)

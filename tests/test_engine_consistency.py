@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -67,6 +68,30 @@ def test_mutation_after_wait_for_snapshot_does_not_reach_checkpoint(tmp_path):
         eng.wait_for_durable(h)
     assert gate.writes >= 1
     assert not torch.equal(state["w"], before["w"])
+    assert_state(CheckpointReader(d).load_state(), before)
+
+
+@pytest.mark.parametrize("starter", ["start_copies", "wait_for_snapshot", "poll", "save"])
+def test_deferred_copies_start_at_the_next_engine_call_and_keep_the_snapshot(tmp_path, starter):
+    """`save(defer_copies=True)` hands nothing to the copy threads until `start_copies()` or the
+    next wait, poll or save (each tried alone here; two copy threads, so two hand-offs): the
+    version then commits on its own, holding the state of the save call."""
+    state = make_state(0)
+    before = clone(state)
+    d = str(tmp_path / "v")
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20, copy_threads=2)) as eng:
+        eng.save(state, d, step=1, defer_copies=True)
+        if starter == "save":
+            eng.save(make_state(1), str(tmp_path / "v2"), step=2)
+        elif starter == "wait_for_snapshot":
+            eng.wait_for_snapshot(timeout=60)
+        else:
+            getattr(eng, starter)()
+        deadline = time.monotonic() + 60
+        while not is_committed(d) and time.monotonic() < deadline:  # no engine call here
+            time.sleep(0.01)
+        assert is_committed(d), f"the held copies never started after {starter}"
+        mutate(state)
     assert_state(CheckpointReader(d).load_state(), before)
 
 

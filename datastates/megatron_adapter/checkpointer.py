@@ -213,14 +213,15 @@ class LazyCheckpointer:
             self.payloads.forget()
         strategy, base = save_strategy(
             self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
-            self._wrapper, extra_shards=extra_shards, payload_plan=self.payloads)
+            self._wrapper, extra_shards=extra_shards, payload_plan=self.payloads,
+            defer_copies=True)
         if strategy is not base:
             self._wrapper = strategy
         request = None
-        files: List[Future] = []
+        serialized: List[tuple] = []  # (path, bytes) of common.pt, written once the call is done
 
         def defer(path: str, data: bytes) -> None:
-            files.append(self._files.submit(atomic_write, path, data))
+            serialized.append((path, data))
 
         try:
             # After megatron's collectives, rank 0 hands common.pt to its writer thread and every
@@ -243,6 +244,10 @@ class LazyCheckpointer:
             self.plans.forget()
             self.payloads.forget()
             raise
+        # Started last: background threads' wake-ups would take the GIL from the rest of this
+        # call (the tensors are not mutated before `before_optimizer_step` either way).
+        files = [self._files.submit(atomic_write, path, data) for path, data in serialized]
+        self.engine.start_copies()
         self.pending.append(_Pending(iteration, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files))
 
