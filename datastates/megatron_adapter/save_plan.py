@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -62,10 +62,6 @@ class PreparedSave:
     """A fully-parallel wrapper's cached distribution of replicated shards is still valid."""
 
 
-def _range(r) -> Optional[Tuple[int, int]]:
-    return None if r is None else (r.start, r.stop)
-
-
 def fingerprint(sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = ()) -> List[tuple]:
     """Everything a save plan depends on, in the dict's order; no tensor data is read. Two saves
     with equal fingerprints get the same validation result, the same distribution of replicated
@@ -73,10 +69,10 @@ def fingerprint(sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = (
     out: List[tuple] = []
     for item in nested_values(sharded_state_dict):
         if isinstance(item, ShardedTensor):
-            data = item.data
-            out.append(("T", item.key, data.dtype, tuple(data.shape), item.global_shape,
+            data, r = item.data, item.flattened_range
+            out.append(("T", item.key, data.dtype, data.shape, item.global_shape,
                         item.global_offset, item.axis_fragmentations, item.replica_id,
-                        item.prepend_axis_num, _range(item.flattened_range),
+                        item.prepend_axis_num, None if r is None else (r.start, r.stop),
                         item.allow_shape_mismatch))
         elif isinstance(item, ShardedObject):
             out.append(("O", item.key, item.global_shape, item.global_offset, item.replica_id))
