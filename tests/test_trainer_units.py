@@ -48,15 +48,39 @@ def config(extra="", world_size=1):
      "--use-dist-ckpt means --ckpt-format torch_dist, but --ckpt-format torch was given"),
     ("--ckpt-fully-parallel-save --no-ckpt-fully-parallel-save", 1, "contradict each other"),
     ("--ckpt-fully-parallel-load", 1, "--ckpt-fully-parallel-load needs CUDA"),
-    ("--non-persistent-save-interval 5 --non-persistent-ckpt-type local", 1,
-     "--non-persistent-save-interval, --non-persistent-ckpt-type: Megatron-LM's non-persistent "
-     "checkpoints are not supported. For frequent checkpoints on node-local storage use "
-     "--async-lazy-save"),
+    ("--non-persistent-save-interval 5 --non-persistent-ckpt-type local "
+     "--non-persistent-local-ckpt-dir /nvme", 1,
+     "--non-persistent-local-ckpt-dir: Megatron-LM's node-local and in-memory non-persistent "
+     "checkpoints are not supported. Use --non-persistent-ckpt-type global"),
+    ("--non-persistent-ckpt-type in_memory", 1, "--non-persistent-ckpt-type in_memory: "
+     "Megatron-LM's node-local"),
+    ("--non-persistent-save-interval 5", 1,
+     "--non-persistent-save-interval needs --non-persistent-ckpt-type global"),
+    ("--non-persistent-save-interval 0 --non-persistent-ckpt-type global", 1,
+     "--non-persistent-save-interval must be >= 1, got 0"),
+    ("--non-persistent-global-ckpt-dir /np", 1,
+     "--non-persistent-global-ckpt-dir needs --non-persistent-ckpt-type global"),
+    ("--save /ckpt --non-persistent-ckpt-type global --non-persistent-global-ckpt-dir /ckpt/",
+     1, "--non-persistent-global-ckpt-dir must differ from --save (/ckpt)"),
 ])
 def test_contradictory_flags_get_a_clear_error(extra, world, message):
     with pytest.raises(ArgumentError) as err:
         config(extra, world)
     assert message in str(err.value)
+
+
+def test_non_persistent_roots_follow_megatron_lm():
+    ckpt = config("--save /s --load /l --non-persistent-save-interval 2 "
+                  "--non-persistent-ckpt-type global").checkpoint
+    assert ckpt.non_persistent_save_root() == "/s/non_persistent"
+    assert ckpt.non_persistent_root(ckpt.load) == "/l/non_persistent"
+    given = config("--save /s --non-persistent-ckpt-type global "
+                   "--non-persistent-global-ckpt-dir /np").checkpoint
+    assert given.non_persistent_root(None) == given.non_persistent_root("/l") == "/np"
+    assert given.non_persistent_save_root() is None  # no interval: loads only, as Megatron-LM
+    assert config("--save /s --non-persistent-save-interval 3 --non-persistent-ckpt-type global"
+                  ).checkpoint.non_persistent_save_root() == "/s/non_persistent"
+    assert config("--save /s").checkpoint.non_persistent_root("/s") is None
 
 
 def test_megatron_checkpoint_flags_map_onto_ours(capsys):

@@ -6,11 +6,12 @@ the background universal merge. The trainer hands it megatron-core sharded state
 
 Call order, every rank (a collective call on all ranks unless said otherwise):
   0) `LazyCheckpointer(config, log=...)` after the process group exists; rank 0 prepares the root.
-  1) `save(iteration, sharded_state_dict, extra_shards, content_metadata)` right after optimizer
-     step i: megatron-core's `dist_checkpointing.save` with our strategy. It returns without
-     copying a tensor (small objects are serialized at once; rank 0's common.pt is written and
-     fsync'd by a background thread); megatron's validation runs only when the sharded structure
-     changed (`save_plan`); not collective beyond megatron's own and one flag while checking.
+  1) `save(iteration, sharded_state_dict, extra_shards, content_metadata, root)` right after
+     optimizer step i (`root`: the config's root, or its `non_persistent_root`): megatron-core's
+     `dist_checkpointing.save` with our strategy. It returns without copying a tensor (small
+     objects are serialized at once; rank 0's common.pt is written and fsync'd by a background
+     thread); megatron's validation runs only when the sharded structure changed
+     (`save_plan`); not collective beyond megatron's own and one flag while checking.
   2) forward/backward of iteration i+1 run while the engine copies the snapshot to its host cache
      and its writers drain the cache to storage.
   3) `before_optimizer_step()` before step i+1 waits for the snapshot only if it is not done.
@@ -18,8 +19,9 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
      all-reduce (MIN of "durable here": shards, index, marker and, on rank 0, common.pt) while a
      save is pending. Once every rank is durable:
      every rank runs megatron's finalize (rank 0 writes metadata.json, barrier); rank 0 fsyncs
-     it, writes the commit marker (`try_commit`), moves the tracker (`paths.write_tracker`),
-     calls `after_commit(iteration)` (e.g. retention), logs, and starts the background merge.
+     it, writes the commit marker (`try_commit`), moves the tracker of the save's root
+     (`paths.write_tracker`), calls `after_commit(iteration, root)` (e.g. retention), logs, and
+     starts the background merge (of the config's root only).
   5) `finish()` before the process exits: drain and commit everything, close the engine, wait for
      the merge. A version is reported and loadable only after step 4; a crash before leaves the
      previous one as "latest".
@@ -109,6 +111,9 @@ class LazySaveConfig:
     peer_replica_bytes: Optional[int] = None
     """With `local_dir`: after each commit, send this rank's files to the next node of a ring,
     holding at most this many bytes of one version per rank (`peer_replica`); None: off."""
+    non_persistent_root: Optional[str] = None
+    """A second root that saves may name (Megatron-LM's `global` non-persistent checkpoints):
+    prepared at start-up, committed and tracked like `root`, never merged to universal."""
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -124,6 +129,7 @@ class LazySaveConfig:
 @dataclass
 class _Pending:
     iteration: int
+    root: str  # whose tracker names it once committed
     directory: str
     request: object  # megatron AsyncRequest: its finalize functions write metadata.json
     handle: object  # datastates SaveHandle
@@ -137,7 +143,7 @@ class LazyCheckpointer:
     """Keeps a deque of saves in flight, oldest first; commits them in order (see module doc)."""
 
     def __init__(self, config: LazySaveConfig, log: Callable[[str], None] = print,
-                 after_commit: Optional[Callable[[int], None]] = None,
+                 after_commit: Optional[Callable[[int, str], None]] = None,
                  on_record: Optional[Callable[[Dict[str, Any]], None]] = None):
         self.config = config
         self.log = log
@@ -176,6 +182,8 @@ class LazyCheckpointer:
         self.universal = None  # rank 0 runs the background universal merges, when asked for
         if self.rank == 0:
             prepare_root(config.root)
+            if config.non_persistent_root is not None:
+                prepare_root(config.non_persistent_root)
             self._event({"event": "start", "time": time.time()})  # the timeline splits runs here
             if config.universal_every_n:
                 from .background_merge import BackgroundMerger, MergerConfig
@@ -184,21 +192,26 @@ class LazyCheckpointer:
                     root=config.universal_root or os.path.join(config.root, "universal"),
                     every_n=config.universal_every_n, workers=config.universal_workers), log=log)
 
-    def in_flight(self, iteration: int) -> bool:
-        """True when the newest save in flight is of `iteration` (e.g. the end-of-training save
-        right after an interval save)."""
-        return bool(self.pending) and self.pending[-1].iteration == iteration
+    def in_flight(self, iteration: int, root: Optional[str] = None) -> bool:
+        """True when the newest save in flight is of `iteration` into `root` (None: the
+        config's), e.g. the end-of-training save right after an interval save."""
+        return (bool(self.pending) and self.pending[-1].iteration == iteration
+                and self.pending[-1].root == (root or self.config.root))
 
     # -- 1) after optimizer step i ------------------------------------------------------------
     def save(self, iteration: int, sharded_state_dict: Any,
              extra_shards: Sequence[TensorShard] = (),
-             content_metadata: Optional[dict] = None) -> None:
+             content_metadata: Optional[dict] = None, root: Optional[str] = None) -> None:
         from megatron.core import dist_checkpointing, parallel_state
 
         from .strategies import durable_common_save, quiet_overwrite_warning, save_strategy
 
         t0, wall0 = time.perf_counter(), time.time()
-        directory = checkpoint_dir(self.config.root, iteration)
+        root = root or self.config.root
+        if root not in (self.config.root, self.config.non_persistent_root):
+            raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
+                             f"non-persistent root {self.config.non_persistent_root}")
+        directory = checkpoint_dir(root, iteration)
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         if self.rank == 0:
@@ -238,7 +251,7 @@ class LazyCheckpointer:
         except BaseException:
             self.plans.forget()
             raise
-        self.pending.append(_Pending(iteration, directory, request, base.handle,
+        self.pending.append(_Pending(iteration, root, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files))
 
     def _prepare_directory(self, directory: str) -> None:
@@ -386,7 +399,7 @@ class LazyCheckpointer:
             return bool(agreed)
         failed = control_plane.all_gather_ints(1 if err is not None else 0)
         ranks = [r for r, f in enumerate(failed) if f]
-        root = self.config.root
+        root = p.root
         msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
                + (": " + "; then: ".join(dict.fromkeys(str(e) for e in self._local_errors))
                   if err is not None else "") + _free_space(root, self.config.local_dir)
@@ -449,11 +462,11 @@ class LazyCheckpointer:
             raise CheckpointError("every rank reported its shards durable but the rank markers "
                                   "are not all valid", rank=0, file=p.directory)
         fault_point("tracker", p.iteration, self.rank)
-        write_tracker(self.config.root, p.iteration, self.config.run_config_json)
+        write_tracker(p.root, p.iteration, self.config.run_config_json)
         if self.after_commit is not None:
-            self.after_commit(p.iteration)
+            self.after_commit(p.iteration, p.root)
         self._log(p, stats)
-        if self.universal is not None:  # a failure to start the merge is agreed on like others
+        if self.universal is not None and p.root == self.config.root:  # failures are agreed on
             self.universal.on_commit(p.iteration, p.directory)
 
     def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:

@@ -286,12 +286,27 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="each data-parallel rank reads a part of the replicated shards and they "
                         "exchange the rest (megatron-core's exchange runs on CUDA tensors: GPU "
                         "runs only)")
-    for flag in ("--non-persistent-save-interval", "--non-persistent-ckpt-type",
-                 "--non-persistent-global-ckpt-dir", "--non-persistent-local-ckpt-dir"):
-        g.add_argument(flag, default=None,
-                       help="Megatron-LM non-persistent checkpoints: not supported (an error "
-                            "names the alternative: --async-lazy-save with "
-                            "--lazy-save-local-dir)")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="Megatron-LM's non-persistent checkpoints: also save every N iterations "
+                        "where no --save-interval save is due, into the non-persistent root, "
+                        "which keeps only the newest one (needs --non-persistent-ckpt-type)")
+    g.add_argument("--non-persistent-ckpt-type", choices=["global", "local", "in_memory"],
+                   default=None,
+                   help="global: the non-persistent root is a directory on the shared file "
+                        "system (--non-persistent-global-ckpt-dir), any format, --async-lazy-save "
+                        "included; --load resumes from it when it is at least as new as --load's "
+                        "tracker. local and in_memory are not supported (an error names the "
+                        "alternatives)")
+    g.add_argument("--non-persistent-global-ckpt-dir", default=None,
+                   help="root of global non-persistent checkpoints (default: <save>/"
+                        "non_persistent when saving, <load>/non_persistent when loading)")
+    g.add_argument("--non-persistent-local-ckpt-dir", default=None,
+                   help="Megatron-LM's node-local non-persistent checkpoints: not supported (an "
+                        "error names the alternatives)")
+    g.add_argument("--non-persistent-local-ckpt-algo", choices=["fully_parallel", "atomic"],
+                   default=None,
+                   help="Megatron-LM's algorithm of local non-persistent checkpoints: not "
+                        "supported with them")
     g.add_argument("--universal-checkpoint-interval", type=int, default=None,
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")
@@ -511,12 +526,38 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
         _require(cuda_available(), "--ckpt-fully-parallel-load needs CUDA: megatron-core "
                  "exchanges the loaded shards between data-parallel ranks as CUDA tensors; drop "
                  "the flag on CPU")
-    given = _flags(a, ("non_persistent_save_interval", "non_persistent_ckpt_type",
-                       "non_persistent_global_ckpt_dir", "non_persistent_local_ckpt_dir"))
-    _require(not given, f"{', '.join(given)}: Megatron-LM's non-persistent checkpoints are not "
-             "supported. For frequent checkpoints on node-local storage use --async-lazy-save "
-             "--save-interval N --lazy-save-local-dir DIR (--lazy-save-local-keep K): each one is "
-             "durable locally first and migrated to --save in the background")
+    _check_non_persistent_flags(a)
+
+
+def _check_non_persistent_flags(a: argparse.Namespace) -> None:
+    """Megatron-LM's non-persistent checkpoints: `global` is a second save root; `local` (its
+    nvidia-resiliency-ext manager) and `in_memory` have no equivalent here yet."""
+    kind = a.non_persistent_ckpt_type
+    local_flags = _flags(a, ("non_persistent_local_ckpt_dir", "non_persistent_local_ckpt_algo"))
+    _require(kind not in ("local", "in_memory") and not local_flags,
+             f"{', '.join(local_flags) or f'--non-persistent-ckpt-type {kind}'}: Megatron-LM's "
+             "node-local and in-memory non-persistent checkpoints are not supported. Use "
+             "--non-persistent-ckpt-type global (frequent checkpoints in a second root that keeps "
+             "only the newest), or --async-lazy-save --lazy-save-local-dir DIR (every checkpoint "
+             "durable on node-local storage first, migrated to --save in the background; "
+             "--lazy-save-peer-replica also holds a copy on the next node)")
+    interval = a.non_persistent_save_interval
+    if interval is not None:
+        _require(interval > 0, f"--non-persistent-save-interval must be >= 1, got {interval}")
+        _require(kind == "global", "--non-persistent-save-interval needs "
+                 "--non-persistent-ckpt-type global (Megatron-LM fails at the first "
+                 "non-persistent save without a type)")
+        if a.save is None:
+            _warn("--non-persistent-save-interval without --save: nothing is saved (as "
+                  "Megatron-LM)")
+    if a.non_persistent_global_ckpt_dir is not None:
+        _require(kind == "global", "--non-persistent-global-ckpt-dir needs "
+                 "--non-persistent-ckpt-type global")
+        for flag, root in (("--save", a.save), ("--load", a.load)):
+            _require(root is None or os.path.realpath(root) != os.path.realpath(
+                a.non_persistent_global_ckpt_dir), f"--non-persistent-global-ckpt-dir must "
+                f"differ from {flag} ({root}): each root has its own tracker and the "
+                "non-persistent one keeps only its newest checkpoint")
 
 
 def _warn(message: str) -> None:
@@ -858,6 +899,9 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lazy_save_peer_replica=a.lazy_save_peer_replica,
         lazy_save_peer_replica_mb=a.lazy_save_peer_replica_mb,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
+        non_persistent_save_interval=a.non_persistent_save_interval,
+        non_persistent_ckpt_type=a.non_persistent_ckpt_type,
+        non_persistent_global_ckpt_dir=a.non_persistent_global_ckpt_dir,
         ckpt_fully_parallel_save=a.ckpt_fully_parallel_save,
         ckpt_assume_constant_structure=a.ckpt_assume_constant_structure,
         ckpt_fully_parallel_load=a.ckpt_fully_parallel_load,

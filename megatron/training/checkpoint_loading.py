@@ -80,32 +80,33 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     ``dist_checkpointing.load`` for a custom strategy (torch_dist layout assumed).
     """
     ckpt = config.checkpoint
-    if ckpt.load is None:
+    root = resume_root(config)
+    if root is None:
         return False
-    if not os.path.isdir(ckpt.load):
+    if not os.path.isdir(root):
         # Megatron-LM's behaviour: nothing to load is a warning, not an error.
-        print_rank_0(f"WARNING: --load directory {ckpt.load} does not exist: no checkpoint to "
+        print_rank_0(f"WARNING: --load directory {root} does not exist: no checkpoint to "
                      "load, starting from scratch")
         return False
-    if _load_if_universal(state, config, ckpt.load):  # --load names a universal checkpoint
+    if _load_if_universal(state, config, root):  # --load names a universal checkpoint
         return True
-    if not os.path.isfile(os.path.join(ckpt.load, paths.TRACKER_FILENAME)):
+    if not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
         # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
-        print_rank_0(f"no {paths.TRACKER_FILENAME} in {ckpt.load}: no complete checkpoint there "
+        print_rank_0(f"no {paths.TRACKER_FILENAME} in {root}: no complete checkpoint there "
                      "yet, starting from scratch")
         return False
-    release = paths.tracker_names_release(ckpt.load)
+    release = paths.tracker_names_release(root)
     if release:  # Megatron-LM's released weights: iteration 0, no optimizer or RNG state
         iteration = 0
-        directory = safe_join(ckpt.load, paths.RELEASE_DIRNAME, what=paths.TRACKER_FILENAME)
+        directory = safe_join(root, paths.RELEASE_DIRNAME, what=paths.TRACKER_FILENAME)
     else:
-        iteration = _read_tracker(ckpt.load)
+        iteration = _read_tracker(root)
         if ckpt.ckpt_fallback_to_previous:  # universal roots too: their checksums are verified
-            iteration = newest_intact(ckpt.load, iteration, config)
-        directory = paths.checkpoint_dir(ckpt.load, iteration)
+            root, iteration = _newest_intact(root, iteration, config)
+        directory = paths.checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
         raise CheckpointError(f"tracker names {os.path.basename(directory)} but {directory} is "
-                              "missing" + _hint(directory), path=ckpt.load)
+                              "missing" + _hint(directory), path=root)
     if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
         return True
     # DataStates checkpoints load through dist_checkpointing like torch_dist ones.
@@ -206,6 +207,39 @@ def timed_load_checkpoint(state: TrainState, config: RunConfig,
                  f"{nbytes / slowest / 1e9 if slowest > 0 else 0.0:.3f}")
     metrics.load(state.iteration, slowest, nbytes)
     return True
+
+
+def resume_root(config: RunConfig) -> Optional[str]:
+    """--load, or the non-persistent root (--non-persistent-ckpt-type global) when its tracker
+    names an iteration at least as new as --load's, as Megatron-LM decides; None: no root."""
+    ckpt = config.checkpoint
+    non_persistent = ckpt.non_persistent_root(ckpt.load)
+    newer = paths.tracked_iteration(non_persistent) if non_persistent else None
+    if newer is None:
+        return ckpt.load
+    persistent = paths.tracked_iteration(ckpt.load) if ckpt.load else None
+    if persistent is not None and newer < persistent:
+        print_rank_0(f"non-persistent checkpoint (iteration {newer} in {non_persistent}) is older "
+                     f"than the persistent one (iteration {persistent}): loading {ckpt.load}")
+        return ckpt.load
+    print_rank_0(f"loading the non-persistent checkpoint of iteration {newer} from "
+                 f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
+                                          else f"persistent: iteration {persistent}") + ")")
+    return non_persistent
+
+
+def _newest_intact(root: str, iteration: int, config: RunConfig):
+    """--ckpt-fallback-to-previous: (root, newest intact iteration <= `iteration` there); a
+    non-persistent root with none intact falls back to --load's newest intact checkpoint."""
+    ckpt = config.checkpoint
+    try:
+        return root, newest_intact(root, iteration, config)
+    except CheckpointError as err:
+        persistent = paths.tracked_iteration(ckpt.load) if ckpt.load else None
+        if root == ckpt.load or persistent is None:
+            raise
+        print_rank_0(f"WARNING: {err}; --ckpt-fallback-to-previous: trying {ckpt.load} instead")
+        return ckpt.load, newest_intact(ckpt.load, persistent, config)
 
 
 def _read_tracker(root: str) -> int:

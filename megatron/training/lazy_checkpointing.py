@@ -173,7 +173,8 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
         fully_parallel_save=ckpt.ckpt_fully_parallel_save,
         structure_policy=(StructurePolicy.ASSUME_CONSTANT if ckpt.ckpt_assume_constant_structure
                           else StructurePolicy.CHECK),
-        root=ckpt.save, cache_bytes=ckpt.lazy_save_cache_mb << 20,
+        root=ckpt.save, non_persistent_root=ckpt.non_persistent_save_root(),
+        cache_bytes=ckpt.lazy_save_cache_mb << 20,
         peer_replica_bytes=(ckpt.lazy_save_peer_replica_mb << 20
                             if ckpt.lazy_save_peer_replica else None),
         checksum=Checksum(ckpt.lazy_save_checksum), drain_timeout_s=ckpt.ckpt_drain_timeout,
@@ -205,17 +206,17 @@ class LazyCheckpointManager(CheckpointManager):
     def disabled(self) -> bool:
         return self.checkpointer.disabled
 
-    def _decided(self, iteration: int) -> Optional[bool]:
+    def _decided(self, iteration: int, root: str) -> Optional[bool]:
         if self.checkpointer.disabled:
             return False  # --ckpt-failure-policy continue after a failure: no more saves
-        if self.checkpointer.in_flight(iteration):
+        if self.checkpointer.in_flight(iteration, root):
             return True  # e.g. the end-of-training save right after an interval save
         return None
 
-    def _save(self, state: TrainState) -> None:
+    def _save(self, state: TrainState, root: str) -> None:
         sd, extra = self._state_dict(state)
         self.checkpointer.save(state.iteration, sd, extra_shards=extra,
-                               content_metadata=dict(OPTIMIZER_METADATA))
+                               content_metadata=dict(OPTIMIZER_METADATA), root=root)
 
     def _state_dict(self, state: TrainState):
         """What torch_dist would save; with the distributed optimizer, its parameter state as
