@@ -148,6 +148,23 @@ def test_log_lines_follow_megatron_format():
     assert "lm loss value: 2.000000E+00 |" in validation_lines(3, 2.0)
 
 
+def test_log_window_averages_stepped_iterations_and_drops_an_all_skipped_loss():
+    """Megatron-LM's training_log: the printed loss is the mean over the window's iterations
+    whose step was taken; a window of skipped (fp16 overflow) steps prints no `lm loss`."""
+    from megatron.training.training import LogWindow
+
+    window = LogWindow()
+    window.add(6.0, stepped=False)
+    window.add(5.0, stepped=True)
+    window.add(4.0, stepped=True)
+    assert window.take() == (4.5, 1)
+    window.add(3.0, stepped=False)
+    assert window.take() == (None, 1)
+    assert window.take() == (None, 0)
+    line = training_log_line(2, 10, 16, 1.0, 1e-3, 8, None, None, 1, 0, loss_scale=2.0 ** 31)
+    assert "lm loss" not in line and "number of skipped iterations:   1 |" in line
+
+
 def test_uneven_pipeline_split():
     from megatron.training.arguments import ArgumentError, build_run_config, parse_args
 
