@@ -1,14 +1,18 @@
-"""Megatron-LM's `global` non-persistent checkpoints (--non-persistent-save-interval,
---non-persistent-ckpt-type global): saved by the run's format into a second root that keeps only
-its newest checkpoint, and resumed from when it is at least as new as --load's (~35 s, 4 launches).
+"""Megatron-LM's non-persistent checkpoints (--non-persistent-save-interval): `global` ones are
+saved by the run's format into a second root that keeps only its newest checkpoint; `local` ones
+are DataStates versions that stay on each node's storage. Either is resumed from when it is at
+least as new as --load's (~70 s: 4 launches, and 3 of two nodes).
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
+from datastates import layout
 from datastates.megatron_adapter import paths
 
-from trainer_launch import TINY_MODEL, _kill_tree, after, launch
+from trainer_launch import TINY_MODEL, Node, _kill_tree, after, free_port, launch
 
 NON_PERSISTENT = ["--non-persistent-ckpt-type", "global"]
 
@@ -78,3 +82,63 @@ def test_torch_dist_non_persistent_root_keeps_its_newest_and_loses_to_a_newer_pe
     assert empty.returncode == 0, empty.describe()
     assert f"loaded checkpoint {np_root}/iter_0000004" in empty.stdout
     assert after(empty.losses(), 4) == after(first.losses(), 4)
+
+
+def _two_nodes(args, logs):
+    port = free_port()
+    logs.mkdir()
+    return [Node(r, 2, 1, port, args, logs) for r in (0, 1)]
+
+
+def test_local_non_persistent_versions_stay_on_their_node_and_resume_on_every_node(tmp_path):
+    """Two nodes (one rank each, DP2, distributed optimizer), --non-persistent-ckpt-type local
+    every 2 iterations, persistent every 5; killed once node-local iteration 6 is committed.
+    Each node's directory alone holds a loadable version (its rank's shards, replicas included,
+    common.pt, metadata.json, a commit marker naming its rank) that never reached --save; both
+    nodes resume from it bit-exactly. With one node's copy gone, --load's checkpoint is used."""
+    save, local = tmp_path / "ckpt", tmp_path / "local"
+    flags = TINY_MODEL + ["--use-distributed-optimizer", "--async-lazy-save",
+                          "--lazy-save-cache-mb", "8", "--save", str(save), "--save-interval",
+                          "5", "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type",
+                          "local", "--non-persistent-local-ckpt-dir", str(local / "node{node}"),
+                          "--train-iters", "40"]
+    first = _two_nodes(flags, tmp_path / "first")
+    first[0].wait_for(f"committed: {local / 'node0' / 'iter_0000006'}", timeout=240)
+    for node in first:
+        node.kill()
+    runs = [n.result() for n in first]
+    newest = paths.tracked_iteration(str(local / "node0"))
+    assert newest is not None and newest >= 6, runs[0].describe()
+    for rank in (0, 1):
+        root = str(local / f"node{rank}")
+        if paths.tracked_iteration(root) != newest:  # killed between the two nodes' commits
+            newest = min(newest, paths.tracked_iteration(root))
+        assert paths.complete_iterations(root)[-1:] == [paths.tracked_iteration(root)]
+    for rank in (0, 1):
+        directory = paths.checkpoint_dir(str(local / f"node{rank}"), newest)
+        commit = json.loads(open(os.path.join(directory, layout.COMMIT_FILE)).read())
+        assert commit["ranks"] == [rank] and commit["world_size"] == 2
+        assert {"common.pt", "metadata.json", layout.rank_marker_file(rank)} <= set(
+            os.listdir(directory))
+        assert layout.rank_marker_file(1 - rank) not in os.listdir(directory)
+    assert paths.tracked_iteration(str(save)) == 5
+    assert [it for it in paths.complete_iterations(str(save)) if it % 5] == [], \
+        "a node-local version reached --save"
+
+    resumed = [n.result(timeout=240) for n in _two_nodes(
+        flags + ["--load", str(save), "--exit-interval", str(newest + 1)], tmp_path / "second")]
+    assert all(r.returncode == 0 for r in resumed), resumed[0].describe() + resumed[1].describe()
+    assert (f"loading the non-persistent checkpoint of iteration {newest} from "
+            f"{local / 'node0'} (persistent: iteration 5)") in resumed[0].stdout
+    # The last rank prints the losses (node 1's).
+    both = {it: v for it, v in after(resumed[1].losses(), newest).items()
+            if it in runs[1].losses()}
+    assert both and both == {it: runs[1].losses()[it] for it in both}
+
+    # Node 1's storage is lost: the node-local version is no longer on every node.
+    shutil.rmtree(local / "node1")
+    fallback = [n.result(timeout=240) for n in _two_nodes(
+        flags + ["--load", str(save), "--exit-interval", str(newest + 3)], tmp_path / "third")]
+    assert all(r.returncode == 0 for r in fallback), fallback[0].describe()
+    assert "rank(s) [1] do not hold the newest one on their node" in fallback[0].stdout
+    assert f"loaded checkpoint {save}/iter_{newest + 1:07d}" in fallback[0].stdout

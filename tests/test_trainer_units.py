@@ -50,12 +50,18 @@ def config(extra="", world_size=1):
     ("--ckpt-fully-parallel-load", 1, "--ckpt-fully-parallel-load needs CUDA"),
     ("--non-persistent-save-interval 5 --non-persistent-ckpt-type local "
      "--non-persistent-local-ckpt-dir /nvme", 1,
-     "--non-persistent-local-ckpt-dir: Megatron-LM's node-local and in-memory non-persistent "
-     "checkpoints are not supported. Use --non-persistent-ckpt-type global"),
-    ("--non-persistent-ckpt-type in_memory", 1, "--non-persistent-ckpt-type in_memory: "
-     "Megatron-LM's node-local"),
+     "--non-persistent-ckpt-type local keeps DataStates versions on each node's storage: add "
+     "--async-lazy-save"),
+    ("--async-lazy-save --non-persistent-ckpt-type local", 1,
+     "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR"),
+    ("--async-lazy-save --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /n{nod}",
+     1, "--non-persistent-local-ckpt-dir '/n{nod}': unknown or malformed placeholder"),
+    ("--non-persistent-local-ckpt-dir /nvme", 1,
+     "--non-persistent-local-ckpt-dir needs --non-persistent-ckpt-type local"),
+    ("--non-persistent-ckpt-type in_memory", 1, "--non-persistent-ckpt-type in_memory is not "
+     "supported"),
     ("--non-persistent-save-interval 5", 1,
-     "--non-persistent-save-interval needs --non-persistent-ckpt-type global"),
+     "--non-persistent-save-interval needs --non-persistent-ckpt-type global or local"),
     ("--non-persistent-save-interval 0 --non-persistent-ckpt-type global", 1,
      "--non-persistent-save-interval must be >= 1, got 0"),
     ("--non-persistent-global-ckpt-dir /np", 1,
@@ -81,6 +87,10 @@ def test_non_persistent_roots_follow_megatron_lm():
     assert config("--save /s --non-persistent-save-interval 3 --non-persistent-ckpt-type global"
                   ).checkpoint.non_persistent_save_root() == "/s/non_persistent"
     assert config("--save /s").checkpoint.non_persistent_root("/s") is None
+    local = config("--save /s --async-lazy-save --non-persistent-save-interval 3 "
+                   "--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /nvme/{node} "
+                   "--non-persistent-local-ckpt-algo atomic").checkpoint
+    assert local.non_persistent_save_root() == local.non_persistent_root("/l") == "/nvme/{node}"
 
 
 def test_megatron_checkpoint_flags_map_onto_ours(capsys):

@@ -12,6 +12,9 @@ public API, nothing else. What lives here:
   save_plan.py         cached save plans: megatron's validation and shard distribution reused
                        while a structural fingerprint is unchanged (--ckpt-assume-constant-structure)
   local_tier.py        --lazy-save-local-dir: placeholders, usability probe, pruning of old copies
+  node_local.py        node-local versions (Megatron-LM's `local` non-persistent checkpoints):
+                       nodes and their leaders, every replica written per node, which version
+                       every node holds
   paths.py             Megatron checkpoint paths: iter_XXXXXXX naming, tracker, format detection,
                        run_config.json, complete iterations (no megatron import)
   merge_sources.py, merge_plan.py, merge.py, background_merge.py
@@ -56,7 +59,7 @@ _EXPORTS = {
     "describe": "inspect", "render": "inspect", "export_hf": "hf_export",
     "Located": "resolve", "locate": "resolve", "locate_universal": "resolve",
     "UNIVERSAL_KIND": "resolve",
-    "expand_local_dir": "local_tier",
+    "expand_local_dir": "local_tier", "newest_on_every_node": "node_local",
     "PeerReplicator": "peer_replica", "RestoreStats": "peer_replica", "Ring": "peer_replica",
     "restore_before_load": "peer_replica", "needed_saved_ranks": "peer_replica",
 }

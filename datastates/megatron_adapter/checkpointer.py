@@ -112,8 +112,12 @@ class LazySaveConfig:
     """With `local_dir`: after each commit, send this rank's files to the next node of a ring,
     holding at most this many bytes of one version per rank (`peer_replica`); None: off."""
     non_persistent_root: Optional[str] = None
-    """A second root that saves may name (Megatron-LM's `global` non-persistent checkpoints):
-    prepared at start-up, committed and tracked like `root`, never merged to universal."""
+    """A second root that saves may name (Megatron-LM's non-persistent checkpoints): prepared at
+    start-up, committed and tracked like `root`, never merged to universal."""
+    non_persistent_node_local: bool = False
+    """`non_persistent_root` is this rank's node-local directory (Megatron-LM's `local` type):
+    its versions stay on each node, each rank writes all it holds, each node's leader commits
+    its node (`node_local`)."""
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -122,6 +126,8 @@ class LazySaveConfig:
             raise ValueError(f"local_keep must be >= 1, found {self.local_keep}")
         if self.peer_replica_bytes is not None and self.local_dir is None:
             raise ValueError("peer replicas are held in the node-local directory: set local_dir")
+        if self.non_persistent_node_local and self.non_persistent_root is None:
+            raise ValueError("non_persistent_node_local needs non_persistent_root")
         if self.universal_every_n is not None and self.universal_every_n <= 0:
             raise ValueError(f"universal_every_n must be positive, found {self.universal_every_n}")
 
@@ -130,6 +136,7 @@ class LazySaveConfig:
 class _Pending:
     iteration: int
     root: str  # whose tracker names it once committed
+    node_local: bool  # a node-local version (`node_local`): each node's leader commits its node
     directory: str
     request: object  # megatron AsyncRequest: its finalize functions write metadata.json
     handle: object  # datastates SaveHandle
@@ -166,10 +173,20 @@ class LazyCheckpointer:
             self.replicator = PeerReplicator(config.local_dir, Ring.discover(), self.rank,
                                              config.peer_replica_bytes, log=self._warn)
         self.pending: Deque[_Pending] = deque()
-        self.durable: Dict[int, object] = {}  # save id -> this rank's SaveRecord
+        # Version directory -> this rank's SaveRecord (one iteration may be saved into two
+        # roots: e.g. the end-of-training save right after a non-persistent one).
+        self.durable: Dict[str, object] = {}
         self._wrapper = None
         self._dp_group = None
         self.plans = SavePlanCache(config.structure_policy)
+        self.node = None  # this rank's node, for node-local versions
+        self.node_plans = SavePlanCache(config.structure_policy)  # node-local versions' plans
+        if config.non_persistent_node_local:
+            from .node_local import discover
+
+            self.node = discover(config.non_persistent_root, self.rank)
+            if self.rank == self.node.leader:
+                prepare_root(config.non_persistent_root)
         # common.pt is serialized in the save call and written (temp, fsync, rename) here, off the
         # training thread; a version commits only once its write is done (`_files_durable`).
         self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-common")
@@ -211,21 +228,41 @@ class LazyCheckpointer:
         if root not in (self.config.root, self.config.non_persistent_root):
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
                              f"non-persistent root {self.config.non_persistent_root}")
+        if any(q.iteration == iteration for q in self.pending):
+            # The same iteration into the other root (e.g. the end-of-training save right after
+            # a non-persistent one): both would name the same node-local copy
+            # (`layout.local_version_dir`), so the first is committed before the second starts.
+            self._apply_policy(lambda: self._commit_ready(blocking=True))
+            if self.disabled:
+                return
         directory = checkpoint_dir(root, iteration)
+        node_local = root == self.config.non_persistent_root and self.node is not None
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if self.rank == 0:
+        writer = self.rank == (self.node.leader if node_local else 0)  # common.pt, spares
+        if writer:
             self._prepare_directory(directory)
-        # After rank 0's spares: when the plan is reused, the plan check's all-reduce is what
-        # orders them before any rank's shard bytes (StructurePolicy.ASSUME_CONSTANT has none).
-        plan = self.plans.prepare(sharded_state_dict, extra_shards)
-        if not plan.reuse_distribution:
-            self._wrapper = None  # its cached distribution belongs to the previous structure
-        strategy, base = save_strategy(
-            self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
-            self._wrapper, extra_shards=extra_shards)
-        if strategy is not base:
-            self._wrapper = strategy
+        if node_local:  # every rank writes all it holds, its node's leader the small files
+            from .node_local import claim_every_replica
+
+            claim_every_replica(sharded_state_dict)
+            plan = self.node_plans.prepare(sharded_state_dict, extra_shards)
+            strategy, base = save_strategy(self.engine, iteration, None, None,
+                                           extra_shards=extra_shards)
+            validate = False  # replicas are written on purpose, once per node at least
+        else:
+            # After rank 0's spares: when the plan is reused, the plan check's all-reduce is
+            # what orders them before any rank's shard bytes (ASSUME_CONSTANT has none).
+            plan = self.plans.prepare(sharded_state_dict, extra_shards)
+            if not plan.reuse_distribution:
+                self._wrapper = None  # its cached distribution belongs to the previous structure
+            strategy, base = save_strategy(
+                self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
+                self._wrapper, extra_shards=extra_shards)
+            if strategy is not base:
+                self._wrapper = strategy
+            validate = plan.validate
+        plans = self.node_plans if node_local else self.plans
         request = None
         files: List[Future] = []
 
@@ -238,20 +275,20 @@ class LazyCheckpointer:
             # so the failure is recorded and agreed on in poll() instead of raised (the others
             # would wait for us). common.pt is fsync'd (a full disk is an ENOSPC OSError);
             # megatron's overwrite warning is replaced by the check above.
-            with durable_common_save(defer), quiet_overwrite_warning():
+            with durable_common_save(defer, writes=writer), quiet_overwrite_warning():
                 request = dist_checkpointing.save(sharded_state_dict, directory,
                                                   sharded_strategy=strategy,
                                                   async_sharded_save=True,
-                                                  validate_access_integrity=plan.validate,
+                                                  validate_access_integrity=validate,
                                                   content_metadata=content_metadata)
-            self.plans.confirm()
+            plans.confirm()
         except (OSError, RuntimeError, CheckpointError) as err:
             self._local_errors.append(err)
-            self.plans.forget()
+            plans.forget()
         except BaseException:
-            self.plans.forget()
+            plans.forget()
             raise
-        self.pending.append(_Pending(iteration, root, directory, request, base.handle,
+        self.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files))
 
     def _prepare_directory(self, directory: str) -> None:
@@ -410,23 +447,25 @@ class LazyCheckpointer:
 
     def _commit_ready(self, blocking: bool) -> None:
         for record in self._guard(self.engine.poll) or []:
-            self.durable[record.step] = record
+            self.durable[os.path.normpath(record.directory)] = record
         while self.pending:
             head = self.pending[0]
-            if (blocking and head.iteration not in self.durable and head.handle is not None
+            key = os.path.normpath(head.directory)
+            if (blocking and key not in self.durable and head.handle is not None
                     and not self._local_errors):
                 wait = lambda: self.engine.wait_for_durable(  # noqa: E731
                     head.handle, timeout=self.config.drain_timeout_s)
                 for record in self._guard(wait) or []:
-                    self.durable[record.step] = record
-            if not self._agree(head, head.iteration in self.durable
+                    self.durable[os.path.normpath(record.directory)] = record
+            if not self._agree(head, key in self.durable
                                and self._files_durable(head, blocking)):
                 return
             self.pending.popleft()
-            self._commit(head, self.durable.pop(head.iteration))
+            self._commit(head, self.durable.pop(key))
 
     def _commit(self, p: _Pending, record) -> None:
-        if self.rank == 0:
+        publishes = self.rank == 0 or (p.node_local and self.rank == self.node.leader)
+        if publishes:
             release_spare(os.path.join(p.directory, METADATA_FILENAME))
         try:
             for fn in p.request.finalize_fns:  # rank 0 writes metadata.json; barrier
@@ -438,12 +477,18 @@ class LazyCheckpointer:
             self._local_errors.append(err)
             dist.barrier()  # the one megatron's finalize would have reached (its group)
         stats = self._gather_stats(p, record)
-        if self.rank == 0 and not self._local_errors:
+        if publishes and not self._local_errors:
             try:
+                if self.rank != 0:  # megatron's finalize wrote rank 0's node's only
+                    from .strategies import write_metadata
+
+                    write_metadata(p.directory)
                 self._publish(p, stats)
             except (OSError, CheckpointError) as err:
                 self._local_errors.append(err)
         self._agree(p, True)  # a failed commit raises on every rank, like a failed flush
+        if p.node_local:
+            return  # the shared versions' local copies and replicas are not touched
         self._last_committed = p.iteration
         if self.replicator is not None:  # before pruning: the thread reads this version's files
             self.replicator.on_commit(p.iteration)
@@ -451,20 +496,23 @@ class LazyCheckpointer:
             self._prune_local(p.iteration)
 
     def _publish(self, p: _Pending, stats: Dict[str, float]) -> None:
-        """Rank 0: commit marker, then tracker (then `after_commit`), then the report."""
+        """Rank 0 (and, for a node-local version, every node's leader for its node): commit
+        marker, then tracker (then `after_commit`); rank 0 then reports."""
         fault_point("commit", p.iteration, self.rank)
         # megatron's finalize writes metadata.json without fsync (common.pt is written durably
         # by `durable_common_save`); the commit marker must not reach the disk before it.
         metadata = os.path.join(p.directory, METADATA_FILENAME)
         if os.path.exists(metadata):
             fsync_file(metadata)
-        if not try_commit(p.directory, self.world):
+        if not try_commit(p.directory, self.world, self.node.ranks if p.node_local else None):
             raise CheckpointError("every rank reported its shards durable but the rank markers "
-                                  "are not all valid", rank=0, file=p.directory)
+                                  "are not all valid", rank=self.rank, file=p.directory)
         fault_point("tracker", p.iteration, self.rank)
         write_tracker(p.root, p.iteration, self.config.run_config_json)
         if self.after_commit is not None:
             self.after_commit(p.iteration, p.root)
+        if self.rank != 0:
+            return
         self._log(p, stats)
         if self.universal is not None and p.root == self.config.root:  # failures are agreed on
             self.universal.on_commit(p.iteration, p.directory)

@@ -293,20 +293,22 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--non-persistent-ckpt-type", choices=["global", "local", "in_memory"],
                    default=None,
                    help="global: the non-persistent root is a directory on the shared file "
-                        "system (--non-persistent-global-ckpt-dir), any format, --async-lazy-save "
-                        "included; --load resumes from it when it is at least as new as --load's "
-                        "tracker. local and in_memory are not supported (an error names the "
-                        "alternatives)")
+                        "system (--non-persistent-global-ckpt-dir), any format; local: each "
+                        "node's own storage (--non-persistent-local-ckpt-dir), never copied to "
+                        "the shared file system, with --async-lazy-save. --load resumes from it "
+                        "when it is at least as new as --load's tracker (local: on every node). "
+                        "in_memory is not supported")
     g.add_argument("--non-persistent-global-ckpt-dir", default=None,
                    help="root of global non-persistent checkpoints (default: <save>/"
                         "non_persistent when saving, <load>/non_persistent when loading)")
     g.add_argument("--non-persistent-local-ckpt-dir", default=None,
-                   help="Megatron-LM's node-local non-persistent checkpoints: not supported (an "
-                        "error names the alternatives)")
+                   help="node-local root of --non-persistent-ckpt-type local checkpoints "
+                        "(placeholders {node}, {rank}, {local_rank}, {host}); it must not be "
+                        "shared between nodes")
     g.add_argument("--non-persistent-local-ckpt-algo", choices=["fully_parallel", "atomic"],
                    default=None,
-                   help="Megatron-LM's algorithm of local non-persistent checkpoints: not "
-                        "supported with them")
+                   help="accepted for Megatron-LM launch lines; no effect: DataStates' local "
+                        "saves are asynchronous and every version is committed atomically")
     g.add_argument("--universal-checkpoint-interval", type=int, default=None,
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")
@@ -530,22 +532,34 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
 
 
 def _check_non_persistent_flags(a: argparse.Namespace) -> None:
-    """Megatron-LM's non-persistent checkpoints: `global` is a second save root; `local` (its
-    nvidia-resiliency-ext manager) and `in_memory` have no equivalent here yet."""
+    """Megatron-LM's non-persistent checkpoints: `global` is a second save root; `local` keeps
+    DataStates versions on each node's storage; `in_memory` (Megatron-LM's is a placeholder) has
+    no equivalent."""
     kind = a.non_persistent_ckpt_type
-    local_flags = _flags(a, ("non_persistent_local_ckpt_dir", "non_persistent_local_ckpt_algo"))
-    _require(kind not in ("local", "in_memory") and not local_flags,
-             f"{', '.join(local_flags) or f'--non-persistent-ckpt-type {kind}'}: Megatron-LM's "
-             "node-local and in-memory non-persistent checkpoints are not supported. Use "
-             "--non-persistent-ckpt-type global (frequent checkpoints in a second root that keeps "
-             "only the newest), or --async-lazy-save --lazy-save-local-dir DIR (every checkpoint "
-             "durable on node-local storage first, migrated to --save in the background; "
-             "--lazy-save-peer-replica also holds a copy on the next node)")
+    _require(kind != "in_memory", "--non-persistent-ckpt-type in_memory is not supported (nor "
+             "implemented by Megatron-LM); use local (each node's storage, with "
+             "--async-lazy-save) or global")
+    if kind == "local":
+        _require(a.async_lazy_save, "--non-persistent-ckpt-type local keeps DataStates versions "
+                 "on each node's storage: add --async-lazy-save (or use "
+                 "--non-persistent-ckpt-type global with this format)")
+        _require(a.non_persistent_local_ckpt_dir is not None, "--non-persistent-ckpt-type local "
+                 "needs --non-persistent-local-ckpt-dir DIR (a node-local path, e.g. "
+                 "/local_disk/ckpt or /dev/shm/ckpt-{node})")
+        from datastates.megatron_adapter import expand_local_dir
+
+        try:
+            expand_local_dir(a.non_persistent_local_ckpt_dir, 0,
+                             flag="--non-persistent-local-ckpt-dir")
+        except Exception as err:  # noqa: BLE001 - a CheckpointError naming the placeholder
+            _require(False, getattr(err, "reason", str(err)))
+    for flag in _flags(a, ("non_persistent_local_ckpt_dir", "non_persistent_local_ckpt_algo")):
+        _require(kind == "local", f"{flag} needs --non-persistent-ckpt-type local")
     interval = a.non_persistent_save_interval
     if interval is not None:
         _require(interval > 0, f"--non-persistent-save-interval must be >= 1, got {interval}")
-        _require(kind == "global", "--non-persistent-save-interval needs "
-                 "--non-persistent-ckpt-type global (Megatron-LM fails at the first "
+        _require(kind is not None, "--non-persistent-save-interval needs "
+                 "--non-persistent-ckpt-type global or local (Megatron-LM fails at the first "
                  "non-persistent save without a type)")
         if a.save is None:
             _warn("--non-persistent-save-interval without --save: nothing is saved (as "
@@ -902,6 +916,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         non_persistent_save_interval=a.non_persistent_save_interval,
         non_persistent_ckpt_type=a.non_persistent_ckpt_type,
         non_persistent_global_ckpt_dir=a.non_persistent_global_ckpt_dir,
+        non_persistent_local_ckpt_dir=a.non_persistent_local_ckpt_dir,
         ckpt_fully_parallel_save=a.ckpt_fully_parallel_save,
         ckpt_assume_constant_structure=a.ckpt_assume_constant_structure,
         ckpt_fully_parallel_load=a.ckpt_fully_parallel_load,

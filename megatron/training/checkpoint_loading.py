@@ -17,11 +17,12 @@ import torch.distributed as dist
 import datastates
 from datastates import control_plane
 from datastates.fileio import safe_join
-from datastates.megatron_adapter import load_strategies, paths
+from datastates.megatron_adapter import expand_local_dir, load_strategies, \
+    newest_on_every_node, paths
 from datastates.safe_load import UnsafePickleError
 from datastates.universal import is_universal
 
-from megatron.training import upstream_compat
+from megatron.training import distopt_shards, upstream_compat
 from megatron.training.checkpoint_contents import (
     CheckpointError,
     RngLayout,
@@ -149,12 +150,21 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                                                              run_layout, directory)
     if load_optim and config.parallel.use_distributed_optimizer:
         init_distributed_optimizer_state(state.optimizer)
+    # A node-local version holds only its node's ranks' pieces of the distributed optimizer's
+    # state: each rank reads back its own boxes instead of megatron's whole TP-local tensors.
+    node_local = root != ckpt.load and ckpt.non_persistent_ckpt_type == "local"
+    own_boxes = (node_local and load_optim and config.parallel.use_distributed_optimizer
+                 and distopt_shards.supported(state.optimizer))
     if fmt is CkptFormat.TORCH_DIST:
-        sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
+        sd = build_sharded_state_dict(state, config, is_loading=True,
+                                      include_optim=load_optim and not own_boxes,
                                       include_rng=load_rng, optimizer_metadata=optimizer_metadata,
                                       rng_layout=rng_layout)
-        peers = restore_peer_copies(config, directory, sd)  # --lazy-save-peer-replica
-        loaded = _load_torch_dist(sd, directory, loader, unsafe, local_dir_of_this_rank(config),
+        # A node-local version is read from this node's directory alone; the peer replicas and
+        # --lazy-save-local-dir copies are of --save's versions.
+        peers = None if node_local else restore_peer_copies(config, directory, sd)
+        loaded = _load_torch_dist(sd, directory, loader, unsafe,
+                                  None if node_local else local_dir_of_this_rank(config),
                                   ckpt.ckpt_fully_parallel_load,
                                   on_read=None if peers is None else peers.report)
         if megatron_lm is not None:
@@ -162,9 +172,21 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     else:
         loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
                                  unsafe)
+    if own_boxes:  # param groups, step, scaler here; the parameter state from the boxes below
+        for key in ("param_state", "param_state_sharding_type"):
+            loaded["optimizer"].pop(key, None)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                                    finetune=ckpt.finetune,
                                    schedule=config.optimizer.scheduler_on_resume, path=directory)
+    if own_boxes:
+        model_sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=False,
+                                            include_rng=False)
+        try:
+            with datastates.CheckpointReader(directory) as reader:
+                distopt_shards.load_own_boxes(state.optimizer, model_sd, reader.read)
+        except datastates.CheckpointError as err:
+            raise CheckpointError(f"could not load the distributed optimizer's state: {err}"
+                                  + _hint(directory), path=directory) from err
     if release:
         state.iteration = 0
     if note:
@@ -210,11 +232,22 @@ def timed_load_checkpoint(state: TrainState, config: RunConfig,
 
 
 def resume_root(config: RunConfig) -> Optional[str]:
-    """--load, or the non-persistent root (--non-persistent-ckpt-type global) when its tracker
-    names an iteration at least as new as --load's, as Megatron-LM decides; None: no root."""
+    """--load, or the non-persistent root when its tracker names an iteration at least as new as
+    --load's, as Megatron-LM decides; None: no root. Every rank (collective for the local type,
+    whose root is this rank's node's, taken only when every node holds the same version)."""
     ckpt = config.checkpoint
     non_persistent = ckpt.non_persistent_root(ckpt.load)
-    newer = paths.tracked_iteration(non_persistent) if non_persistent else None
+    if non_persistent and ckpt.non_persistent_ckpt_type == "local":
+        non_persistent = expand_local_dir(non_persistent, dist.get_rank(),
+                                          flag="--non-persistent-local-ckpt-dir")
+        newer, lacking = newest_on_every_node(
+            non_persistent, dist.get_rank(), accept=lambda root: _same_layout_at(root, config))
+        if lacking and len(lacking) < dist.get_world_size():
+            print_rank_0(f"node-local non-persistent checkpoints: rank(s) {lacking} do not hold "
+                         "the newest one on their node (or hold it for another parallel "
+                         "layout): not loading them")
+    else:
+        newer = paths.tracked_iteration(non_persistent) if non_persistent else None
     if newer is None:
         return ckpt.load
     persistent = paths.tracked_iteration(ckpt.load) if ckpt.load else None
@@ -226,6 +259,16 @@ def resume_root(config: RunConfig) -> Optional[str]:
                  f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
                                           else f"persistent: iteration {persistent}") + ")")
     return non_persistent
+
+
+def _same_layout_at(root: str, config: RunConfig) -> bool:
+    """Whether the run config beside `root`'s tracker was saved at this run's parallel layout (a
+    node-local version loads only there: each rank reads its own files)."""
+    try:
+        with open(os.path.join(root, paths.RUN_CONFIG_FILENAME)) as f:
+            return _layout_of(json.load(f)) == parallel_layout(config)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _newest_intact(root: str, iteration: int, config: RunConfig):

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from datastates import control_plane
-from datastates.megatron_adapter import paths
+from datastates.megatron_adapter import expand_local_dir, paths
 
 from megatron.training.checkpoint_contents import TrainState
 from megatron.training.config import RunConfig
@@ -41,6 +41,16 @@ from megatron.training.metrics import CheckpointRecord, Metrics
 from megatron.training.retention import apply_retention, remove_now
 from megatron.training.save_interval import AutoInterval, Decision
 from megatron.training.timers import report_times_across_ranks
+
+
+def non_persistent_root_of_this_rank(config: RunConfig) -> Optional[str]:
+    """Where this rank saves non-persistent checkpoints (None: it does not): the global root, or
+    for the local type its node-local root with the placeholders filled in."""
+    ckpt = config.checkpoint
+    root = ckpt.non_persistent_save_root()
+    if root is not None and ckpt.non_persistent_ckpt_type == "local":
+        root = expand_local_dir(root, dist.get_rank(), flag="--non-persistent-local-ckpt-dir")
+    return root
 
 
 class CheckpointManager:
@@ -55,7 +65,9 @@ class CheckpointManager:
         #: Where complete checkpoints and save times are reported (`make_checkpoint_manager`).
         self.metrics = Metrics.off(config)
         #: Root of the non-persistent checkpoints (None: off).
-        self.non_persistent_root = self.ckpt.non_persistent_save_root()
+        self.non_persistent_root = non_persistent_root_of_this_rank(config)
+        #: Whether the newest save `maybe_save` made (or reported made) went to --save.
+        self.last_save_persistent = False
         # Stock formats, rank 0 only: save-call start, its duration and the time until complete,
         # per (root, iteration), until its record is reported.
         self._save_started: Dict[Tuple[str, int], float] = {}
@@ -123,7 +135,9 @@ class CheckpointManager:
         persistent = root == self.ckpt.save
         decided = self._decided(iteration, root)
         if decided is not None:
+            self.last_save_persistent = persistent and decided
             return decided
+        self.last_save_persistent = persistent
         start = time.time()
         track = self.log_save_calls and dist.get_rank() == 0
         if track:

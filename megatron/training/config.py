@@ -308,11 +308,15 @@ class CheckpointConfig:
     """Megatron-LM's non-persistent checkpoints: also save every this many iterations (where no
     persistent save is due) under `non_persistent_root`, which keeps only the newest one."""
     non_persistent_ckpt_type: Optional[str] = None
-    """"global" (a second root on the shared file system, Megatron-LM's `global` type) or None;
-    with it set, --load resumes from the non-persistent root when it is at least as new."""
+    """"global" (a second root on the shared file system), "local" (each node's own storage,
+    --async-lazy-save only) or None, as Megatron-LM's types; with it set, --load resumes from the
+    non-persistent root when it is at least as new."""
     non_persistent_global_ckpt_dir: Optional[str] = None
-    """Root of the non-persistent checkpoints (None: <save>/non_persistent, and
+    """Root of the global non-persistent checkpoints (None: <save>/non_persistent, and
     <load>/non_persistent when loading, as Megatron-LM)."""
+    non_persistent_local_ckpt_dir: Optional[str] = None
+    """Root of the local non-persistent checkpoints on each node (placeholders {node}, {rank},
+    {local_rank}, {host}, expanded per rank: `datastates.megatron_adapter.expand_local_dir`)."""
     ckpt_failure_policy: CkptFailurePolicy = CkptFailurePolicy.STOP
     """What to do when a save fails on any rank (full disk, I/O error, hung writer); see
     CkptFailurePolicy. Applies to --async-lazy-save."""
@@ -340,9 +344,12 @@ class CheckpointConfig:
 
     def non_persistent_root(self, base: Optional[str]) -> Optional[str]:
         """Where non-persistent checkpoints of the root `base` (--save or --load) live; None when
-        they are off or there is no such root."""
+        they are off or there is no such root. For the local type: the template of the node-local
+        root (expanded per rank by the caller)."""
         if self.non_persistent_ckpt_type is None:
             return None
+        if self.non_persistent_ckpt_type == "local":
+            return self.non_persistent_local_ckpt_dir
         if self.non_persistent_global_ckpt_dir or base is None:
             return self.non_persistent_global_ckpt_dir
         return os.path.join(base, NON_PERSISTENT_SUBDIR)

@@ -40,7 +40,8 @@ from megatron.training.checkpoint_contents import (
     TrainState,
     build_sharded_state_dict,
 )
-from megatron.training.checkpoint_manager import CheckpointManager
+from megatron.training.checkpoint_manager import CheckpointManager, \
+    non_persistent_root_of_this_rank
 from megatron.training.arguments import host_cache_budget_mb
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
@@ -173,7 +174,9 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
         fully_parallel_save=ckpt.ckpt_fully_parallel_save,
         structure_policy=(StructurePolicy.ASSUME_CONSTANT if ckpt.ckpt_assume_constant_structure
                           else StructurePolicy.CHECK),
-        root=ckpt.save, non_persistent_root=ckpt.non_persistent_save_root(),
+        root=ckpt.save, non_persistent_root=non_persistent_root_of_this_rank(config),
+        non_persistent_node_local=(ckpt.non_persistent_ckpt_type == "local"
+                                   and ckpt.non_persistent_save_root() is not None),
         cache_bytes=ckpt.lazy_save_cache_mb << 20,
         peer_replica_bytes=(ckpt.lazy_save_peer_replica_mb << 20
                             if ckpt.lazy_save_peer_replica else None),

@@ -397,8 +397,9 @@ def _train_loop(trainer: Trainer) -> int:
                 if not saved_last:
                     summary.saving(trainer.checkpoints.maybe_save, state, force=True)
                 return state.iteration
-        if not saved_last and state.iteration > 0:
-            # Megatron saves at the end too
+        if state.iteration > 0 and not (saved_last and trainer.checkpoints.last_save_persistent):
+            # Megatron saves at the end too, also after a non-persistent save of this iteration
+            # (the exit interval and SIGTERM above take any save of it, as Megatron-LM does)
             summary.saving(trainer.checkpoints.maybe_save, state, force=True)
         if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval and \
                 state.iteration > summary.start_iteration:
