@@ -19,7 +19,9 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
      save is pending. Once every rank is durable:
      every rank runs megatron's finalize (rank 0 writes metadata.json, barrier); rank 0 fsyncs
      it, writes the commit marker (`try_commit`), moves the tracker (`paths.write_tracker`),
-     calls `after_commit(iteration)` (e.g. retention), logs, and starts the background merge.
+     calls `after_commit(iteration)` (e.g. retention), logs, and starts the background merge;
+     on several nodes the first rank of every other node then joins that merge with its own
+     workers (merge_nodes.py).
   5) `finish()` before the process exits: drain and commit everything, close the engine, wait for
      the merge. A version is reported and loadable only after step 4; a crash before leaves the
      previous one as "latest".
@@ -173,16 +175,38 @@ class LazyCheckpointer:
         self._telemetry_off = False
         self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
         self.disabled = False  # FailurePolicy.CONTINUE after a failure: no more saves
-        self.universal = None  # rank 0 runs the background universal merges, when asked for
+        self.universal = None  # rank 0: the background universal merges, when asked for
+        self._merge_follower = None  # the first rank of each other node: its share of them
         if self.rank == 0:
             prepare_root(config.root)
             self._event({"event": "start", "time": time.time()})  # the timeline splits runs here
-            if config.universal_every_n:
-                from .background_merge import BackgroundMerger, MergerConfig
+        if config.universal_every_n:
+            self._start_mergers(log)
 
-                self.universal = BackgroundMerger(MergerConfig(
-                    root=config.universal_root or os.path.join(config.root, "universal"),
-                    every_n=config.universal_every_n, workers=config.universal_workers), log=log)
+    def _start_mergers(self, log: Callable[[str], None]) -> None:
+        """Collective: the first rank of every node runs a merger and its workers; rank 0's
+        decides and commits (merge_nodes.py). Nodes as the peer replicas know them (torchrun's
+        GROUP_RANK, else SLURM_NODEID), rank 0's node first; the run id is rank 0's draw."""
+        from .background_merge import BackgroundMerger, MergerConfig
+        from .peer_replica import node_index
+
+        c = self.config
+        gathered = control_plane.all_gather_ints([node_index(), int.from_bytes(os.urandom(4),
+                                                                               "little")])
+        of_rank = [n for n, _ in gathered]
+        nodes = [of_rank[0]] + sorted(set(of_rank) - {of_rank[0]})
+        mine = of_rank[self.rank]
+        if of_rank.index(mine) != self.rank:
+            return  # not the first rank of its node
+        merger = BackgroundMerger(MergerConfig(
+            root=c.universal_root or os.path.join(c.root, "universal"),
+            every_n=c.universal_every_n, workers=c.universal_workers, nodes=len(nodes),
+            node=nodes.index(mine), run_id=f"{gathered[0][1]:08x}",
+            remote_timeout_s=c.drain_timeout_s), log=log if self.rank == 0 else self._warn)
+        if self.rank == 0:
+            self.universal = merger
+        else:
+            self._merge_follower = merger
 
     def in_flight(self, iteration: int) -> bool:
         """True when the newest save in flight is of `iteration` (e.g. the end-of-training save
@@ -275,8 +299,9 @@ class LazyCheckpointer:
             self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
         if self.pending:
             self._apply_policy(lambda: self._commit_ready(blocking=False))
-        if self.universal is not None:
-            self.universal.poll()
+        for merger in (self.universal, self._merge_follower):
+            if merger is not None:
+                merger.poll()
 
     # -- 5) at exit --------------------------------------------------------------------------
     def finish(self) -> None:
@@ -292,8 +317,9 @@ class LazyCheckpointer:
                 self._close_engine()
             finally:
                 self._files.shutdown(wait=False, cancel_futures=True)
-                if self.universal is not None:
-                    self.universal.wait()  # no merge process outlives the run
+                for merger in (self.universal, self._merge_follower):
+                    if merger is not None:
+                        merger.wait()  # no merge process outlives the run
 
     # -- internals -----------------------------------------------------------------------------
     def _agree_local_dir_usable(self, local_dir: str) -> None:
@@ -432,6 +458,8 @@ class LazyCheckpointer:
                 self._local_errors.append(err)
         self._agree(p, True)  # a failed commit raises on every rank, like a failed flush
         self._last_committed = p.iteration
+        if self._merge_follower is not None:  # rank 0's merger told it in _publish
+            self._merge_follower.on_commit(p.iteration, p.directory)
         if self.replicator is not None:  # before pruning: the thread reads this version's files
             self.replicator.on_commit(p.iteration)
         if self.config.local_dir is not None:
