@@ -56,6 +56,15 @@ def _die_with_parent() -> None:
         pass  # not Linux: the merge then finishes on its own
 
 
+def worker_command(nice: Optional[int] = None, idle_io: bool = False) -> List[str]:
+    """The command line of a merge worker, at niceness `nice` and in the idle I/O class when
+    asked for (and the tools are installed)."""
+    prefix = ["nice", "-n", str(nice)] if nice is not None and shutil.which("nice") else []
+    if idle_io and shutil.which("ionice"):
+        prefix += ["ionice", "-c", "3"]
+    return prefix + [sys.executable, "-m", "datastates.megatron_adapter.merge_worker"]
+
+
 class MergeQueue(str, enum.Enum):
     """What happens to a commit that arrives while a merge runs."""
 
@@ -269,11 +278,7 @@ class BackgroundMerger:
                 time.sleep(0.1)
 
     def _command(self) -> List[str]:
-        c = self.config
-        prefix = ["nice", "-n", str(c.nice)] if shutil.which("nice") else []
-        if c.idle_io and shutil.which("ionice"):
-            prefix += ["ionice", "-c", "3"]
-        return prefix + [sys.executable, "-m", "datastates.megatron_adapter.merge_worker"]
+        return worker_command(self.config.nice, self.config.idle_io)
 
     def _worker(self, k: int) -> _Worker:
         """Worker `k`, started at its first use (again only if it died)."""

@@ -51,7 +51,7 @@ def handle(req: dict) -> dict:
         r = run_merge(req["source"], req["output"], req.get("root"),
                       max_bytes_per_s=req.get("max_bytes_per_s"), **size)
         return {"result": r.to_json(), "line": log_line(r)}
-    source = open_source(req["source"])
+    source = open_source(req["source"], allow_unsafe_pickle=bool(req.get("allow_unsafe_pickle")))
     try:
         if op == "part":
             t0 = time.perf_counter()

@@ -102,9 +102,10 @@ def _read_records(tmp: str, parts: int, chunk_bytes: int) -> Dict[str, List[int]
 
 def commit_parts(source: MergeSource, tmp: str, dst: str, parts: int, *,
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                 chunk_bytes: int = CHUNK_BYTES) -> MergeResult:
-    """Step 2): commit the universal checkpoint whose `parts` parts are durable in `tmp`. On any
-    error `tmp` is removed and nothing is committed."""
+                 chunk_bytes: int = CHUNK_BYTES, overwrite: bool = False) -> MergeResult:
+    """Step 2): commit the universal checkpoint whose `parts` parts are durable in `tmp` (one
+    committed at `dst` meanwhile is kept unless `overwrite`). On any error `tmp` is removed and
+    nothing is committed."""
     t0 = time.perf_counter()
     dst = os.path.abspath(dst)
     try:
@@ -125,7 +126,7 @@ def commit_parts(source: MergeSource, tmp: str, dst: str, parts: int, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if is_committed(dst):
+    if is_committed(dst) and not overwrite:
         shutil.rmtree(tmp, ignore_errors=True)  # another merge committed it meanwhile
         return MergeResult(dst, source.iteration(), 0, time.perf_counter() - t0, skipped=True)
     publish(tmp, dst)
