@@ -105,14 +105,20 @@ def _merge_worker_of(node):
     raise AssertionError("no merge worker under node 1's agent")
 
 
-def test_two_agents_merge_in_parallel_and_a_killed_worker_on_node_1_commits_nothing(tmp_path):
-    from trainer_launch import NO_DROPOUT, TINY_MODEL, Node, free_port
+def _args(save, iters):
+    from trainer_launch import NO_DROPOUT, TINY_MODEL
 
-    save = tmp_path / "save"
-    args = TINY_MODEL + NO_DROPOUT + [
-        "--eval-interval", "0", "--use-distributed-optimizer", "--train-iters", "4",
+    return TINY_MODEL + NO_DROPOUT + [
+        "--eval-interval", "0", "--use-distributed-optimizer", "--train-iters", str(iters),
         "--save-interval", "2", "--async-lazy-save", "--save", str(save),
         "--universal-checkpoint-interval", "1", "--universal-merge-workers", "1"]
+
+
+def test_two_agents_merge_in_parallel_and_a_killed_worker_on_node_1_commits_nothing(tmp_path):
+    from trainer_launch import Node, free_port
+
+    save = tmp_path / "save"
+    args = _args(save, 4)
     port, logs = free_port(), tmp_path / "logs"
     logs.mkdir()
     # Node 1's worker pauses in its part of iteration 4's merge, after its first file.
@@ -149,3 +155,23 @@ def test_two_agents_merge_in_parallel_and_a_killed_worker_on_node_1_commits_noth
         assert sorted(u.weight_map) == sorted(v.weight_map)
         for name in v.weight_map:
             assert torch.equal(u.read(name), v.read(name)), name
+
+
+def test_a_node_that_does_not_see_the_universal_root_leaves_the_merge_to_node_0(tmp_path):
+    """Node 1's --universal-save is its own directory (as a node-local path would be): it would
+    never find node 0's announcements, so node 0 merges alone, and says why."""
+    from trainer_launch import Node, free_port
+
+    save, elsewhere = tmp_path / "save", tmp_path / "node1_universal"
+    port = free_port()
+    nodes = [Node(r, 2, 1, port, _args(save, 2) + (["--universal-save", str(elsewhere)] if r
+                                                   else []), tmp_path)
+             for r in (0, 1)]
+    runs = [n.result(timeout=150) for n in nodes]
+    assert all(r.returncode == 0 for r in runs), runs[0].describe() + runs[1].describe()
+    assert "universal merges run on node 0 only" in runs[0].stdout, runs[0].stdout
+    assert "universal merge iteration        2 | bytes" in runs[0].stdout, runs[0].stdout
+    root = save / "universal"
+    assert is_committed(str(root / "iter_0000002")) and not elsewhere.exists()
+    with UniversalCheckpoint(str(root / "iter_0000002")) as u:
+        assert len(set(u.weight_map.values())) == 1  # one part: node 0's one worker

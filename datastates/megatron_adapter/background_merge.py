@@ -19,9 +19,10 @@ them only the CPU and disk time training leaves idle. With one worker it merges 
 several, each writes its part of the tensors, and once all parts are durable worker 0 commits
 (universal/parts.py); a worker that fails or dies fails the merge, whose temporary directory is
 removed, and is started again for the next one. With `MergerConfig.nodes` > 1 every node runs
-a merger and its workers: node 0's decides and commits, the others follow it (merge_nodes.py). Workers exit with the trainer: at `wait()`/
-`close()`, at the end of their input, and when the trainer is killed (PR_SET_PDEATHSIG, and a
-watchdog on the parent's pid).
+a merger and its workers: node 0's decides and commits, the others follow it (merge_nodes.py;
+a follower's `on_commit` only records the commit, its `poll` finds the merges node 0
+announced). Workers exit with the trainer: at `wait()`/`close()`, at the end of their input, and
+when the trainer is killed (PR_SET_PDEATHSIG, and a watchdog on the parent's pid).
 """
 from __future__ import annotations
 
@@ -115,8 +116,10 @@ class _Job:
     started: float = field(default_factory=time.time)
     tmp: str = ""
     waiting: Set[int] = field(default_factory=set)  # workers whose answer is due
-    remote_since: Optional[float] = None  # node 0: own parts done, since then waiting (or the
-    parts_seen: int = 0                   # last new part record of another node)
+    # Node 0, once its own parts are durable: since when it waits for the others' (reset at each
+    # new part record), and how many part records it has seen.
+    remote_since: Optional[float] = None
+    parts_seen: int = 0
     committing: bool = False
     error: Optional[str] = None
 

@@ -186,22 +186,35 @@ class LazyCheckpointer:
     def _start_mergers(self, log: Callable[[str], None]) -> None:
         """Collective: the first rank of every node runs a merger and its workers; rank 0's
         decides and commits (merge_nodes.py). Nodes as the peer replicas know them (torchrun's
-        GROUP_RANK, else SLURM_NODEID), rank 0's node first; the run id is rank 0's draw."""
+        GROUP_RANK, else SLURM_NODEID), rank 0's node first; the run id is rank 0's draw. A
+        node whose first rank does not see rank 0's universal root takes no part: then only
+        rank 0's node merges, as the warning says."""
+        from . import merge_nodes
         from .background_merge import BackgroundMerger, MergerConfig
         from .peer_replica import node_index
 
         c = self.config
-        gathered = control_plane.all_gather_ints([node_index(), int.from_bytes(os.urandom(4),
-                                                                               "little")])
+        root = c.universal_root or os.path.join(c.root, "universal")
+        run = int.from_bytes(os.urandom(4), "little") if self.rank == 0 else 0
+        if self.rank == 0:
+            merge_nodes.mark_start(root, f"{run:08x}")
+        gathered = control_plane.all_gather_ints([node_index(), run])
+        run_id = f"{gathered[0][1]:08x}"
         of_rank = [n for n, _ in gathered]
-        nodes = [of_rank[0]] + sorted(set(of_rank) - {of_rank[0]})
-        mine = of_rank[self.rank]
-        if of_rank.index(mine) != self.rank:
-            return  # not the first rank of its node
+        first = of_rank.index(of_rank[self.rank]) == self.rank  # the first rank of its node
+        sees = control_plane.all_gather_ints(
+            int(not first or os.path.exists(merge_nodes.start_marker(root, run_id))))
+        blind = sorted({of_rank[r] for r, ok in enumerate(sees) if not ok})
+        nodes = [of_rank[0]] + sorted(set(of_rank) - {of_rank[0]} - set(blind))
+        if blind and self.rank == 0:
+            log(f"WARNING: universal merges run on node {of_rank[0]} only: the first rank of "
+                f"node(s) {blind} does not see {merge_nodes.start_marker(root, run_id)} "
+                f"(put --universal-save on a file system every node shares)")
+        if not first or of_rank[self.rank] in blind:
+            return
         merger = BackgroundMerger(MergerConfig(
-            root=c.universal_root or os.path.join(c.root, "universal"),
-            every_n=c.universal_every_n, workers=c.universal_workers, nodes=len(nodes),
-            node=nodes.index(mine), run_id=f"{gathered[0][1]:08x}",
+            root=root, every_n=c.universal_every_n, workers=c.universal_workers,
+            nodes=len(nodes), node=nodes.index(of_rank[self.rank]), run_id=run_id,
             remote_timeout_s=c.drain_timeout_s), log=log if self.rank == 0 else self._warn)
         if self.rank == 0:
             self.universal = merger

@@ -22,6 +22,9 @@ this one's):
      on the missing directory and never recreates it;
   4) at exit the coordinator finishes its merges, then writes ``<root>/.merge-run-<run>.done``
      (`mark_done`); followers serve merges until they see it.
+Before all that, at start, rank 0 writes ``<root>/.merge-run-<run>`` (`mark_start`) and each
+node's first rank says whether it sees it: a node that does not (a universal root that is not
+on a shared file system) would never find an announcement, so then only rank 0's node merges.
 """
 from __future__ import annotations
 
@@ -45,8 +48,19 @@ def job_tmp(output: str, run_id: str) -> str:
     return f"{output}.tmp-parts-{run_id}"
 
 
+def start_marker(root: str, run_id: str) -> str:
+    return os.path.join(root, f".merge-run-{run_id}")
+
+
 def done_marker(root: str, run_id: str) -> str:
-    return os.path.join(root, f".merge-run-{run_id}.done")
+    return start_marker(root, run_id) + ".done"
+
+
+def mark_start(root: str, run_id: str) -> None:
+    """Step 0), rank 0 at start: the other nodes' first ranks look for this file to learn
+    that they see the same universal root (else only rank 0's node merges)."""
+    os.makedirs(root, exist_ok=True)
+    atomic_write(start_marker(root, run_id), b"")
 
 
 @dataclass(frozen=True)
@@ -131,11 +145,11 @@ def mark_done(root: str, run_id: str) -> None:
 
 
 def remove_leftovers(root: str, run_id: str) -> None:
-    """The coordinator before each merge (none runs then): the done markers of earlier runs, and
-    the temporary directories of this run's failed merges (removing one can race with a follower
+    """The coordinator before each merge (none runs then): the markers of earlier runs, and the
+    temporary directories of this run's failed merges (removing one can race with a follower
     that is still creating a file in it)."""
-    for path in glob.glob(os.path.join(glob.escape(root), ".merge-run-*.done")):
-        if path != done_marker(root, run_id):
+    for path in glob.glob(os.path.join(glob.escape(root), ".merge-run-*")):
+        if path not in (start_marker(root, run_id), done_marker(root, run_id)):
             try:
                 os.unlink(path)
             except OSError:

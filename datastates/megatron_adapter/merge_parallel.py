@@ -1,4 +1,5 @@
-"""One merge by several worker processes, outside training (``convert_checkpoint.py merge --workers K``).
+"""One merge by several worker processes, outside training (``convert_checkpoint.py merge
+--workers K``).
 
 The parts of the background merge on one node (universal/parts.py), driven from the calling
 process: 1) K merge workers (merge_worker.py, normal priority, started here and stopped at the
