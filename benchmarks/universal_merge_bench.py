@@ -12,7 +12,8 @@ Usage:
    the same directory, and with oflag=direct too (A B A B ...: this machine's speed drifts).
    Printed: merge GB/s (bytes of the universal checkpoint / the merge's own seconds: reading,
    checksums, writing, fsyncs), its CPU seconds per GB, dd GB/s and the ratios (median over
-   rounds), with the load average before and after.
+   rounds), with the load average before and after. Each worker's first merge (it pays the
+   imports a persistent worker pays once per run) runs before the rounds, timed apart.
 2) Training cost: each pair runs pretrain_gpt.py twice with the same model, data and
    --async-lazy-save interval: without and with --universal-checkpoint-interval 1 (every committed
    checkpoint merged by the nice'd, idle-I/O background worker). Pairs alternate their order
@@ -136,6 +137,12 @@ def merge_vs_dd(a) -> dict:
     mergers = {k: BackgroundMerger(MergerConfig(os.path.join(work, f"u{k}"), nice=0, idle_io=False,
                                                 workers=k), log=lambda line: None)
                for k in counts}
+    for k, merger in mergers.items():  # the run's first merge also imports torch & co.
+        evict(src)
+        merger.on_commit(10 ** 6, src)
+        merger.drain()
+        out[f"first_merge_s_{k}w"] = merger.results[-1]["seconds"]
+        shutil.rmtree(merger.results[-1]["directory"], ignore_errors=True)
     rounds = []
     for r in range(a.rounds):
         row = {"dd_gbps": dd_gbps(work, nbytes), "dd_direct_gbps": dd_gbps(work, nbytes, True)}
