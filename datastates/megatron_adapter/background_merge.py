@@ -57,6 +57,10 @@ def _die_with_parent() -> None:
         pass  # not Linux: the merge then finishes on its own
 
 
+#: A follower remembers this many committed iterations not yet merged (node 0 merges the newest).
+_FOLLOWER_KNOWS = 64
+
+
 def worker_command(nice: Optional[int] = None, idle_io: bool = False) -> List[str]:
     """The command line of a merge worker, at niceness `nice` and in the idle I/O class when
     asked for (and the tools are installed)."""
@@ -439,6 +443,3 @@ class BackgroundMerger:
         with open(os.path.join(self.config.root, TELEMETRY_FILE), "a") as f:
             f.write(json.dumps(dict(doc, time=time.time())) + "\n")
 
-
-#: A follower remembers this many committed iterations not yet merged (node 0 merges the newest).
-_FOLLOWER_KNOWS = 64

@@ -196,20 +196,26 @@ class LazyCheckpointer:
         c = self.config
         root = c.universal_root or os.path.join(c.root, "universal")
         run = int.from_bytes(os.urandom(4), "little") if self.rank == 0 else 0
+        unmarked = None  # rank 0 cannot write there: said in the warning, after the collectives
         if self.rank == 0:
-            merge_nodes.mark_start(root, f"{run:08x}")
+            try:
+                merge_nodes.mark_start(root, f"{run:08x}")
+            except OSError as err:
+                unmarked = err
         gathered = control_plane.all_gather_ints([node_index(), run])
         run_id = f"{gathered[0][1]:08x}"
         of_rank = [n for n, _ in gathered]
         first = of_rank.index(of_rank[self.rank]) == self.rank  # the first rank of its node
         sees = control_plane.all_gather_ints(
-            int(not first or os.path.exists(merge_nodes.start_marker(root, run_id))))
+            int(self.rank == 0 or not first
+                or os.path.exists(merge_nodes.start_marker(root, run_id))))
         blind = sorted({of_rank[r] for r, ok in enumerate(sees) if not ok})
         nodes = [of_rank[0]] + sorted(set(of_rank) - {of_rank[0]} - set(blind))
         if blind and self.rank == 0:
             log(f"WARNING: universal merges run on node {of_rank[0]} only: the first rank of "
                 f"node(s) {blind} does not see {merge_nodes.start_marker(root, run_id)} "
-                f"(put --universal-save on a file system every node shares)")
+                f"(put --universal-save on a file system every node shares)"
+                + (f"; writing it failed: {unmarked}" if unmarked else ""))
         if not first or of_rank[self.rank] in blind:
             return
         merger = BackgroundMerger(MergerConfig(
