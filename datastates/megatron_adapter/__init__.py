@@ -55,7 +55,7 @@ _EXPORTS = {
     "OptimizerFlavor": "merge_plan", "advance_tracker": "merge", "run_merge": "merge",
     "UNIVERSAL_TELEMETRY_FILE": "merge",
     "BackgroundMerger": "background_merge", "MergeQueue": "background_merge",
-    "MergerConfig": "background_merge",
+    "MergerConfig": "background_merge", "merge_with_workers": "merge_parallel",
     "describe": "inspect", "render": "inspect", "export_hf": "hf_export",
     "Located": "resolve", "locate": "resolve", "locate_universal": "resolve",
     "UNIVERSAL_KIND": "resolve",

@@ -21,7 +21,8 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
      every rank runs megatron's finalize (rank 0 writes metadata.json, barrier); rank 0 fsyncs
      it, writes the commit marker (`try_commit`), moves the tracker of the save's root
      (`paths.write_tracker`), calls `after_commit(iteration, root)` (e.g. retention), logs, and
-     starts the background merge (of the config's root only).
+     starts the background merge (of the config's root only); on several nodes the first rank of
+     every other node then joins that merge with its own workers (merge_nodes.py).
   5) `finish()` before the process exits: drain and commit everything, close the engine, wait for
      the merge. A version is reported and loadable only after step 4; a crash before leaves the
      previous one as "latest".
@@ -196,18 +197,59 @@ class LazyCheckpointer:
         self._telemetry_off = False
         self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
         self.disabled = False  # FailurePolicy.CONTINUE after a failure: no more saves
-        self.universal = None  # rank 0 runs the background universal merges, when asked for
+        self.universal = None  # rank 0: the background universal merges, when asked for
+        self._merge_follower = None  # the first rank of each other node: its share of them
         if self.rank == 0:
             prepare_root(config.root)
             if config.non_persistent_root is not None:
                 prepare_root(config.non_persistent_root)
             self._event({"event": "start", "time": time.time()})  # the timeline splits runs here
-            if config.universal_every_n:
-                from .background_merge import BackgroundMerger, MergerConfig
+        if config.universal_every_n:
+            self._start_mergers(log)
 
-                self.universal = BackgroundMerger(MergerConfig(
-                    root=config.universal_root or os.path.join(config.root, "universal"),
-                    every_n=config.universal_every_n, workers=config.universal_workers), log=log)
+    def _start_mergers(self, log: Callable[[str], None]) -> None:
+        """Collective: the first rank of every node runs a merger and its workers; rank 0's
+        decides and commits (merge_nodes.py). Nodes as the peer replicas know them (torchrun's
+        GROUP_RANK, else SLURM_NODEID), rank 0's node first; the run id is rank 0's draw. A
+        node whose first rank does not see rank 0's universal root takes no part: then only
+        rank 0's node merges, as the warning says."""
+        from . import merge_nodes
+        from .background_merge import BackgroundMerger, MergerConfig
+        from .peer_replica import node_index
+
+        c = self.config
+        root = c.universal_root or os.path.join(c.root, "universal")
+        run = int.from_bytes(os.urandom(4), "little") if self.rank == 0 else 0
+        unmarked = None  # rank 0 cannot write there: said in the warning, after the collectives
+        if self.rank == 0:
+            try:
+                merge_nodes.mark_start(root, f"{run:08x}")
+            except OSError as err:
+                unmarked = err
+        gathered = control_plane.all_gather_ints([node_index(), run])
+        run_id = f"{gathered[0][1]:08x}"
+        of_rank = [n for n, _ in gathered]
+        first = of_rank.index(of_rank[self.rank]) == self.rank  # the first rank of its node
+        sees = control_plane.all_gather_ints(
+            int(self.rank == 0 or not first
+                or os.path.exists(merge_nodes.start_marker(root, run_id))))
+        blind = sorted({of_rank[r] for r, ok in enumerate(sees) if not ok})
+        nodes = [of_rank[0]] + sorted(set(of_rank) - {of_rank[0]} - set(blind))
+        if blind and self.rank == 0:
+            log(f"WARNING: universal merges run on node {of_rank[0]} only: the first rank of "
+                f"node(s) {blind} does not see {merge_nodes.start_marker(root, run_id)} "
+                f"(put --universal-save on a file system every node shares)"
+                + (f"; writing it failed: {unmarked}" if unmarked else ""))
+        if not first or of_rank[self.rank] in blind:
+            return
+        merger = BackgroundMerger(MergerConfig(
+            root=root, every_n=c.universal_every_n, workers=c.universal_workers,
+            nodes=len(nodes), node=nodes.index(of_rank[self.rank]), run_id=run_id,
+            remote_timeout_s=c.drain_timeout_s), log=log if self.rank == 0 else self._warn)
+        if self.rank == 0:
+            self.universal = merger
+        else:
+            self._merge_follower = merger
 
     def in_flight(self, iteration: int, root: Optional[str] = None) -> bool:
         """True when the newest save in flight is of `iteration` into `root` (None: the
@@ -325,8 +367,9 @@ class LazyCheckpointer:
             self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
         if self.pending:
             self._apply_policy(lambda: self._commit_ready(blocking=False))
-        if self.universal is not None:
-            self.universal.poll()
+        for merger in (self.universal, self._merge_follower):
+            if merger is not None:
+                merger.poll()
 
     # -- 5) at exit --------------------------------------------------------------------------
     def finish(self) -> None:
@@ -342,8 +385,9 @@ class LazyCheckpointer:
                 self._close_engine()
             finally:
                 self._files.shutdown(wait=False, cancel_futures=True)
-                if self.universal is not None:
-                    self.universal.wait()  # no merge process outlives the run
+                for merger in (self.universal, self._merge_follower):
+                    if merger is not None:
+                        merger.wait()  # no merge process outlives the run
 
     # -- internals -----------------------------------------------------------------------------
     def _agree_local_dir_usable(self, local_dir: str) -> None:
@@ -490,6 +534,8 @@ class LazyCheckpointer:
         if p.node_local:
             return  # the shared versions' local copies and replicas are not touched
         self._last_committed = p.iteration
+        if self._merge_follower is not None and p.root == self.config.root:  # as rank 0's
+            self._merge_follower.on_commit(p.iteration, p.directory)
         if self.replicator is not None:  # before pruning: the thread reads this version's files
             self.replicator.on_commit(p.iteration)
         if self.config.local_dir is not None:

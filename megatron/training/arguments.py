@@ -313,7 +313,8 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")
     g.add_argument("--universal-merge-workers", type=int, default=1,
-                   help="merge worker processes (started once per run on rank 0): each writes "
+                   help="merge worker processes per node (started once per run by the first "
+                        "rank of each node): each writes "
                         "the safetensors files of its share of the tensors; the manifest is "
                         "committed once every part is durable")
     g.add_argument("--universal-save", type=str, default=None,
