@@ -39,7 +39,7 @@ _EXPORTS = {
     # checkpointer
     "COMMIT_RESERVE_BYTES": "checkpointer", "FailurePolicy": "checkpointer",
     "LazyCheckpointer": "checkpointer", "LazySaveConfig": "checkpointer",
-    "TELEMETRY_FILENAME": "checkpointer",
+    "TELEMETRY_FILENAME": "checkpointer", "append_telemetry": "checkpointer",
     # strategies
     "BACKEND": "strategies", "DataStatesLoadStrategy": "strategies",
     "DataStatesSaveStrategy": "strategies", "DurableCommonSaveStrategy": "strategies",

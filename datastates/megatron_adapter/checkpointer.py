@@ -59,7 +59,7 @@ from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_
     tracked_iteration, write_tracker
 
 __all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySaveConfig",
-           "TELEMETRY_FILENAME"]
+           "TELEMETRY_FILENAME", "append_telemetry"]
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 #: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.
@@ -592,14 +592,21 @@ class LazyCheckpointer:
         tool draws both)."""
         if self._telemetry_off:
             return
-        path = os.path.join(self.config.root, TELEMETRY_FILENAME)
         try:
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_telemetry(self.config.root, record)
         except OSError as err:  # e.g. the disk that just filled up: telemetry never stops training
             self._telemetry_off = True
+            path = os.path.join(self.config.root, TELEMETRY_FILENAME)
             self.log(f"WARNING: cannot append to {path} ({err}); checkpoint telemetry is off for "
                      "the rest of this run")
+
+
+def append_telemetry(root: str, record: Dict[str, Any]) -> None:
+    """Append one event (a JSON line) to ROOT's telemetry file, which the timeline tool and the
+    benchmarks read; raises OSError (the caller decides whether that stops anything)."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, TELEMETRY_FILENAME), "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _state_of(p: _Pending, root: str) -> str:

@@ -29,8 +29,8 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from datastates import Checksum, TensorShard, control_plane
-from datastates.megatron_adapter import TELEMETRY_FILENAME, FailurePolicy, LazyCheckpointer, \
-    LazySaveConfig, StructurePolicy, expand_local_dir, needed_saved_ranks, paths, \
+from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
+    StructurePolicy, append_telemetry, expand_local_dir, needed_saved_ranks, paths, \
     restore_before_load
 
 from megatron.training import distopt_shards
@@ -146,9 +146,7 @@ class PeerRestore:
                      str(r): {"peer_bytes": p, "local_bytes": loc, "shared_bytes": sh,
                               "read_s": us / 1e6} for r, (p, loc, sh, us) in enumerate(rows)}}
         try:
-            os.makedirs(root, exist_ok=True)
-            with open(os.path.join(root, TELEMETRY_FILENAME), "a") as f:
-                f.write(json.dumps(event) + "\n")
+            append_telemetry(root, event)
         except OSError as err:
             print(f"WARNING: cannot record the restore in {root}: {err}", flush=True)
 
