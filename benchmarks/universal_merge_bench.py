@@ -1,8 +1,8 @@
 """Benchmark: how fast the universal merge is against the disk, and what it costs a training run.
 
 Usage:
-  python benchmarks/universal_merge_bench.py [--dir DIR] [--gib 1] [--rounds 2] [--workers 2]
-         [--pairs 2] [--iters 40] [--save-interval 5] [--hidden 384] [--layers 4] [--nproc 2]
+  python benchmarks/universal_merge_bench.py [--dir DIR] [--gib 1] [--rounds 3] [--workers 2]
+         [--pairs 3] [--iters 40] [--save-interval 5] [--hidden 384] [--layers 4] [--nproc 2]
          [--json out.json]
 
 1) Merge vs dd: a committed `--gib` GiB DataStates checkpoint (2 ranks) is merged by persistent
@@ -12,11 +12,14 @@ Usage:
    the same directory, and with oflag=direct too (A B A B ...: this machine's speed drifts).
    Printed: merge GB/s (bytes of the universal checkpoint / the merge's own seconds: reading,
    checksums, writing, fsyncs), its CPU seconds per GB, dd GB/s and the ratios (median over
-   rounds), with the load average before and after.
+   rounds), with the load average before and after. Each worker's first merge (it pays the
+   imports a persistent worker pays once per run) runs before the rounds, timed apart.
 2) Training cost: each pair runs pretrain_gpt.py twice with the same model, data and
    --async-lazy-save interval: without and with --universal-checkpoint-interval 1 (every committed
-   checkpoint merged by the nice'd, idle-I/O background worker). Variants alternate; the slowdown
-   is the ratio of mean iteration times within a pair, then the median over pairs. Iteration 1
+   checkpoint merged by the nice'd, idle-I/O background worker). Pairs alternate their order
+   (without, with; then with, without; ...: A B B A, so a drift of the machine's speed does not
+   favour one variant); the slowdown is the ratio of mean iteration times within a pair, and the
+   median over the pairs (at least 3 for a median that one outlier cannot move) is printed. Iteration 1
    (warm-up) is left out. Per merge: its own seconds and GB/s, and the wall time from the commit
    to the merge's answer (`process (s)`: the wait for CPU at low priority, plus the worker's
    start-up for the first merge of the run).
@@ -134,6 +137,12 @@ def merge_vs_dd(a) -> dict:
     mergers = {k: BackgroundMerger(MergerConfig(os.path.join(work, f"u{k}"), nice=0, idle_io=False,
                                                 workers=k), log=lambda line: None)
                for k in counts}
+    for k, merger in mergers.items():  # the run's first merge also imports torch & co.
+        evict(src)
+        merger.on_commit(10 ** 6, src)
+        merger.drain()
+        out[f"first_merge_s_{k}w"] = merger.results[-1]["seconds"]
+        shutil.rmtree(merger.results[-1]["directory"], ignore_errors=True)
     rounds = []
     for r in range(a.rounds):
         row = {"dd_gbps": dd_gbps(work, nbytes), "dd_direct_gbps": dd_gbps(work, nbytes, True)}
@@ -168,14 +177,15 @@ def merge_vs_dd(a) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default="/tmp/universal_bench")
-    p.add_argument("--pairs", type=int, default=2, help="training pairs (0: merge vs dd only)")
+    p.add_argument("--pairs", type=int, default=3, help="training pairs, alternating their "
+                   "order (0: merge vs dd only)")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--save-interval", type=int, default=5)
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--gib", type=float, default=1.0, help="size of the merge-vs-dd checkpoint")
-    p.add_argument("--rounds", type=int, default=2, help="dd / merge alternations")
+    p.add_argument("--rounds", type=int, default=3, help="dd / merge alternations")
     p.add_argument("--workers", type=int, default=2, help="parallel merge workers also timed")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -183,7 +193,7 @@ def main() -> None:
     results = []
     for i in range(a.pairs):
         pair = {}
-        for universal in (False, True):
+        for universal in ((False, True) if i % 2 == 0 else (True, False)):
             r = run(a, os.path.join(a.dir, f"run{i}_{int(universal)}"), universal)
             pair["with" if universal else "without"] = r
             print(json.dumps({"pair": i, **{k: v for k, v in r.items() if k != "merges"},
@@ -207,6 +217,12 @@ def main() -> None:
         "merge_vs_dd": alone,
     }
     print(json.dumps(summary, indent=1))
+    print(f"merge alone: {alone['merge_gbps_1w']:.3f} GB/s with 1 worker, dd oflag=direct "
+          f"{alone['dd_direct_gbps']:.3f} GB/s: ratio {alone['ratio_direct_1w']:.2f} (median of "
+          f"{a.rounds} alternated rounds)")
+    if results:
+        print(f"training slowdown with merges: median {summary['median_slowdown']:.3f}x over "
+              f"{len(results)} alternating pairs {summary['slowdown_per_pair']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"summary": summary, "runs": results}, f, indent=1)

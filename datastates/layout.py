@@ -17,7 +17,7 @@ import json
 import os
 import re
 import zlib
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .errors import CheckpointError
 from .fileio import confined_path, fsync_dir, read_confined, replace_from_spare, safe_join
@@ -150,16 +150,18 @@ def _valid_rank_marker(directory: str, rank: int, world_size: int) -> Optional[D
     return doc
 
 
-def try_commit(directory: str, world_size: int) -> bool:
+def try_commit(directory: str, world_size: int, ranks: Optional[Sequence[int]] = None) -> bool:
     """Non-blocking commit attempt, callable from any process (normally rank 0).
 
-    If every rank 0..world_size-1 has written a valid marker, atomically write the commit marker
-    and return True; return False if some marker is still missing. Idempotent.
+    If every rank of `ranks` (default 0..world_size-1; a node-local version names its node's)
+    has written a valid marker, atomically write the commit marker (which lists them) and return
+    True; return False if some marker is still missing. Idempotent.
     """
     if is_committed(directory):
         return True
+    ranks = list(range(world_size)) if ranks is None else sorted(ranks)
     markers = []
-    for r in range(world_size):
+    for r in ranks:
         doc = _valid_rank_marker(directory, r, world_size)
         if doc is None:
             return False
@@ -169,7 +171,7 @@ def try_commit(directory: str, world_size: int) -> bool:
         raise CheckpointError(f"rank markers disagree on the step: {sorted(map(str, steps))}",
                               file=directory)
     commit = dict(format_header(), world_size=world_size, step=markers[0].get("step"),
-                  ranks=list(range(world_size)),
+                  ranks=ranks,
                   bytes=sum(int(m.get("bytes", 0)) for m in markers))
     # Into the space set aside at save time, if the caller did (see `make_spare`).
     replace_from_spare(os.path.join(directory, COMMIT_FILE), dumps(commit), renew=False)

@@ -63,7 +63,8 @@ class CheckpointReader:
             commit = layout.read_json(commit_path, what="commit marker")
             self.world_size = int(commit["world_size"])
             self.step = commit.get("step")
-            ranks = list(range(self.world_size))
+            # A node-local version lists the ranks of its node (`megatron_adapter.node_local`).
+            ranks = _committed_ranks(commit, self.world_size, commit_path)
         elif allow_uncommitted:
             pattern = re.compile(r"done_r(\d{5})\.json$")
             found = glob.glob(os.path.join(directory, "done_r*.json"))
@@ -351,6 +352,15 @@ class CheckpointReader:
             if err.file is not None:
                 raise
             raise type(err)(err.args[0], rank=rank, file=self._index_paths[rank]) from None
+
+
+def _committed_ranks(commit: dict, world_size: int, path: str) -> List[int]:
+    ranks = commit.get("ranks", list(range(world_size)))
+    if (not isinstance(ranks, list) or not ranks
+            or not all(isinstance(r, int) and 0 <= r < world_size for r in ranks)):
+        raise CheckpointError(f"commit marker lists ranks {ranks!r}; expected a non-empty list of "
+                              f"ranks below its world size {world_size}", file=path)
+    return ranks
 
 
 def math_prod(xs: Sequence[int]) -> int:

@@ -48,15 +48,49 @@ def config(extra="", world_size=1):
      "--use-dist-ckpt means --ckpt-format torch_dist, but --ckpt-format torch was given"),
     ("--ckpt-fully-parallel-save --no-ckpt-fully-parallel-save", 1, "contradict each other"),
     ("--ckpt-fully-parallel-load", 1, "--ckpt-fully-parallel-load needs CUDA"),
-    ("--non-persistent-save-interval 5 --non-persistent-ckpt-type local", 1,
-     "--non-persistent-save-interval, --non-persistent-ckpt-type: Megatron-LM's non-persistent "
-     "checkpoints are not supported. For frequent checkpoints on node-local storage use "
+    ("--non-persistent-save-interval 5 --non-persistent-ckpt-type local "
+     "--non-persistent-local-ckpt-dir /nvme", 1,
+     "--non-persistent-ckpt-type local keeps DataStates versions on each node's storage: add "
      "--async-lazy-save"),
+    ("--async-lazy-save --non-persistent-ckpt-type local", 1,
+     "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR"),
+    ("--async-lazy-save --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /n{nod}",
+     1, "--non-persistent-local-ckpt-dir '/n{nod}': unknown or malformed placeholder"),
+    ("--non-persistent-local-ckpt-dir /nvme", 1,
+     "--non-persistent-local-ckpt-dir needs --non-persistent-ckpt-type local"),
+    ("--non-persistent-ckpt-type in_memory", 1, "--non-persistent-ckpt-type in_memory is not "
+     "supported"),
+    ("--non-persistent-save-interval 5", 1,
+     "--non-persistent-save-interval needs --non-persistent-ckpt-type global or local"),
+    ("--non-persistent-save-interval 0 --non-persistent-ckpt-type global", 1,
+     "--non-persistent-save-interval must be >= 1, got 0"),
+    ("--non-persistent-global-ckpt-dir /np", 1,
+     "--non-persistent-global-ckpt-dir needs --non-persistent-ckpt-type global"),
+    ("--save /ckpt --non-persistent-ckpt-type global --non-persistent-global-ckpt-dir /ckpt/",
+     1, "--non-persistent-global-ckpt-dir must differ from --save (/ckpt)"),
 ])
 def test_contradictory_flags_get_a_clear_error(extra, world, message):
     with pytest.raises(ArgumentError) as err:
         config(extra, world)
     assert message in str(err.value)
+
+
+def test_non_persistent_roots_follow_megatron_lm():
+    ckpt = config("--save /s --load /l --non-persistent-save-interval 2 "
+                  "--non-persistent-ckpt-type global").checkpoint
+    assert ckpt.non_persistent_save_root() == "/s/non_persistent"
+    assert ckpt.non_persistent_root(ckpt.load) == "/l/non_persistent"
+    given = config("--save /s --non-persistent-ckpt-type global "
+                   "--non-persistent-global-ckpt-dir /np").checkpoint
+    assert given.non_persistent_root(None) == given.non_persistent_root("/l") == "/np"
+    assert given.non_persistent_save_root() is None  # no interval: loads only, as Megatron-LM
+    assert config("--save /s --non-persistent-save-interval 3 --non-persistent-ckpt-type global"
+                  ).checkpoint.non_persistent_save_root() == "/s/non_persistent"
+    assert config("--save /s").checkpoint.non_persistent_root("/s") is None
+    local = config("--save /s --async-lazy-save --non-persistent-save-interval 3 "
+                   "--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /nvme/{node} "
+                   "--non-persistent-local-ckpt-algo atomic").checkpoint
+    assert local.non_persistent_save_root() == local.non_persistent_root("/l") == "/nvme/{node}"
 
 
 def test_megatron_checkpoint_flags_map_onto_ours(capsys):
@@ -122,6 +156,23 @@ def test_log_lines_follow_megatron_format():
     assert "lm loss: 5.123457E+00 |" in line
     assert "grad norm: 1.500 |" in line
     assert "lm loss value: 2.000000E+00 |" in validation_lines(3, 2.0)
+
+
+def test_log_window_averages_stepped_iterations_and_drops_an_all_skipped_loss():
+    """Megatron-LM's training_log: the printed loss is the mean over the window's iterations
+    whose step was taken; a window of skipped (fp16 overflow) steps prints no `lm loss`."""
+    from megatron.training.training import LogWindow
+
+    window = LogWindow()
+    window.add(6.0, stepped=False)
+    window.add(5.0, stepped=True)
+    window.add(4.0, stepped=True)
+    assert window.take() == (4.5, 1)
+    window.add(3.0, stepped=False)
+    assert window.take() == (None, 1)
+    assert window.take() == (None, 0)
+    line = training_log_line(2, 10, 16, 1.0, 1e-3, 8, None, None, 1, 0, loss_scale=2.0 ** 31)
+    assert "lm loss" not in line and "number of skipped iterations:   1 |" in line
 
 
 def test_uneven_pipeline_split():

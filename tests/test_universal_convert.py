@@ -168,3 +168,29 @@ def _assert_modes(top, mode):
     modes = {str(p.relative_to(top)): oct(p.stat().st_mode & 0o777)
              for p in top.rglob("*") if p.is_file()}
     assert len(modes) >= 2 and set(modes.values()) == {mode}, modes
+
+
+def test_merge_with_workers_equals_one_worker_and_a_failed_one_keeps_the_committed(tmp_path):
+    src = tmp_path / "save" / "iter_0000005"
+    write_datastates_checkpoint(str(src), global_tensors())
+    one, many = tmp_path / "one", tmp_path / "many"
+    write_universal(open_source(str(src)), str(one))  # what `merge` does with one worker
+    run = _tool("merge", src, many, "--workers", "3")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1])["bytes"] > 0
+    with UniversalCheckpoint(str(many)) as u:
+        assert u.checksummed and len(set(u.weight_map.values())) >= 3  # files of 3 parts
+        for name in u.names():
+            u.verify(name)
+    _same_universal(one, many)
+    assert not [n for n in os.listdir(many) if n.startswith(("PART", "JOB"))]
+    # A part that cannot be read fails the merge: one line, exit 2, nothing left behind, and the
+    # checkpoint committed at the destination (asked to be overwritten) stays as it was.
+    shard = src / "shard_r00001.bin"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    before = {p.name: p.read_bytes() for p in many.iterdir()}
+    run = _tool("merge", src, many, "--workers", "2", "--overwrite")
+    assert run.returncode == 2 and "error" in run.stderr.strip().splitlines()[-1], run.stderr
+    assert {p.name: p.read_bytes() for p in many.iterdir()} == before
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]

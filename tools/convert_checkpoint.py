@@ -2,6 +2,7 @@
 """Convert and inspect checkpoints (universal, DataStates, Megatron torch_dist, Hugging Face).
 
     python tools/convert_checkpoint.py merge           SRC DST   # --async-lazy-save ckpt -> universal
+                                                  [--workers K]  # K processes, one part each
     python tools/convert_checkpoint.py from-torch-dist SRC DST   # Megatron torch_dist -> universal
     python tools/convert_checkpoint.py to-torch-dist   SRC DST   # universal or DataStates -> torch_dist
     python tools/convert_checkpoint.py to-hf           SRC DST   # any of ours -> HF Llama or GPT-2
@@ -71,9 +72,11 @@ def _located(found) -> str:
 
 def _merge(args, kind):
     from datastates import CheckpointError
-    from datastates.megatron_adapter import locate, open_source
+    from datastates.megatron_adapter import locate, merge_with_workers, open_source
     from datastates.universal import write_universal
 
+    if args.workers < 1:
+        raise CheckpointError(f"--workers must be at least 1, found {args.workers}")
     found = locate(args.src)
     if found.kind == "universal":
         raise CheckpointError("this is already a universal checkpoint; to-hf, to-torch-dist and "
@@ -84,8 +87,13 @@ def _merge(args, kind):
             other = "merge" if source.kind == "datastates" else "from-torch-dist"
             raise CheckpointError(f"this is a {source.kind} checkpoint, expected {kind}; use the "
                                   f"{other} subcommand", file=source.directory)
-        result = write_universal(source, args.dst, max_file_bytes=args.max_file_size_mb << 20,
-                                 progress=Progress("merge", True), overwrite=args.overwrite)
+        opts = dict(max_file_bytes=args.max_file_size_mb << 20, overwrite=args.overwrite,
+                    progress=Progress("merge", True))
+        if args.workers > 1:
+            result = merge_with_workers(source, args.dst, args.workers,
+                                        allow_unsafe_pickle=args.allow_unsafe_pickle, **opts)
+        else:
+            result = write_universal(source, args.dst, **opts)
     finally:
         source.close()
     if result.skipped:
@@ -217,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split the safetensors files at this size (default 2048)")
         s.add_argument("--overwrite", action="store_true",
                        help="rewrite a destination that is already committed")
+        s.add_argument("--workers", type=int, default=1,
+                       help="merge worker processes, each writing its share of the tensors; "
+                            "the manifest is committed once every part is durable (default 1)")
     s = sub.add_parser("to-torch-dist", help="universal or DataStates -> Megatron torch_dist "
                                              "(iter_XXXXXXX dir)")
     s.add_argument("src")

@@ -14,6 +14,9 @@ public API, nothing else. What lives here:
   payload.py           what the engine is handed per save (this rank's main replicas), refilled
                        from the previous save's flattened form while every tensor matches it
   local_tier.py        --lazy-save-local-dir: placeholders, usability probe, pruning of old copies
+  node_local.py        node-local versions (Megatron-LM's `local` non-persistent checkpoints):
+                       nodes and their leaders, every replica written per node, which version
+                       every node holds
   paths.py             Megatron checkpoint paths: iter_XXXXXXX naming, tracker, format detection,
                        run_config.json, complete iterations (no megatron import)
   merge_sources.py, merge_plan.py, merge.py, background_merge.py
@@ -38,7 +41,7 @@ _EXPORTS = {
     # checkpointer
     "COMMIT_RESERVE_BYTES": "checkpointer", "FailurePolicy": "checkpointer",
     "LazyCheckpointer": "checkpointer", "LazySaveConfig": "checkpointer",
-    "TELEMETRY_FILENAME": "checkpointer",
+    "TELEMETRY_FILENAME": "checkpointer", "append_telemetry": "checkpointer",
     # strategies
     "BACKEND": "strategies", "DataStatesLoadStrategy": "strategies",
     "DataStatesSaveStrategy": "strategies", "DurableCommonSaveStrategy": "strategies",
@@ -54,11 +57,11 @@ _EXPORTS = {
     "OptimizerFlavor": "merge_plan", "advance_tracker": "merge", "run_merge": "merge",
     "UNIVERSAL_TELEMETRY_FILE": "merge",
     "BackgroundMerger": "background_merge", "MergeQueue": "background_merge",
-    "MergerConfig": "background_merge",
+    "MergerConfig": "background_merge", "merge_with_workers": "merge_parallel",
     "describe": "inspect", "render": "inspect", "export_hf": "hf_export",
     "Located": "resolve", "locate": "resolve", "locate_universal": "resolve",
     "UNIVERSAL_KIND": "resolve",
-    "expand_local_dir": "local_tier",
+    "expand_local_dir": "local_tier", "newest_on_every_node": "node_local",
     "PeerReplicator": "peer_replica", "RestoreStats": "peer_replica", "Ring": "peer_replica",
     "restore_before_load": "peer_replica", "needed_saved_ranks": "peer_replica",
 }

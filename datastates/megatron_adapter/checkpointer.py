@@ -6,11 +6,12 @@ the background universal merge. The trainer hands it megatron-core sharded state
 
 Call order, every rank (a collective call on all ranks unless said otherwise):
   0) `LazyCheckpointer(config, log=...)` after the process group exists; rank 0 prepares the root.
-  1) `save(iteration, sharded_state_dict, extra_shards, content_metadata)` right after optimizer
-     step i: megatron-core's `dist_checkpointing.save` with our strategy. It returns without
-     copying a tensor (small objects are serialized at once; rank 0's common.pt is written and
-     fsync'd by a background thread); megatron's validation runs only when the sharded structure
-     changed (`save_plan`); not collective beyond megatron's own and one flag while checking.
+  1) `save(iteration, sharded_state_dict, extra_shards, content_metadata, root)` right after
+     optimizer step i (`root`: the config's root, or its `non_persistent_root`): megatron-core's
+     `dist_checkpointing.save` with our strategy. It returns without copying a tensor (small
+     objects are serialized at once; rank 0's common.pt is written and fsync'd by a background
+     thread); megatron's validation runs only when the sharded structure changed
+     (`save_plan`); not collective beyond megatron's own and one flag while checking.
   2) forward/backward of iteration i+1 run while the engine copies the snapshot to its host cache
      and its writers drain the cache to storage.
   3) `before_optimizer_step()` before step i+1 waits for the snapshot only if it is not done.
@@ -18,8 +19,10 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
      all-reduce (MIN of "durable here": shards, index, marker and, on rank 0, common.pt) while a
      save is pending. Once every rank is durable:
      every rank runs megatron's finalize (rank 0 writes metadata.json, barrier); rank 0 fsyncs
-     it, writes the commit marker (`try_commit`), moves the tracker (`paths.write_tracker`),
-     calls `after_commit(iteration)` (e.g. retention), logs, and starts the background merge.
+     it, writes the commit marker (`try_commit`), moves the tracker of the save's root
+     (`paths.write_tracker`), calls `after_commit(iteration, root)` (e.g. retention), logs, and
+     starts the background merge (of the config's root only); on several nodes the first rank of
+     every other node then joins that merge with its own workers (merge_nodes.py).
   5) `finish()` before the process exits: drain and commit everything, close the engine, wait for
      the merge. A version is reported and loadable only after step 4; a crash before leaves the
      previous one as "latest".
@@ -57,7 +60,7 @@ from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_
     tracked_iteration, write_tracker
 
 __all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySaveConfig",
-           "TELEMETRY_FILENAME"]
+           "TELEMETRY_FILENAME", "append_telemetry"]
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 #: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.
@@ -110,6 +113,13 @@ class LazySaveConfig:
     peer_replica_bytes: Optional[int] = None
     """With `local_dir`: after each commit, send this rank's files to the next node of a ring,
     holding at most this many bytes of one version per rank (`peer_replica`); None: off."""
+    non_persistent_root: Optional[str] = None
+    """A second root that saves may name (Megatron-LM's non-persistent checkpoints): prepared at
+    start-up, committed and tracked like `root`, never merged to universal."""
+    non_persistent_node_local: bool = False
+    """`non_persistent_root` is this rank's node-local directory (Megatron-LM's `local` type):
+    its versions stay on each node, each rank writes all it holds, each node's leader commits
+    its node (`node_local`)."""
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -118,6 +128,8 @@ class LazySaveConfig:
             raise ValueError(f"local_keep must be >= 1, found {self.local_keep}")
         if self.peer_replica_bytes is not None and self.local_dir is None:
             raise ValueError("peer replicas are held in the node-local directory: set local_dir")
+        if self.non_persistent_node_local and self.non_persistent_root is None:
+            raise ValueError("non_persistent_node_local needs non_persistent_root")
         if self.universal_every_n is not None and self.universal_every_n <= 0:
             raise ValueError(f"universal_every_n must be positive, found {self.universal_every_n}")
 
@@ -125,6 +137,8 @@ class LazySaveConfig:
 @dataclass
 class _Pending:
     iteration: int
+    root: str  # whose tracker names it once committed
+    node_local: bool  # a node-local version (`node_local`): each node's leader commits its node
     directory: str
     request: object  # megatron AsyncRequest: its finalize functions write metadata.json
     handle: object  # datastates SaveHandle
@@ -138,7 +152,7 @@ class LazyCheckpointer:
     """Keeps a deque of saves in flight, oldest first; commits them in order (see module doc)."""
 
     def __init__(self, config: LazySaveConfig, log: Callable[[str], None] = print,
-                 after_commit: Optional[Callable[[int], None]] = None,
+                 after_commit: Optional[Callable[[int, str], None]] = None,
                  on_record: Optional[Callable[[Dict[str, Any]], None]] = None):
         self.config = config
         self.log = log
@@ -161,11 +175,22 @@ class LazyCheckpointer:
             self.replicator = PeerReplicator(config.local_dir, Ring.discover(), self.rank,
                                              config.peer_replica_bytes, log=self._warn)
         self.pending: Deque[_Pending] = deque()
-        self.durable: Dict[int, object] = {}  # save id -> this rank's SaveRecord
+        # Version directory -> this rank's SaveRecord (one iteration may be saved into two
+        # roots: e.g. the end-of-training save right after a non-persistent one).
+        self.durable: Dict[str, object] = {}
         self._wrapper = None
         self._dp_group = None
         self.plans = SavePlanCache(config.structure_policy)
         self.payloads = PayloadPlan()  # the engine's flattened payload, refilled while it matches
+        self.node = None  # this rank's node, for node-local versions
+        self.node_plans = SavePlanCache(config.structure_policy)  # node-local versions' plans
+        self.node_payloads = PayloadPlan()
+        if config.non_persistent_node_local:
+            from .node_local import discover
+
+            self.node = discover(config.non_persistent_root, self.rank)
+            if self.rank == self.node.leader:
+                prepare_root(config.non_persistent_root)
         # common.pt is serialized in the save call and written (temp, fsync, rename) here, off the
         # training thread; a version commits only once its write is done (`_files_durable`).
         self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-common")
@@ -175,48 +200,120 @@ class LazyCheckpointer:
         self._telemetry_off = False
         self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
         self.disabled = False  # FailurePolicy.CONTINUE after a failure: no more saves
-        self.universal = None  # rank 0 runs the background universal merges, when asked for
+        self.universal = None  # rank 0: the background universal merges, when asked for
+        self._merge_follower = None  # the first rank of each other node: its share of them
         if self.rank == 0:
             prepare_root(config.root)
+            if config.non_persistent_root is not None:
+                prepare_root(config.non_persistent_root)
             self._event({"event": "start", "time": time.time()})  # the timeline splits runs here
-            if config.universal_every_n:
-                from .background_merge import BackgroundMerger, MergerConfig
+        if config.universal_every_n:
+            self._start_mergers(log)
 
-                self.universal = BackgroundMerger(MergerConfig(
-                    root=config.universal_root or os.path.join(config.root, "universal"),
-                    every_n=config.universal_every_n, workers=config.universal_workers), log=log)
+    def _start_mergers(self, log: Callable[[str], None]) -> None:
+        """Collective: the first rank of every node runs a merger and its workers; rank 0's
+        decides and commits (merge_nodes.py). Nodes as the peer replicas know them (torchrun's
+        GROUP_RANK, else SLURM_NODEID), rank 0's node first; the run id is rank 0's draw. A
+        node whose first rank does not see rank 0's universal root takes no part: then only
+        rank 0's node merges, as the warning says."""
+        from . import merge_nodes
+        from .background_merge import BackgroundMerger, MergerConfig
+        from .peer_replica import node_index
 
-    def in_flight(self, iteration: int) -> bool:
-        """True when the newest save in flight is of `iteration` (e.g. the end-of-training save
-        right after an interval save)."""
-        return bool(self.pending) and self.pending[-1].iteration == iteration
+        c = self.config
+        root = c.universal_root or os.path.join(c.root, "universal")
+        run = int.from_bytes(os.urandom(4), "little") if self.rank == 0 else 0
+        unmarked = None  # rank 0 cannot write there: said in the warning, after the collectives
+        if self.rank == 0:
+            try:
+                merge_nodes.mark_start(root, f"{run:08x}")
+            except OSError as err:
+                unmarked = err
+        gathered = control_plane.all_gather_ints([node_index(), run])
+        run_id = f"{gathered[0][1]:08x}"
+        of_rank = [n for n, _ in gathered]
+        first = of_rank.index(of_rank[self.rank]) == self.rank  # the first rank of its node
+        sees = control_plane.all_gather_ints(
+            int(self.rank == 0 or not first
+                or os.path.exists(merge_nodes.start_marker(root, run_id))))
+        blind = sorted({of_rank[r] for r, ok in enumerate(sees) if not ok})
+        nodes = [of_rank[0]] + sorted(set(of_rank) - {of_rank[0]} - set(blind))
+        if blind and self.rank == 0:
+            log(f"WARNING: universal merges run on node {of_rank[0]} only: the first rank of "
+                f"node(s) {blind} does not see {merge_nodes.start_marker(root, run_id)} "
+                f"(put --universal-save on a file system every node shares)"
+                + (f"; writing it failed: {unmarked}" if unmarked else ""))
+        if not first or of_rank[self.rank] in blind:
+            return
+        merger = BackgroundMerger(MergerConfig(
+            root=root, every_n=c.universal_every_n, workers=c.universal_workers,
+            nodes=len(nodes), node=nodes.index(of_rank[self.rank]), run_id=run_id,
+            remote_timeout_s=c.drain_timeout_s), log=log if self.rank == 0 else self._warn)
+        if self.rank == 0:
+            self.universal = merger
+        else:
+            self._merge_follower = merger
+
+    def in_flight(self, iteration: int, root: Optional[str] = None) -> bool:
+        """True when the newest save in flight is of `iteration` into `root` (None: the
+        config's), e.g. the end-of-training save right after an interval save."""
+        return (bool(self.pending) and self.pending[-1].iteration == iteration
+                and self.pending[-1].root == (root or self.config.root))
 
     # -- 1) after optimizer step i ------------------------------------------------------------
     def save(self, iteration: int, sharded_state_dict: Any,
              extra_shards: Sequence[TensorShard] = (),
-             content_metadata: Optional[dict] = None) -> None:
+             content_metadata: Optional[dict] = None, root: Optional[str] = None) -> None:
         from megatron.core import dist_checkpointing, parallel_state
 
         from .strategies import durable_common_save, quiet_overwrite_warning, save_strategy
 
         t0, wall0 = time.perf_counter(), time.time()
-        directory = checkpoint_dir(self.config.root, iteration)
+        root = root or self.config.root
+        if root not in (self.config.root, self.config.non_persistent_root):
+            raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
+                             f"non-persistent root {self.config.non_persistent_root}")
+        if any(q.iteration == iteration for q in self.pending):
+            # The same iteration into the other root (e.g. the end-of-training save right after
+            # a non-persistent one): both would name the same node-local copy
+            # (`layout.local_version_dir`), so the first is committed before the second starts.
+            self._apply_policy(lambda: self._commit_ready(blocking=True))
+            if self.disabled:
+                return
+        directory = checkpoint_dir(root, iteration)
+        node_local = root == self.config.non_persistent_root and self.node is not None
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if self.rank == 0:
+        writer = self.rank == (self.node.leader if node_local else 0)  # common.pt, spares
+        if writer:
             self._prepare_directory(directory)
-        # After rank 0's spares: when the plan is reused, the plan check's all-reduce is what
-        # orders them before any rank's shard bytes (StructurePolicy.ASSUME_CONSTANT has none).
-        plan = self.plans.prepare(sharded_state_dict, extra_shards)
-        if not plan.reuse_distribution:
-            self._wrapper = None  # its cached distribution belongs to the previous structure
-            self.payloads.forget()
-        strategy, base = save_strategy(
-            self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
-            self._wrapper, extra_shards=extra_shards, payload_plan=self.payloads,
-            defer_copies=True)
-        if strategy is not base:
-            self._wrapper = strategy
+        payloads = self.node_payloads if node_local else self.payloads
+        if node_local:  # every rank writes all it holds, its node's leader the small files
+            from .node_local import claim_every_replica
+
+            claim_every_replica(sharded_state_dict)
+            plan = self.node_plans.prepare(sharded_state_dict, extra_shards)
+            if not plan.reuse_distribution:
+                payloads.forget()
+            strategy, base = save_strategy(self.engine, iteration, None, None,
+                                           extra_shards=extra_shards, payload_plan=payloads,
+                                           defer_copies=True)
+            validate = False  # replicas are written on purpose, once per node at least
+        else:
+            # After rank 0's spares: when the plan is reused, the plan check's all-reduce is
+            # what orders them before any rank's shard bytes (ASSUME_CONSTANT has none).
+            plan = self.plans.prepare(sharded_state_dict, extra_shards)
+            if not plan.reuse_distribution:
+                self._wrapper = None  # its cached distribution belongs to the previous structure
+                payloads.forget()
+            strategy, base = save_strategy(
+                self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
+                self._wrapper, extra_shards=extra_shards, payload_plan=payloads,
+                defer_copies=True)
+            if strategy is not base:
+                self._wrapper = strategy
+            validate = plan.validate
+        plans = self.node_plans if node_local else self.plans
         request = None
         serialized: List[tuple] = []  # (path, bytes) of common.pt, written once the call is done
 
@@ -229,26 +326,26 @@ class LazyCheckpointer:
             # so the failure is recorded and agreed on in poll() instead of raised (the others
             # would wait for us). common.pt is fsync'd (a full disk is an ENOSPC OSError);
             # megatron's overwrite warning is replaced by the check above.
-            with durable_common_save(defer), quiet_overwrite_warning():
+            with durable_common_save(defer, writes=writer), quiet_overwrite_warning():
                 request = dist_checkpointing.save(sharded_state_dict, directory,
                                                   sharded_strategy=strategy,
                                                   async_sharded_save=True,
-                                                  validate_access_integrity=plan.validate,
+                                                  validate_access_integrity=validate,
                                                   content_metadata=content_metadata)
-            self.plans.confirm()
+            plans.confirm()
         except (OSError, RuntimeError, CheckpointError) as err:
             self._local_errors.append(err)
-            self.plans.forget()
-            self.payloads.forget()
+            plans.forget()
+            payloads.forget()
         except BaseException:
-            self.plans.forget()
-            self.payloads.forget()
+            plans.forget()
+            payloads.forget()
             raise
         # Started last: background threads' wake-ups would take the GIL from the rest of this
         # call (the tensors are not mutated before `before_optimizer_step` either way).
         files = [self._files.submit(atomic_write, path, data) for path, data in serialized]
         self.engine.start_copies()
-        self.pending.append(_Pending(iteration, directory, request, base.handle,
+        self.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files))
 
     def _prepare_directory(self, directory: str) -> None:
@@ -285,8 +382,9 @@ class LazyCheckpointer:
             self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
         if self.pending:
             self._apply_policy(lambda: self._commit_ready(blocking=False))
-        if self.universal is not None:
-            self.universal.poll()
+        for merger in (self.universal, self._merge_follower):
+            if merger is not None:
+                merger.poll()
 
     # -- 5) at exit --------------------------------------------------------------------------
     def finish(self) -> None:
@@ -302,8 +400,9 @@ class LazyCheckpointer:
                 self._close_engine()
             finally:
                 self._files.shutdown(wait=False, cancel_futures=True)
-                if self.universal is not None:
-                    self.universal.wait()  # no merge process outlives the run
+                for merger in (self.universal, self._merge_follower):
+                    if merger is not None:
+                        merger.wait()  # no merge process outlives the run
 
     # -- internals -----------------------------------------------------------------------------
     def _agree_local_dir_usable(self, local_dir: str) -> None:
@@ -396,7 +495,7 @@ class LazyCheckpointer:
             return bool(agreed)
         failed = control_plane.all_gather_ints(1 if err is not None else 0)
         ranks = [r for r, f in enumerate(failed) if f]
-        root = self.config.root
+        root = p.root
         msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
                + (": " + "; then: ".join(dict.fromkeys(str(e) for e in self._local_errors))
                   if err is not None else "") + _free_space(root, self.config.local_dir)
@@ -407,23 +506,25 @@ class LazyCheckpointer:
 
     def _commit_ready(self, blocking: bool) -> None:
         for record in self._guard(self.engine.poll) or []:
-            self.durable[record.step] = record
+            self.durable[os.path.normpath(record.directory)] = record
         while self.pending:
             head = self.pending[0]
-            if (blocking and head.iteration not in self.durable and head.handle is not None
+            key = os.path.normpath(head.directory)
+            if (blocking and key not in self.durable and head.handle is not None
                     and not self._local_errors):
                 wait = lambda: self.engine.wait_for_durable(  # noqa: E731
                     head.handle, timeout=self.config.drain_timeout_s)
                 for record in self._guard(wait) or []:
-                    self.durable[record.step] = record
-            if not self._agree(head, head.iteration in self.durable
+                    self.durable[os.path.normpath(record.directory)] = record
+            if not self._agree(head, key in self.durable
                                and self._files_durable(head, blocking)):
                 return
             self.pending.popleft()
-            self._commit(head, self.durable.pop(head.iteration))
+            self._commit(head, self.durable.pop(key))
 
     def _commit(self, p: _Pending, record) -> None:
-        if self.rank == 0:
+        publishes = self.rank == 0 or (p.node_local and self.rank == self.node.leader)
+        if publishes:
             release_spare(os.path.join(p.directory, METADATA_FILENAME))
         try:
             for fn in p.request.finalize_fns:  # rank 0 writes metadata.json; barrier
@@ -435,35 +536,46 @@ class LazyCheckpointer:
             self._local_errors.append(err)
             dist.barrier()  # the one megatron's finalize would have reached (its group)
         stats = self._gather_stats(p, record)
-        if self.rank == 0 and not self._local_errors:
+        if publishes and not self._local_errors:
             try:
+                if self.rank != 0:  # megatron's finalize wrote rank 0's node's only
+                    from .strategies import write_metadata
+
+                    write_metadata(p.directory)
                 self._publish(p, stats)
             except (OSError, CheckpointError) as err:
                 self._local_errors.append(err)
         self._agree(p, True)  # a failed commit raises on every rank, like a failed flush
+        if p.node_local:
+            return  # the shared versions' local copies and replicas are not touched
         self._last_committed = p.iteration
+        if self._merge_follower is not None and p.root == self.config.root:  # as rank 0's
+            self._merge_follower.on_commit(p.iteration, p.directory)
         if self.replicator is not None:  # before pruning: the thread reads this version's files
             self.replicator.on_commit(p.iteration)
         if self.config.local_dir is not None:
             self._prune_local(p.iteration)
 
     def _publish(self, p: _Pending, stats: Dict[str, float]) -> None:
-        """Rank 0: commit marker, then tracker (then `after_commit`), then the report."""
+        """Rank 0 (and, for a node-local version, every node's leader for its node): commit
+        marker, then tracker (then `after_commit`); rank 0 then reports."""
         fault_point("commit", p.iteration, self.rank)
         # megatron's finalize writes metadata.json without fsync (common.pt is written durably
         # by `durable_common_save`); the commit marker must not reach the disk before it.
         metadata = os.path.join(p.directory, METADATA_FILENAME)
         if os.path.exists(metadata):
             fsync_file(metadata)
-        if not try_commit(p.directory, self.world):
+        if not try_commit(p.directory, self.world, self.node.ranks if p.node_local else None):
             raise CheckpointError("every rank reported its shards durable but the rank markers "
-                                  "are not all valid", rank=0, file=p.directory)
+                                  "are not all valid", rank=self.rank, file=p.directory)
         fault_point("tracker", p.iteration, self.rank)
-        write_tracker(self.config.root, p.iteration, self.config.run_config_json)
+        write_tracker(p.root, p.iteration, self.config.run_config_json)
         if self.after_commit is not None:
-            self.after_commit(p.iteration)
+            self.after_commit(p.iteration, p.root)
+        if self.rank != 0:
+            return
         self._log(p, stats)
-        if self.universal is not None:  # a failure to start the merge is agreed on like others
+        if self.universal is not None and p.root == self.config.root:  # failures are agreed on
             self.universal.on_commit(p.iteration, p.directory)
 
     def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
@@ -495,14 +607,21 @@ class LazyCheckpointer:
         tool draws both)."""
         if self._telemetry_off:
             return
-        path = os.path.join(self.config.root, TELEMETRY_FILENAME)
         try:
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_telemetry(self.config.root, record)
         except OSError as err:  # e.g. the disk that just filled up: telemetry never stops training
             self._telemetry_off = True
+            path = os.path.join(self.config.root, TELEMETRY_FILENAME)
             self.log(f"WARNING: cannot append to {path} ({err}); checkpoint telemetry is off for "
                      "the rest of this run")
+
+
+def append_telemetry(root: str, record: Dict[str, Any]) -> None:
+    """Append one event (a JSON line) to ROOT's telemetry file, which the timeline tool and the
+    benchmarks read; raises OSError (the caller decides whether that stops anything)."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, TELEMETRY_FILENAME), "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _state_of(p: _Pending, root: str) -> str:

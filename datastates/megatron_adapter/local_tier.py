@@ -21,16 +21,18 @@ __all__ = ["check_usable", "expand", "local_iterations", "prune", "remove_rank_f
 FLAG = "--lazy-save-local-dir"
 
 
-def expand(template: str, rank: int, env: Optional[Mapping[str, str]] = None) -> str:
+def expand(template: str, rank: int, env: Optional[Mapping[str, str]] = None,
+           flag: str = FLAG) -> str:
     """`template` with {rank} (global rank), {local_rank}, {node} (node index: torchrun's
-    GROUP_RANK, else Slurm's SLURM_NODEID, else 0) and {host} (host name) filled in."""
+    GROUP_RANK, else Slurm's SLURM_NODEID, else 0) and {host} (host name) filled in; an error
+    names `flag`, the option the template came from."""
     env = os.environ if env is None else env
     node = env.get("GROUP_RANK", env.get("SLURM_NODEID", "0"))
     try:
         return template.format(rank=rank, local_rank=env.get("LOCAL_RANK", "0"), node=node,
                                host=socket.gethostname())
     except (KeyError, IndexError, ValueError) as err:
-        raise CheckpointError(f"{FLAG} {template!r}: unknown or malformed placeholder ({err}); "
+        raise CheckpointError(f"{flag} {template!r}: unknown or malformed placeholder ({err}); "
                               "expected only {rank}, {local_rank}, {node} or {host}") from None
 
 

@@ -6,10 +6,12 @@ each with one JSON line on stdout, in order; everything else it prints goes to s
 
   {"id": 1, "op": "merge", "source": DIR, "output": DIR, "root": ROOT, "max_file_bytes": N,
    "max_bytes_per_s": R}            the whole merge, committed (merge.run_merge)
-  {"id": 2, "op": "part", "source": DIR, "tmp": DIR, "part": k, "parts": K, "max_file_bytes": N,
-   "max_bytes_per_s": R}            part k of a parallel merge (universal.parts.write_part)
-  {"id": 3, "op": "commit", "source": DIR, "output": DIR, "tmp": DIR, "parts": K, "root": ROOT,
-   "max_file_bytes": N, "started": T}  commit the K durable parts (universal.parts.commit_parts)
+  {"id": 2, "op": "part", "source": DIR, "tmp": DIR, "part": k, "parts": P, "max_file_bytes": N,
+   "max_bytes_per_s": R, "create": false}  part k of a parallel merge of P parts
+                                    (universal.parts.write_part; create: make tmp if missing)
+  {"id": 3, "op": "commit", "source": DIR, "output": DIR, "tmp": DIR, "parts": P, "nodes": N,
+   "root": ROOT, "max_file_bytes": N, "started": T}  commit the P durable parts
+                                    (universal.parts.commit_parts)
 
   answer: {"id": ..., "ok": true, "result": {...}, "line": "..."} or {"id": ..., "ok": false,
   "error": "..."}
@@ -49,19 +51,21 @@ def handle(req: dict) -> dict:
         r = run_merge(req["source"], req["output"], req.get("root"),
                       max_bytes_per_s=req.get("max_bytes_per_s"), **size)
         return {"result": r.to_json(), "line": log_line(r)}
-    source = open_source(req["source"])
+    source = open_source(req["source"], allow_unsafe_pickle=bool(req.get("allow_unsafe_pickle")))
     try:
         if op == "part":
             t0 = time.perf_counter()
             n = write_part(source, req["tmp"], int(req["part"]), int(req["parts"]),
-                           max_bytes_per_s=req.get("max_bytes_per_s"), **size)
+                           max_bytes_per_s=req.get("max_bytes_per_s"),
+                           create=bool(req.get("create", True)), **size)
             return {"result": {"bytes": n, "seconds": time.perf_counter() - t0}}
         if op == "commit":
             r = commit_parts(source, req["tmp"], req["output"], int(req["parts"]), **size)
             if "started" in req and not r.skipped:  # the whole parallel merge, not this step
                 r = dataclasses.replace(r, seconds=time.time() - float(req["started"]))
             if req.get("root"):
-                record(req["root"], r, req["source"], parts=int(req["parts"]))
+                record(req["root"], r, req["source"], parts=int(req["parts"]),
+                       nodes=int(req.get("nodes", 1)))
             return {"result": r.to_json(), "line": log_line(r)}
     finally:
         source.close()

@@ -126,15 +126,19 @@ class DurableCommonSaveStrategy(TorchCommonSaveStrategy):
     `torch.save` to a path reports it as "[enforce fail at inline_container.cc] unexpected pos".
     With `defer`, the bytes are serialized in the call (the state as of the save) and
     `defer(path, data)` is asked to write them durably, e.g. on a background thread whose
-    completion the caller awaits before committing the version."""
+    completion the caller awaits before committing the version. `writes` says whether this rank
+    writes it (default: rank 0; a node-local version: each node's leader)."""
 
     def __init__(self, backend: str, version: int,
-                 defer: Optional[Callable[[str, bytes], None]] = None):
+                 defer: Optional[Callable[[str, bytes], None]] = None,
+                 writes: Optional[bool] = None):
         super().__init__(backend, version)
         self.defer = defer
+        self.writes = writes
 
     def save_common(self, common_state_dict, checkpoint_dir) -> None:
-        if torch.distributed.get_rank() != 0:
+        writes = torch.distributed.get_rank() == 0 if self.writes is None else self.writes
+        if not writes:
             return
         buf = io.BytesIO()
         torch.save(common_state_dict, buf)
@@ -145,16 +149,25 @@ class DurableCommonSaveStrategy(TorchCommonSaveStrategy):
             fileio.atomic_write(path, buf.getbuffer())
 
 
+def write_metadata(checkpoint_dir: str) -> None:
+    """metadata.json as megatron's save finalize writes it for our backend (on rank 0 only): for
+    the other leaders of a node-local version."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    save_config(CheckpointingConfig(BACKEND, BACKEND_VERSION), checkpoint_dir)
+
+
 @contextlib.contextmanager
-def durable_common_save(defer: Optional[Callable[[str, bytes], None]] = None) -> Iterator[None]:
+def durable_common_save(defer: Optional[Callable[[str, bytes], None]] = None,
+                        writes: Optional[bool] = None) -> Iterator[None]:
     """Within the block, `dist_checkpointing.save` writes common.pt with
-    `DurableCommonSaveStrategy(defer=defer)` (megatron-core 0.16.1 refuses an explicit
-    `common_strategy` argument and looks the default up in its registry on every save). Restored
-    on exit, so saves outside our lazy path keep megatron's own behaviour."""
+    `DurableCommonSaveStrategy(defer=defer, writes=writes)` (megatron-core 0.16.1 refuses an
+    explicit `common_strategy` argument and looks the default up in its registry on every save).
+    Restored on exit, so saves outside our lazy path keep megatron's own behaviour."""
     table = default_strategies[StrategyAction.SAVE_COMMON.value]
     key = ("torch", 1)
     previous = table[key]  # registered when megatron's strategies package is imported
-    table[key] = DurableCommonSaveStrategy("torch", 1, defer)
+    table[key] = DurableCommonSaveStrategy("torch", 1, defer, writes)
     try:
         yield
     finally:

@@ -5,7 +5,7 @@ bytes; the plan depends only on the source's tensor table, so every worker, on a
 the source and the output directory, computes the same one). Order:
   1) each worker k (`write_part`) writes its files into the shared temporary directory ``tmp``
      (``<dst>.tmp-<tag>``), each fsynced, then its part record ``PART-<k>.json`` (the checksums of
-     its tensors), fsynced, and fsyncs the directory;
+     its tensors), atomically (temporary file, fsync, rename, directory fsync);
   2) once every worker has reported its part, one process (`commit_parts`) checks that the
      records of all `parts` parts are there and cover every tensor, removes them, writes the
      index, the manifest and the commit marker (`writer.finish`) and renames ``tmp`` to ``dst``.
@@ -22,11 +22,11 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
-from ..fileio import fsync_dir, hold_for_reading, read_confined
+from ..fileio import atomic_write, hold_for_reading, read_confined
 from .format import Entry, is_committed, shard_file_name
 from .tensor_files import CHUNK_BYTES
 from .writer import (DEFAULT_MAX_FILE_BYTES, MergeResult, MergeSource, encode_objects, finish,
-                     group_files, publish, write_json, write_tensors)
+                     group_files, publish, write_tensors)
 
 Files = List[Tuple[str, List[Entry]]]
 
@@ -59,19 +59,26 @@ def plan_parts(entries: List[Entry], parts: int,
 
 def write_part(source: MergeSource, tmp: str, part: int, parts: int, *,
                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-               max_bytes_per_s: Optional[float] = None, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Step 1) for worker `part` of `parts`; returns the bytes it wrote."""
+               max_bytes_per_s: Optional[float] = None, chunk_bytes: int = CHUNK_BYTES,
+               create: bool = True) -> int:
+    """Step 1) for worker `part` of `parts`; returns the bytes it wrote. `create=False`: `tmp`
+    must exist already (made by the coordinator; a merge it abandoned and removed then fails
+    here instead of leaving a directory nobody removes). The part record appears atomically, so
+    another process (on another node) may take its existence as the part being durable."""
     t0 = time.perf_counter()
     with hold_for_reading(source.directory):
         files = plan_parts(source.entries(), parts, max_file_bytes)[part]
-        os.makedirs(tmp, exist_ok=True)
+        if create:
+            os.makedirs(tmp, exist_ok=True)
+        elif not os.path.isdir(tmp):
+            raise CheckpointError("the merge's temporary directory is gone (the merge was "
+                                  "abandoned)", file=tmp)
         nbytes = sum(e.nbytes for _, g in files for e in g)
         crcs = write_tensors(source, tmp, files, nbytes, t0, max_bytes_per_s=max_bytes_per_s,
                              chunk_bytes=chunk_bytes)
-        write_json(part_record(tmp, part), {"part": part, "parts": parts,
-                                            "chunk_bytes": chunk_bytes, "crc32c": crcs,
-                                            "files": [name for name, _ in files]})
-        fsync_dir(tmp)
+        doc = {"part": part, "parts": parts, "chunk_bytes": chunk_bytes, "crc32c": crcs,
+               "files": [name for name, _ in files]}
+        atomic_write(part_record(tmp, part), json.dumps(doc, sort_keys=True).encode())
     return nbytes
 
 
@@ -95,9 +102,10 @@ def _read_records(tmp: str, parts: int, chunk_bytes: int) -> Dict[str, List[int]
 
 def commit_parts(source: MergeSource, tmp: str, dst: str, parts: int, *,
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                 chunk_bytes: int = CHUNK_BYTES) -> MergeResult:
-    """Step 2): commit the universal checkpoint whose `parts` parts are durable in `tmp`. On any
-    error `tmp` is removed and nothing is committed."""
+                 chunk_bytes: int = CHUNK_BYTES, overwrite: bool = False) -> MergeResult:
+    """Step 2): commit the universal checkpoint whose `parts` parts are durable in `tmp` (one
+    committed at `dst` meanwhile is kept unless `overwrite`). On any error `tmp` is removed and
+    nothing is committed."""
     t0 = time.perf_counter()
     dst = os.path.abspath(dst)
     try:
@@ -118,7 +126,7 @@ def commit_parts(source: MergeSource, tmp: str, dst: str, parts: int, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if is_committed(dst):
+    if is_committed(dst) and not overwrite:
         shutil.rmtree(tmp, ignore_errors=True)  # another merge committed it meanwhile
         return MergeResult(dst, source.iteration(), 0, time.perf_counter() - t0, skipped=True)
     publish(tmp, dst)

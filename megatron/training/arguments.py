@@ -286,17 +286,35 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="each data-parallel rank reads a part of the replicated shards and they "
                         "exchange the rest (megatron-core's exchange runs on CUDA tensors: GPU "
                         "runs only)")
-    for flag in ("--non-persistent-save-interval", "--non-persistent-ckpt-type",
-                 "--non-persistent-global-ckpt-dir", "--non-persistent-local-ckpt-dir"):
-        g.add_argument(flag, default=None,
-                       help="Megatron-LM non-persistent checkpoints: not supported (an error "
-                            "names the alternative: --async-lazy-save with "
-                            "--lazy-save-local-dir)")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="Megatron-LM's non-persistent checkpoints: also save every N iterations "
+                        "where no --save-interval save is due, into the non-persistent root, "
+                        "which keeps only the newest one (needs --non-persistent-ckpt-type)")
+    g.add_argument("--non-persistent-ckpt-type", choices=["global", "local", "in_memory"],
+                   default=None,
+                   help="global: the non-persistent root is a directory on the shared file "
+                        "system (--non-persistent-global-ckpt-dir), any format; local: each "
+                        "node's own storage (--non-persistent-local-ckpt-dir), never copied to "
+                        "the shared file system, with --async-lazy-save. --load resumes from it "
+                        "when it is at least as new as --load's tracker (local: on every node). "
+                        "in_memory is not supported")
+    g.add_argument("--non-persistent-global-ckpt-dir", default=None,
+                   help="root of global non-persistent checkpoints (default: <save>/"
+                        "non_persistent when saving, <load>/non_persistent when loading)")
+    g.add_argument("--non-persistent-local-ckpt-dir", default=None,
+                   help="node-local root of --non-persistent-ckpt-type local checkpoints "
+                        "(placeholders {node}, {rank}, {local_rank}, {host}); it must not be "
+                        "shared between nodes")
+    g.add_argument("--non-persistent-local-ckpt-algo", choices=["fully_parallel", "atomic"],
+                   default=None,
+                   help="accepted for Megatron-LM launch lines; no effect: DataStates' local "
+                        "saves are asynchronous and every version is committed atomically")
     g.add_argument("--universal-checkpoint-interval", type=int, default=None,
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")
     g.add_argument("--universal-merge-workers", type=int, default=1,
-                   help="merge worker processes (started once per run on rank 0): each writes "
+                   help="merge worker processes per node (started once per run by the first "
+                        "rank of each node): each writes "
                         "the safetensors files of its share of the tensors; the manifest is "
                         "committed once every part is durable")
     g.add_argument("--universal-save", type=str, default=None,
@@ -511,12 +529,50 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
         _require(cuda_available(), "--ckpt-fully-parallel-load needs CUDA: megatron-core "
                  "exchanges the loaded shards between data-parallel ranks as CUDA tensors; drop "
                  "the flag on CPU")
-    given = _flags(a, ("non_persistent_save_interval", "non_persistent_ckpt_type",
-                       "non_persistent_global_ckpt_dir", "non_persistent_local_ckpt_dir"))
-    _require(not given, f"{', '.join(given)}: Megatron-LM's non-persistent checkpoints are not "
-             "supported. For frequent checkpoints on node-local storage use --async-lazy-save "
-             "--save-interval N --lazy-save-local-dir DIR (--lazy-save-local-keep K): each one is "
-             "durable locally first and migrated to --save in the background")
+    _check_non_persistent_flags(a)
+
+
+def _check_non_persistent_flags(a: argparse.Namespace) -> None:
+    """Megatron-LM's non-persistent checkpoints: `global` is a second save root; `local` keeps
+    DataStates versions on each node's storage; `in_memory` (Megatron-LM's is a placeholder) has
+    no equivalent."""
+    kind = a.non_persistent_ckpt_type
+    _require(kind != "in_memory", "--non-persistent-ckpt-type in_memory is not supported (nor "
+             "implemented by Megatron-LM); use local (each node's storage, with "
+             "--async-lazy-save) or global")
+    if kind == "local":
+        _require(a.async_lazy_save, "--non-persistent-ckpt-type local keeps DataStates versions "
+                 "on each node's storage: add --async-lazy-save (or use "
+                 "--non-persistent-ckpt-type global with this format)")
+        _require(a.non_persistent_local_ckpt_dir is not None, "--non-persistent-ckpt-type local "
+                 "needs --non-persistent-local-ckpt-dir DIR (a node-local path, e.g. "
+                 "/local_disk/ckpt or /dev/shm/ckpt-{node})")
+        from datastates.megatron_adapter import expand_local_dir
+
+        try:
+            expand_local_dir(a.non_persistent_local_ckpt_dir, 0,
+                             flag="--non-persistent-local-ckpt-dir")
+        except Exception as err:  # noqa: BLE001 - a CheckpointError naming the placeholder
+            _require(False, getattr(err, "reason", str(err)))
+    for flag in _flags(a, ("non_persistent_local_ckpt_dir", "non_persistent_local_ckpt_algo")):
+        _require(kind == "local", f"{flag} needs --non-persistent-ckpt-type local")
+    interval = a.non_persistent_save_interval
+    if interval is not None:
+        _require(interval > 0, f"--non-persistent-save-interval must be >= 1, got {interval}")
+        _require(kind is not None, "--non-persistent-save-interval needs "
+                 "--non-persistent-ckpt-type global or local (Megatron-LM fails at the first "
+                 "non-persistent save without a type)")
+        if a.save is None:
+            _warn("--non-persistent-save-interval without --save: nothing is saved (as "
+                  "Megatron-LM)")
+    if a.non_persistent_global_ckpt_dir is not None:
+        _require(kind == "global", "--non-persistent-global-ckpt-dir needs "
+                 "--non-persistent-ckpt-type global")
+        for flag, root in (("--save", a.save), ("--load", a.load)):
+            _require(root is None or os.path.realpath(root) != os.path.realpath(
+                a.non_persistent_global_ckpt_dir), f"--non-persistent-global-ckpt-dir must "
+                f"differ from {flag} ({root}): each root has its own tracker and the "
+                "non-persistent one keeps only its newest checkpoint")
 
 
 def _warn(message: str) -> None:
@@ -858,6 +914,10 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lazy_save_peer_replica=a.lazy_save_peer_replica,
         lazy_save_peer_replica_mb=a.lazy_save_peer_replica_mb,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
+        non_persistent_save_interval=a.non_persistent_save_interval,
+        non_persistent_ckpt_type=a.non_persistent_ckpt_type,
+        non_persistent_global_ckpt_dir=a.non_persistent_global_ckpt_dir,
+        non_persistent_local_ckpt_dir=a.non_persistent_local_ckpt_dir,
         ckpt_fully_parallel_save=a.ckpt_fully_parallel_save,
         ckpt_assume_constant_structure=a.ckpt_assume_constant_structure,
         ckpt_fully_parallel_load=a.ckpt_fully_parallel_load,

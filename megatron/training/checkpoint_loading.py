@@ -17,11 +17,12 @@ import torch.distributed as dist
 import datastates
 from datastates import control_plane
 from datastates.fileio import safe_join
-from datastates.megatron_adapter import load_strategies, paths
+from datastates.megatron_adapter import expand_local_dir, load_strategies, \
+    newest_on_every_node, paths
 from datastates.safe_load import UnsafePickleError
 from datastates.universal import is_universal
 
-from megatron.training import upstream_compat
+from megatron.training import distopt_shards, upstream_compat
 from megatron.training.checkpoint_contents import (
     CheckpointError,
     RngLayout,
@@ -80,32 +81,33 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     ``dist_checkpointing.load`` for a custom strategy (torch_dist layout assumed).
     """
     ckpt = config.checkpoint
-    if ckpt.load is None:
+    root = resume_root(config)
+    if root is None:
         return False
-    if not os.path.isdir(ckpt.load):
+    if not os.path.isdir(root):
         # Megatron-LM's behaviour: nothing to load is a warning, not an error.
-        print_rank_0(f"WARNING: --load directory {ckpt.load} does not exist: no checkpoint to "
+        print_rank_0(f"WARNING: --load directory {root} does not exist: no checkpoint to "
                      "load, starting from scratch")
         return False
-    if _load_if_universal(state, config, ckpt.load):  # --load names a universal checkpoint
+    if _load_if_universal(state, config, root):  # --load names a universal checkpoint
         return True
-    if not os.path.isfile(os.path.join(ckpt.load, paths.TRACKER_FILENAME)):
+    if not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
         # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
-        print_rank_0(f"no {paths.TRACKER_FILENAME} in {ckpt.load}: no complete checkpoint there "
+        print_rank_0(f"no {paths.TRACKER_FILENAME} in {root}: no complete checkpoint there "
                      "yet, starting from scratch")
         return False
-    release = paths.tracker_names_release(ckpt.load)
+    release = paths.tracker_names_release(root)
     if release:  # Megatron-LM's released weights: iteration 0, no optimizer or RNG state
         iteration = 0
-        directory = safe_join(ckpt.load, paths.RELEASE_DIRNAME, what=paths.TRACKER_FILENAME)
+        directory = safe_join(root, paths.RELEASE_DIRNAME, what=paths.TRACKER_FILENAME)
     else:
-        iteration = _read_tracker(ckpt.load)
+        iteration = _read_tracker(root)
         if ckpt.ckpt_fallback_to_previous:  # universal roots too: their checksums are verified
-            iteration = newest_intact(ckpt.load, iteration, config)
-        directory = paths.checkpoint_dir(ckpt.load, iteration)
+            root, iteration = _newest_intact(root, iteration, config)
+        directory = paths.checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
         raise CheckpointError(f"tracker names {os.path.basename(directory)} but {directory} is "
-                              "missing" + _hint(directory), path=ckpt.load)
+                              "missing" + _hint(directory), path=root)
     if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
         return True
     # DataStates checkpoints load through dist_checkpointing like torch_dist ones.
@@ -148,12 +150,21 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                                                              run_layout, directory)
     if load_optim and config.parallel.use_distributed_optimizer:
         init_distributed_optimizer_state(state.optimizer)
+    # A node-local version holds only its node's ranks' pieces of the distributed optimizer's
+    # state: each rank reads back its own boxes instead of megatron's whole TP-local tensors.
+    node_local = root != ckpt.load and ckpt.non_persistent_ckpt_type == "local"
+    own_boxes = (node_local and load_optim and config.parallel.use_distributed_optimizer
+                 and distopt_shards.supported(state.optimizer))
     if fmt is CkptFormat.TORCH_DIST:
-        sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
+        sd = build_sharded_state_dict(state, config, is_loading=True,
+                                      include_optim=load_optim and not own_boxes,
                                       include_rng=load_rng, optimizer_metadata=optimizer_metadata,
                                       rng_layout=rng_layout)
-        peers = restore_peer_copies(config, directory, sd)  # --lazy-save-peer-replica
-        loaded = _load_torch_dist(sd, directory, loader, unsafe, local_dir_of_this_rank(config),
+        # A node-local version is read from this node's directory alone; the peer replicas and
+        # --lazy-save-local-dir copies are of --save's versions.
+        peers = None if node_local else restore_peer_copies(config, directory, sd)
+        loaded = _load_torch_dist(sd, directory, loader, unsafe,
+                                  None if node_local else local_dir_of_this_rank(config),
                                   ckpt.ckpt_fully_parallel_load,
                                   on_read=None if peers is None else peers.report)
         if megatron_lm is not None:
@@ -161,9 +172,21 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     else:
         loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
                                  unsafe)
+    if own_boxes:  # param groups, step, scaler here; the parameter state from the boxes below
+        for key in ("param_state", "param_state_sharding_type"):
+            loaded["optimizer"].pop(key, None)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                                    finetune=ckpt.finetune,
                                    schedule=config.optimizer.scheduler_on_resume, path=directory)
+    if own_boxes:
+        model_sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=False,
+                                            include_rng=False)
+        try:
+            with datastates.CheckpointReader(directory) as reader:
+                distopt_shards.load_own_boxes(state.optimizer, model_sd, reader.read)
+        except datastates.CheckpointError as err:
+            raise CheckpointError(f"could not load the distributed optimizer's state: {err}"
+                                  + _hint(directory), path=directory) from err
     if release:
         state.iteration = 0
     if note:
@@ -206,6 +229,60 @@ def timed_load_checkpoint(state: TrainState, config: RunConfig,
                  f"{nbytes / slowest / 1e9 if slowest > 0 else 0.0:.3f}")
     metrics.load(state.iteration, slowest, nbytes)
     return True
+
+
+def resume_root(config: RunConfig) -> Optional[str]:
+    """--load, or the non-persistent root when its tracker names an iteration at least as new as
+    --load's, as Megatron-LM decides; None: no root. Every rank (collective for the local type,
+    whose root is this rank's node's, taken only when every node holds the same version)."""
+    ckpt = config.checkpoint
+    non_persistent = ckpt.non_persistent_root(ckpt.load)
+    if non_persistent and ckpt.non_persistent_ckpt_type == "local":
+        non_persistent = expand_local_dir(non_persistent, dist.get_rank(),
+                                          flag="--non-persistent-local-ckpt-dir")
+        newer, lacking = newest_on_every_node(
+            non_persistent, dist.get_rank(), accept=lambda root: _same_layout_at(root, config))
+        if lacking and len(lacking) < dist.get_world_size():
+            print_rank_0(f"node-local non-persistent checkpoints: rank(s) {lacking} do not hold "
+                         "the newest one on their node (or hold it for another parallel "
+                         "layout): not loading them")
+    else:
+        newer = paths.tracked_iteration(non_persistent) if non_persistent else None
+    if newer is None:
+        return ckpt.load
+    persistent = paths.tracked_iteration(ckpt.load) if ckpt.load else None
+    if persistent is not None and newer < persistent:
+        print_rank_0(f"non-persistent checkpoint (iteration {newer} in {non_persistent}) is older "
+                     f"than the persistent one (iteration {persistent}): loading {ckpt.load}")
+        return ckpt.load
+    print_rank_0(f"loading the non-persistent checkpoint of iteration {newer} from "
+                 f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
+                                          else f"persistent: iteration {persistent}") + ")")
+    return non_persistent
+
+
+def _same_layout_at(root: str, config: RunConfig) -> bool:
+    """Whether the run config beside `root`'s tracker was saved at this run's parallel layout (a
+    node-local version loads only there: each rank reads its own files)."""
+    try:
+        with open(os.path.join(root, paths.RUN_CONFIG_FILENAME)) as f:
+            return _layout_of(json.load(f)) == parallel_layout(config)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _newest_intact(root: str, iteration: int, config: RunConfig):
+    """--ckpt-fallback-to-previous: (root, newest intact iteration <= `iteration` there); a
+    non-persistent root with none intact falls back to --load's newest intact checkpoint."""
+    ckpt = config.checkpoint
+    try:
+        return root, newest_intact(root, iteration, config)
+    except CheckpointError as err:
+        persistent = paths.tracked_iteration(ckpt.load) if ckpt.load else None
+        if root == ckpt.load or persistent is None:
+            raise
+        print_rank_0(f"WARNING: {err}; --ckpt-fallback-to-previous: trying {ckpt.load} instead")
+        return ckpt.load, newest_intact(ckpt.load, persistent, config)
 
 
 def _read_tracker(root: str) -> int:

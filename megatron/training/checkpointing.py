@@ -60,13 +60,13 @@ class TorchDistCheckpointManager(CheckpointManager):
             self._strategy = strategy
         return strategy
 
-    def _save(self, state: TrainState) -> None:
+    def _save(self, state: TrainState, root: str) -> None:
         from megatron.core import dist_checkpointing
 
         if self._queue is not None:
             self._queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at most
         iteration = state.iteration
-        directory = paths.checkpoint_dir(self.ckpt.save, iteration)
+        directory = paths.checkpoint_dir(root, iteration)
         if dist.get_rank() == 0:
             os.makedirs(directory, exist_ok=True)
         control_plane.barrier()
@@ -78,7 +78,7 @@ class TorchDistCheckpointManager(CheckpointManager):
             sd, directory, sharded_strategy=self.save_strategy(),
             async_sharded_save=self._queue is not None, validate_access_integrity=validate,
             content_metadata=dict(OPTIMIZER_METADATA))
-        finish = lambda: self._complete(iteration)  # noqa: E731
+        finish = lambda: self._complete(iteration, root)  # noqa: E731
         if self._queue is None:
             control_plane.barrier()
             finish()
@@ -101,10 +101,10 @@ class TorchCheckpointManager(CheckpointManager):
     """Megatron's legacy ``torch`` format: one ``torch.save`` file per (TP, PP) rank written by
     DP rank 0, plus ``distrib_optim.pt`` for the distributed optimizer. Not reshardable."""
 
-    def _save(self, state: TrainState) -> None:
+    def _save(self, state: TrainState, root: str) -> None:
         from megatron.core import parallel_state as ps
 
-        directory = paths.checkpoint_dir(self.ckpt.save, state.iteration)
+        directory = paths.checkpoint_dir(root, state.iteration)
         rank_dir = torch_rank_dir(directory)
         os.makedirs(rank_dir, exist_ok=True)
         payload = torch_payload(state, self.config, self.ckpt.save_optim, self.ckpt.save_rng)
@@ -115,7 +115,7 @@ class TorchCheckpointManager(CheckpointManager):
         if ps.get_data_parallel_rank() == 0:
             torch.save(payload, os.path.join(rank_dir, paths.TORCH_FILENAME))
         control_plane.barrier()
-        self._complete(state.iteration)
+        self._complete(state.iteration, root)
 
 
 def torch_payload(state: TrainState, config: RunConfig, with_optim: bool, with_rng: bool) -> dict:

@@ -8,8 +8,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Optional
+
+#: Megatron-LM's default place of `global` non-persistent checkpoints under --save / --load.
+NON_PERSISTENT_SUBDIR = "non_persistent"
 
 
 class SchedulerOnResume(str, enum.Enum):
@@ -300,6 +304,19 @@ class CheckpointConfig:
     (megatron-core's FullyParallelLoadStrategyWrapper; CUDA only)."""
     keep_last_n_checkpoints: Optional[int] = None
     """Keep only the newest N complete checkpoints under --save (None: keep all)."""
+    non_persistent_save_interval: Optional[int] = None
+    """Megatron-LM's non-persistent checkpoints: also save every this many iterations (where no
+    persistent save is due) under `non_persistent_root`, which keeps only the newest one."""
+    non_persistent_ckpt_type: Optional[str] = None
+    """"global" (a second root on the shared file system), "local" (each node's own storage,
+    --async-lazy-save only) or None, as Megatron-LM's types; with it set, --load resumes from the
+    non-persistent root when it is at least as new."""
+    non_persistent_global_ckpt_dir: Optional[str] = None
+    """Root of the global non-persistent checkpoints (None: <save>/non_persistent, and
+    <load>/non_persistent when loading, as Megatron-LM)."""
+    non_persistent_local_ckpt_dir: Optional[str] = None
+    """Root of the local non-persistent checkpoints on each node (placeholders {node}, {rank},
+    {local_rank}, {host}, expanded per rank: `datastates.megatron_adapter.expand_local_dir`)."""
     ckpt_failure_policy: CkptFailurePolicy = CkptFailurePolicy.STOP
     """What to do when a save fails on any rank (full disk, I/O error, hung writer); see
     CkptFailurePolicy. Applies to --async-lazy-save."""
@@ -324,6 +341,24 @@ class CheckpointConfig:
     keep_last_n_universal: Optional[int] = None
     """Keep only the newest N universal checkpoints under the universal root (None: keep all);
     one that a merge or a converter still reads is kept until it is done."""
+
+    def non_persistent_root(self, base: Optional[str]) -> Optional[str]:
+        """Where non-persistent checkpoints of the root `base` (--save or --load) live; None when
+        they are off or there is no such root. For the local type: the template of the node-local
+        root (expanded per rank by the caller)."""
+        if self.non_persistent_ckpt_type is None:
+            return None
+        if self.non_persistent_ckpt_type == "local":
+            return self.non_persistent_local_ckpt_dir
+        if self.non_persistent_global_ckpt_dir or base is None:
+            return self.non_persistent_global_ckpt_dir
+        return os.path.join(base, NON_PERSISTENT_SUBDIR)
+
+    def non_persistent_save_root(self) -> Optional[str]:
+        """Where this run saves non-persistent checkpoints (None: it does not)."""
+        if not (self.save and self.non_persistent_save_interval):
+            return None
+        return self.non_persistent_root(self.save)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,14 @@ A parameter that megatron-core saves through a ShardedTensorFactory (swiglu's fc
 are two slices of the global tensor) is cut into the pieces the factory builds first.
 
 Loading is unchanged: megatron's `fully_reshardable` load asks for whole TP-local boxes of those
-keys, and the DataStates reader assembles any box from the saved pieces, at any TP/PP/DP.
+keys, and the DataStates reader assembles any box from the saved pieces, at any TP/PP/DP. A
+node-local version (whose node holds only its ranks' pieces) is loaded at its own layout by
+`load_own_boxes`: each rank reads back exactly the boxes it saved.
 """
 from __future__ import annotations
 
 import math
-from typing import Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Sequence, Tuple
 
 import torch
 
@@ -138,3 +140,13 @@ def param_state_boxes(optimizer, model_sharded_state_dict) -> List[Tuple[str, to
                             view = tensors[k].detach().view(-1)[first:first + n].view(shape)
                             out.append((f"optimizer.state.{k}.{key}", view, gshape, goff))
     return out
+
+
+def load_own_boxes(optimizer, model_sharded_state_dict,
+                   read: Callable[[str, Tuple[int, ...], Tuple[int, ...]], torch.Tensor]) -> None:
+    """Fill this DP rank's main params and Adam moments with `read(key, global offset, shape)`
+    of the boxes `param_state_boxes` describes (saved at this same layout). Call it after the
+    optimizer's `load_state_dict` (which allocates the state these boxes view)."""
+    with torch.no_grad():  # fp32 main params are leaf tensors that require grad
+        for key, view, _, goff in param_state_boxes(optimizer, model_sharded_state_dict):
+            view.copy_(read(key, goff, tuple(view.shape)))

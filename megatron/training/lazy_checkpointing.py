@@ -29,8 +29,8 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from datastates import Checksum, TensorShard, control_plane
-from datastates.megatron_adapter import TELEMETRY_FILENAME, FailurePolicy, LazyCheckpointer, \
-    LazySaveConfig, StructurePolicy, expand_local_dir, needed_saved_ranks, paths, \
+from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
+    StructurePolicy, append_telemetry, expand_local_dir, needed_saved_ranks, paths, \
     restore_before_load
 
 from megatron.training import distopt_shards
@@ -40,7 +40,8 @@ from megatron.training.checkpoint_contents import (
     TrainState,
     build_sharded_state_dict,
 )
-from megatron.training.checkpoint_manager import CheckpointManager
+from megatron.training.checkpoint_manager import CheckpointManager, \
+    non_persistent_root_of_this_rank
 from megatron.training.arguments import host_cache_budget_mb
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
@@ -145,9 +146,7 @@ class PeerRestore:
                      str(r): {"peer_bytes": p, "local_bytes": loc, "shared_bytes": sh,
                               "read_s": us / 1e6} for r, (p, loc, sh, us) in enumerate(rows)}}
         try:
-            os.makedirs(root, exist_ok=True)
-            with open(os.path.join(root, TELEMETRY_FILENAME), "a") as f:
-                f.write(json.dumps(event) + "\n")
+            append_telemetry(root, event)
         except OSError as err:
             print(f"WARNING: cannot record the restore in {root}: {err}", flush=True)
 
@@ -173,7 +172,10 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
         fully_parallel_save=ckpt.ckpt_fully_parallel_save,
         structure_policy=(StructurePolicy.ASSUME_CONSTANT if ckpt.ckpt_assume_constant_structure
                           else StructurePolicy.CHECK),
-        root=ckpt.save, cache_bytes=ckpt.lazy_save_cache_mb << 20,
+        root=ckpt.save, non_persistent_root=non_persistent_root_of_this_rank(config),
+        non_persistent_node_local=(ckpt.non_persistent_ckpt_type == "local"
+                                   and ckpt.non_persistent_save_root() is not None),
+        cache_bytes=ckpt.lazy_save_cache_mb << 20,
         peer_replica_bytes=(ckpt.lazy_save_peer_replica_mb << 20
                             if ckpt.lazy_save_peer_replica else None),
         checksum=Checksum(ckpt.lazy_save_checksum), drain_timeout_s=ckpt.ckpt_drain_timeout,
@@ -205,17 +207,17 @@ class LazyCheckpointManager(CheckpointManager):
     def disabled(self) -> bool:
         return self.checkpointer.disabled
 
-    def _decided(self, iteration: int) -> Optional[bool]:
+    def _decided(self, iteration: int, root: str) -> Optional[bool]:
         if self.checkpointer.disabled:
             return False  # --ckpt-failure-policy continue after a failure: no more saves
-        if self.checkpointer.in_flight(iteration):
+        if self.checkpointer.in_flight(iteration, root):
             return True  # e.g. the end-of-training save right after an interval save
         return None
 
-    def _save(self, state: TrainState) -> None:
+    def _save(self, state: TrainState, root: str) -> None:
         sd, extra = self._state_dict(state)
         self.checkpointer.save(state.iteration, sd, extra_shards=extra,
-                               content_metadata=dict(OPTIMIZER_METADATA))
+                               content_metadata=dict(OPTIMIZER_METADATA), root=root)
 
     def _state_dict(self, state: TrainState):
         """What torch_dist would save; with the distributed optimizer, its parameter state as

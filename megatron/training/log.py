@@ -28,7 +28,8 @@ def print_rank_last(message: str) -> None:
 
 
 def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
-                      elapsed_ms: float, lr: float, global_batch_size: int, lm_loss: float,
+                      elapsed_ms: float, lr: float, global_batch_size: int,
+                      lm_loss: Optional[float],
                       grad_norm, skipped: int, nans: int, loss_scale: float = 1.0,
                       throughput: Optional[float] = None) -> str:
     """Megatron-LM's iteration line. `throughput` (TFLOP/s per rank, `--log-throughput`) goes
@@ -42,7 +43,8 @@ def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
         line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
     line += f" learning rate: {lr:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
-    line += f" lm loss: {lm_loss:.6E} |"
+    if lm_loss is not None:  # None: every iteration of the window was skipped (Megatron-LM)
+        line += f" lm loss: {lm_loss:.6E} |"
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"

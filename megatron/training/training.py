@@ -5,7 +5,7 @@ import signal
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -300,7 +300,34 @@ def _scalars(trainer: Trainer, loss: Optional[float], grad_norm) -> None:
                           float(state.optimizer.get_loss_scale()), grad_norm)
 
 
-def _log_line(trainer: Trainer, elapsed_ms: float, loss: float, grad_norm, skipped: int) -> None:
+class LogWindow:
+    """The iterations since the last log line, as Megatron-LM's training_log counts them: the
+    `lm loss` printed is the mean over the iterations whose optimizer step was taken, and is
+    left out of the line when every one was skipped (fp16 overflow)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum, self.advanced, self.skipped = 0.0, 0, 0
+
+    def add(self, loss: Optional[float], stepped: bool) -> None:
+        if not stepped:
+            self.skipped += 1
+        elif loss is not None:
+            self.loss_sum += loss
+            self.advanced += 1
+
+    def take(self) -> Tuple[Optional[float], int]:
+        """(mean loss of the stepped iterations or None, skipped iterations); starts anew."""
+        mean = self.loss_sum / self.advanced if self.advanced else None
+        skipped = self.skipped
+        self._reset()
+        return mean, skipped
+
+
+def _log_line(trainer: Trainer, elapsed_ms: float, loss: Optional[float], grad_norm,
+              skipped: int) -> None:
     """Megatron's iteration line (last rank), with --log-throughput its TFLOP/s per rank."""
     state, t, config = trainer.state, trainer.config.training, trainer.config
     throughput = None
@@ -335,7 +362,7 @@ def _train_loop(trainer: Trainer) -> int:
     # Megatron-LM's count (saved as num_floating_point_operations_so_far, which it resumes).
     flops_per_iteration = num_floating_point_operations(shape_of(trainer.config.model),
                                                         t.global_batch_size)
-    window_start, skipped = time.time(), 0
+    window_start, window = time.time(), LogWindow()
     saved_last = True  # nothing new to save unless an iteration runs
     print_rank_0(f"training from iteration {state.iteration} to {t.train_iters}")
     summary = _Summary(trainer)
@@ -346,13 +373,14 @@ def _train_loop(trainer: Trainer) -> int:
             state.iteration += 1
             state.consumed_train_samples += t.global_batch_size
             state.floating_point_operations_so_far += flops_per_iteration
-            skipped += 0 if ok else 1
+            window.add(loss, ok)
             _scalars(trainer, loss, grad_norm)
             if state.iteration % log_interval == 0:
                 elapsed = (time.time() - window_start) * 1000.0 / log_interval
+                mean_loss, skipped = window.take()
                 if loss is not None:
-                    _log_line(trainer, elapsed, loss, grad_norm, skipped)
-                window_start, skipped = time.time(), 0
+                    _log_line(trainer, elapsed, mean_loss, grad_norm, skipped)
+                window_start = time.time()
             if t.eval_interval and state.iteration % t.eval_interval == 0:
                 evaluate(trainer)
             # After eval (as Megatron): the checkpoint then holds the consumed validation
@@ -369,8 +397,9 @@ def _train_loop(trainer: Trainer) -> int:
                 if not saved_last:
                     summary.saving(trainer.checkpoints.maybe_save, state, force=True)
                 return state.iteration
-        if not saved_last and state.iteration > 0:
-            # Megatron saves at the end too
+        if state.iteration > 0 and not (saved_last and trainer.checkpoints.last_save_persistent):
+            # Megatron saves at the end too, also after a non-persistent save of this iteration
+            # (the exit interval and SIGTERM above take any save of it, as Megatron-LM does)
             summary.saving(trainer.checkpoints.maybe_save, state, force=True)
         if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval and \
                 state.iteration > summary.start_iteration:
