@@ -94,3 +94,16 @@ def test_torch_format_files_are_loaded_without_running_code(tmp_path):
                                                 r"posix.mkdir.*--allow-unsafe-pickle"):
         safe_torch_load(str(path))
     assert not marker.exists()
+
+
+def test_free_space_in_a_failed_save_names_the_root_it_measured(tmp_path):
+    """A failed non-persistent save reports the free space of its own root, named as such."""
+    from datastates.megatron_adapter.checkpointer import _free_space
+
+    local = tmp_path / "local"
+    local.mkdir()
+    text = _free_space(str(tmp_path), str(local), f"non-persistent root {tmp_path}")
+    assert text.startswith(f" (free space under non-persistent root {tmp_path}: ")
+    assert f"; under --lazy-save-local-dir {local}: " in text
+    assert _free_space(str(tmp_path)).startswith(" (free space under --save: ")
+    assert _free_space(str(tmp_path / "missing")) == ""

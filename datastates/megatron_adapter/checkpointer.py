@@ -496,10 +496,11 @@ class LazyCheckpointer:
         failed = control_plane.all_gather_ints(1 if err is not None else 0)
         ranks = [r for r, f in enumerate(failed) if f]
         root = p.root
+        where = "--save" if root == self.config.root else f"non-persistent root {root}"
         msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
                + (": " + "; then: ".join(dict.fromkeys(str(e) for e in self._local_errors))
-                  if err is not None else "") + _free_space(root, self.config.local_dir)
-               + f"; {_state_of(p, root)}. Free space or fix the --save storage"
+                  if err is not None else "") + _free_space(root, self.config.local_dir, where)
+               + f"; {_state_of(p, root)}. Free space or fix the {where} storage"
                + (" and the --lazy-save-local-dir one" if self.config.local_dir else "")
                + "; --ckpt-failure-policy continue keeps training without checkpoints")
         raise CheckpointError(msg, rank=self.rank, file=p.directory) from err
@@ -640,11 +641,13 @@ def _state_of(p: _Pending, root: str) -> str:
     return f"{intact}, and this one is not marked complete"
 
 
-def _free_space(root: Optional[str], local_dir: Optional[str] = None) -> str:
+def _free_space(root: Optional[str], local_dir: Optional[str] = None,
+                root_label: str = "--save") -> str:
     """' (free space under --save: N MiB[; under --lazy-save-local-dir D: M MiB])' for error
-    messages; parts that cannot be measured are left out."""
+    messages (`root_label` names `root`, e.g. a non-persistent root); parts that cannot be
+    measured are left out."""
     parts = []
-    for label, path in (("--save", root), (f"--lazy-save-local-dir {local_dir}", local_dir)):
+    for label, path in ((root_label, root), (f"--lazy-save-local-dir {local_dir}", local_dir)):
         try:
             parts.append(f"under {label}: {shutil.disk_usage(path).free / 2**20:.1f} MiB")
         except (OSError, TypeError):
