@@ -17,8 +17,7 @@ import torch.distributed as dist
 import datastates
 from datastates import control_plane
 from datastates.fileio import safe_join
-from datastates.megatron_adapter import expand_local_dir, load_strategies, \
-    newest_on_every_node, paths
+from datastates.megatron_adapter import load_strategies, newest_on_every_node, paths
 from datastates.safe_load import UnsafePickleError
 from datastates.universal import is_universal
 
@@ -37,6 +36,7 @@ from megatron.training.checkpoint_contents import (
     saved_run_config,
     torch_rank_dir,
 )
+from megatron.training.checkpoint_manager import non_persistent_root_of_this_rank
 from megatron.training.checkpoint_verify import damage_hint, newest_intact
 from megatron.training.config import CkptFormat, RunConfig
 from megatron.training.from_universal import load_universal
@@ -236,10 +236,8 @@ def resume_root(config: RunConfig) -> Optional[str]:
     --load's, as Megatron-LM decides; None: no root. Every rank (collective for the local type,
     whose root is this rank's node's, taken only when every node holds the same version)."""
     ckpt = config.checkpoint
-    non_persistent = ckpt.non_persistent_root(ckpt.load)
+    non_persistent = non_persistent_root_of_this_rank(config, ckpt.load, saving=False)
     if non_persistent and ckpt.non_persistent_ckpt_type == "local":
-        non_persistent = expand_local_dir(non_persistent, dist.get_rank(),
-                                          flag="--non-persistent-local-ckpt-dir")
         newer, lacking = newest_on_every_node(
             non_persistent, dist.get_rank(), accept=lambda root: _same_layout_at(root, config))
         if lacking and len(lacking) < dist.get_world_size():

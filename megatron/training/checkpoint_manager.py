@@ -43,11 +43,13 @@ from megatron.training.save_interval import AutoInterval, Decision
 from megatron.training.timers import report_times_across_ranks
 
 
-def non_persistent_root_of_this_rank(config: RunConfig) -> Optional[str]:
-    """Where this rank saves non-persistent checkpoints (None: it does not): the global root, or
-    for the local type its node-local root with the placeholders filled in."""
+def non_persistent_root_of_this_rank(config: RunConfig, base: Optional[str] = None,
+                                     saving: bool = True) -> Optional[str]:
+    """Where this rank saves (`saving`) or, beside the root `base` (--load), looks for
+    non-persistent checkpoints; None: it does not. The global root, or for the local type its
+    node-local root with the placeholders filled in."""
     ckpt = config.checkpoint
-    root = ckpt.non_persistent_save_root()
+    root = ckpt.non_persistent_save_root() if saving else ckpt.non_persistent_root(base)
     if root is not None and ckpt.non_persistent_ckpt_type == "local":
         root = expand_local_dir(root, dist.get_rank(), flag="--non-persistent-local-ckpt-dir")
     return root
