@@ -60,3 +60,9 @@ class BufferPool:
                 big = self._free.pop(max(range(len(self._free)),
                                          key=lambda i: self._free[i].numel()))
                 self._free_bytes -= big.numel()
+
+    def clear(self) -> None:
+        """Drop every free buffer (their memory goes back once no view of them is left)."""
+        with self._lock:
+            self._free.clear()
+            self._free_bytes = 0

@@ -206,6 +206,7 @@ class CheckpointReader:
                 os.close(fd)
             self._fds.clear()
             self._dfds.clear()
+        self._pool.clear()
 
     def __enter__(self) -> "CheckpointReader":
         return self

@@ -154,7 +154,8 @@ def test_a_worker_killed_mid_merge_commits_nothing_and_keeps_the_previous(source
     assert merger.worker_starts == 4 and is_committed(os.path.join(root, "iter_0000006")), lines
 
 
-def test_streamed_files_of_mixed_dtypes_are_aligned_safetensors(tmp_path):
+@pytest.mark.parametrize("readers", [1, 2])
+def test_streamed_files_of_mixed_dtypes_are_aligned_safetensors(tmp_path, readers):
     from datastates.universal import Entry, Role
     from datastates.universal.stream import write_files
     from datastates.universal.tensor_files import chunk_checksums, tensor_bytes
@@ -174,7 +175,8 @@ def test_streamed_files_of_mixed_dtypes_are_aligned_safetensors(tmp_path):
 
     crcs = write_files([(path, entries)], read,
                        directory="src", metadata={"producer": "test"}, chunk_bytes=8,
-                       queue_bytes=16)  # a queue smaller than most tensors: one at a time
+                       queue_bytes=16,  # smaller than most tensors: one at a time
+                       readers=readers)
     with safe_open(path, "pt") as f:
         assert sorted(f.keys()) == sorted(tensors)
         for k, t in tensors.items():
@@ -182,7 +184,32 @@ def test_streamed_files_of_mixed_dtypes_are_aligned_safetensors(tmp_path):
     assert crcs == {k: chunk_checksums(tensor_bytes(t), 8) for k, t in tensors.items()}
     with pytest.raises(CheckpointError, match="metadata says"):  # a read that disagrees with the plan
         write_files([(str(tmp_path / "y.safetensors"), entries)], lambda e, out: torch.zeros(2),
-                    directory="src", metadata={}, chunk_bytes=8)
+                    directory="src", metadata={}, chunk_bytes=8, readers=readers)
+
+    # Reads that finish out of order (a room for every tensor at once) still land in file
+    # order, over two files; a read failing while later ones are in flight fails the write.
+    delays = {k: 0.02 * ((i * 7) % 5) for i, k in enumerate(tensors)}
+
+    def slow(e, out):
+        time.sleep(delays[e.source_key])
+        return read(e, out)
+
+    files = [(str(tmp_path / f"z{i}.safetensors"), part) for i, part in
+             enumerate((entries[:3], entries[3:]))]
+    assert write_files(files, slow, directory="src", metadata={}, chunk_bytes=8,
+                       readers=readers) == crcs
+    for path, part in files:
+        with safe_open(path, "pt") as f:
+            assert all(torch.equal(f.get_tensor(e.name), tensors[e.name]) for e in part)
+
+    def failing(e, out):
+        if e.name == "c":
+            raise CheckpointError("damaged", tensor="c")
+        return slow(e, out)
+
+    with pytest.raises(CheckpointError, match="damaged"):
+        write_files([(str(tmp_path / "w.safetensors"), entries)], failing, directory="src",
+                    metadata={}, chunk_bytes=8, readers=readers)
 
 
 @pytest.mark.parametrize("refused", [False, True])

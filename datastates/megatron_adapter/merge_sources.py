@@ -67,6 +67,9 @@ class DataStatesSource(Source):
     """A committed `--async-lazy-save` checkpoint (refused when not committed)."""
 
     kind = "datastates"
+    # Two: one checksums and assembles a tensor while the other waits for the disk (O_DIRECT
+    # reads have no read-ahead). The reader's descriptors, buffers and counters are locked.
+    read_threads = 2
 
     def __init__(self, directory: str, verify: bool = True, threads: int = 1,
                  allow_unsafe_pickle: bool = False):

@@ -1,14 +1,16 @@
-"""Writing safetensors files at disk speed: a reader thread feeds the writing thread.
+"""Writing safetensors files at disk speed: reader threads feed the writing thread.
 
 Why not `safetensors.torch.save_file`: it serializes a whole file's tensors after all of them were
 read (reads and writes never overlap) and leaves every byte dirty in the page cache until the
 final fsync (measured: 8.7 s of a 11.9 s merge of 1 GiB in `serialize_file`, docs/UNIVERSAL.md).
 Here the header is written first (every tensor's dtype and shape is known from the plan), then:
 
-  reader thread   reads each tensor from the source (`read(entry, out)`, into a page-aligned
-                  buffer reused from tensor to tensor: no page faults on fresh memory), computes
-                  the CRC-32C of its chunks (the C function drops the GIL), and queues it; the
-                  queue holds at most `queue_bytes` (one tensor larger than that goes alone);
+  reader threads  (one; `readers` where the source may be read concurrently, so one thread
+                  checksums while another waits for the disk) read each tensor from the source
+                  (`read(entry, out)`, into a page-aligned buffer reused from tensor to tensor:
+                  no page faults on fresh memory), compute the CRC-32C of its chunks (the C
+                  function drops the GIL) and hand it over in file order; at most `queue_bytes`
+                  are read and not yet written (one tensor larger than that goes alone);
   writing thread  (the caller) appends each tensor's bytes to the file (`sink.Sink`: O_DIRECT
                   through one aligned staging buffer where the file system takes it, else the
                   page cache with early writeback), so the disk writes while the next tensor is
@@ -25,7 +27,6 @@ O_DIRECT straight from its read buffer, with no staging copy (`sink.Sink.write`)
 from __future__ import annotations
 
 import json
-import queue
 import struct
 import threading
 import time
@@ -64,32 +65,56 @@ def header_bytes(entries: Sequence[Entry], metadata: Dict[str, str], align: int 
     return struct.pack("<Q", len(raw)) + raw
 
 
-class _Budget:
-    """Bytes queued between the threads, at most `limit` (a larger single item goes alone)."""
+class _Pipeline:
+    """Tensors between the reader threads and the writing thread, in file order.
 
-    def __init__(self, limit: int):
-        self.limit, self.used, self.stopped = limit, 0, False
+    Reader threads take tensor indices in turn (`claim`: index i is claimed only after i - 1, and
+    only while the bytes claimed and not yet written stay within `limit`; one tensor larger than
+    that goes alone), read and checksum them in parallel, and `put` each result under its index;
+    the writing thread `get`s them in order. Claiming in order means the tensor the writer waits
+    for always has its bytes: no deadlock however the threads interleave."""
+
+    def __init__(self, count: int, limit: int):
+        self.count, self.limit = count, limit
+        self.used, self.next, self.stopped = 0, 0, False
+        self.done: Dict[int, object] = {}
         self.cond = threading.Condition()
 
-    def take(self, n: int) -> bool:
+    def claim(self, nbytes_of: Callable[[int], int]) -> Optional[int]:
+        """The next index to read, its bytes counted; None when every index is claimed or the
+        pipeline stopped."""
         with self.cond:
-            while not self.stopped and self.used and self.used + n > self.limit:
+            while True:
+                if self.stopped or self.next >= self.count:
+                    return None
+                n = nbytes_of(self.next)
+                if not self.used or self.used + n <= self.limit:
+                    i, self.next = self.next, self.next + 1
+                    self.used += n
+                    self.cond.notify_all()
+                    return i
                 self.cond.wait()
-            self.used += n
-            return not self.stopped
 
-    def give(self, n: int) -> None:
+    def put(self, i: int, item: object) -> None:
         with self.cond:
-            self.used -= n
+            self.done[i] = item
+            self.cond.notify_all()
+
+    def get(self, i: int) -> object:
+        with self.cond:
+            while i not in self.done:
+                self.cond.wait()
+            return self.done.pop(i)
+
+    def written(self, nbytes: int) -> None:
+        with self.cond:
+            self.used -= nbytes
             self.cond.notify_all()
 
     def stop(self) -> None:
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
-
-
-_DONE = object()
 
 
 def _checked(read: Read, e: Entry, out: torch.Tensor, directory: str) -> torch.Tensor:
@@ -103,70 +128,71 @@ def _checked(read: Read, e: Entry, out: torch.Tensor, directory: str) -> torch.T
 def write_files(files: Sequence[Tuple[str, Sequence[Entry]]], read: Read, *, directory: str,
                 metadata: Dict[str, str], chunk_bytes: int, written: Optional[Written] = None,
                 after_file: Optional[Callable[[int], None]] = None,
-                queue_bytes: int = QUEUE_BYTES, direct: bool = True) -> Dict[str, List[int]]:
+                queue_bytes: int = QUEUE_BYTES, direct: bool = True,
+                readers: int = 1) -> Dict[str, List[int]]:
     """Write each ``(path, entries)`` of `files` as one safetensors file, fsynced, reading the
-    tensors with `read` on a second thread (`directory` names the source in errors). Returns
-    every tensor's chunk checksums by name. `after_file(i)` runs after file i is durable."""
+    tensors with `read` on `readers` other threads (`directory` names the source in errors;
+    more than one only where `read` may run concurrently). Returns every tensor's chunk
+    checksums by name. `after_file(i)` runs after file i is durable."""
     plan = [(path, file_order(entries)) for path, entries in files]
-    budget = _Budget(queue_bytes)
-    items: "queue.Queue" = queue.Queue()
+    order = [e for _, entries in plan for e in entries]
+    pipe = _Pipeline(len(order), queue_bytes)
     pool = BufferPool(keep_bytes=queue_bytes)
 
     def produce() -> None:
-        try:
-            for _, entries in plan:
-                for e in entries:
-                    if not budget.take(e.nbytes):
-                        return
-                    lease = pool.take(e.nbytes)
-                    out = lease[:e.nbytes].view(e.dtype).view(e.shape)
-                    t = _checked(read, e, out, directory)
-                    if t.data_ptr() != out.data_ptr() or not e.nbytes:
-                        lease = None  # the source gave a tensor of its own
-                    del out
-                    items.put((e, t, chunk_checksums(tensor_bytes(t), chunk_bytes), lease))
-            items.put(_DONE)
-        except BaseException as err:  # handed to the writing thread, which raises it
-            items.put(err)
+        while (i := pipe.claim(lambda k: order[k].nbytes)) is not None:
+            e = order[i]
+            try:
+                lease = pool.take(e.nbytes)
+                out = lease[:e.nbytes].view(e.dtype).view(e.shape)
+                t = _checked(read, e, out, directory)
+                if t.data_ptr() != out.data_ptr() or not e.nbytes:
+                    lease = None  # the source gave a tensor of its own
+                del out
+                pipe.put(i, (t, chunk_checksums(tensor_bytes(t), chunk_bytes), lease))
+            except BaseException as err:  # handed to the writing thread, which raises it
+                pipe.put(i, err)
+                return
 
-    reader = threading.Thread(target=produce, name="universal-merge-reader", daemon=True)
-    reader.start()
+    threads = [threading.Thread(target=produce, name=f"universal-merge-reader-{k}", daemon=True)
+               for k in range(max(1, readers))]
+    for th in threads:
+        th.start()
     crcs: Dict[str, List[int]] = {}
     try:
+        first = 0
         for i, (path, entries) in enumerate(plan):
-            _write_one(path, entries, items, budget, pool, crcs, metadata, written, direct)
+            _write_one(path, entries, first, pipe, pool, crcs, metadata, written, direct)
+            first += len(entries)
             if after_file is not None:
                 after_file(i)
-        last = items.get()
-        if last is not _DONE:
-            raise last if isinstance(last, BaseException) else RuntimeError("reader out of step")
     finally:
-        budget.stop()
-        reader.join()
+        pipe.stop()
+        for th in threads:
+            th.join()
     return crcs
 
 
-def _write_one(path: str, entries: List[Entry], items: "queue.Queue", budget: _Budget,
-               pool: BufferPool, crcs: Dict[str, List[int]], metadata: Dict[str, str],
+def _write_one(path: str, entries: List[Entry], first: int, pipe: _Pipeline, pool: BufferPool,
+               crcs: Dict[str, List[int]], metadata: Dict[str, str],
                written: Optional[Written], direct: bool) -> None:
+    """File `path` from the pipeline's tensors `first`, `first` + 1, ... (`entries`)."""
     sink = Sink(path, direct=direct)
     try:
         header = header_bytes(entries, metadata, align=ALIGN if sink.direct else 8)
         sink.write(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        for want in entries:
-            item = items.get()
+        for k, e in enumerate(entries, first):
+            item = pipe.get(k)
             if isinstance(item, BaseException):
                 raise item
-            e, t, crc, lease = item
-            if e.name != want.name:
-                raise RuntimeError(f"reader out of step: {e.name} instead of {want.name}")
+            t, crc, lease = item
             sink.write(t.reshape(-1).view(torch.uint8) if t.numel() else
                        torch.empty(0, dtype=torch.uint8))
             crcs[e.name] = crc
             del item, t
             if lease is not None:
                 pool.give(lease)
-            budget.give(e.nbytes)
+            pipe.written(e.nbytes)
             if written is not None:
                 written(e)
         sink.close()

@@ -51,6 +51,8 @@ class MergeSource(abc.ABC):
 
     directory: str
     kind: str = "abstract"
+    #: Threads that may call `read`/`read_into` at once (the writer reads ahead with them).
+    read_threads: int = 1
 
     @abc.abstractmethod
     def iteration(self) -> int: ...
@@ -237,7 +239,7 @@ def write_tensors(source: MergeSource, tmp: str, files: List[Tuple[str, List[Ent
                        lambda e, out: source.read_into(e.source_key, out),
                        directory=source.directory,
                        metadata=FILE_METADATA, chunk_bytes=chunk_bytes, written=written,
-                       after_file=after_file)
+                       after_file=after_file, readers=source.read_threads)
 
 
 def finish(source: MergeSource, tmp: str, entries: List[Entry], weight_map: Dict[str, str],
