@@ -37,9 +37,11 @@ from datastates import Checksum, CheckpointEngine, EngineConfig, WriteMode
 
 
 class PeakRSS:
-    """Samples this process's RSS every few milliseconds while active. Reads /proc/self/statm
-    (~2.5 us a sample here; psutil's memory_info took ~24 us), since this thread's CPU counts
-    in the process CPU reported next to the engine's."""
+    """Samples this process's RSS every 20 ms while active. Its CPU counts in the process CPU
+    reported next to the engine's, so it is kept small: /proc/self/statm (~2.5 us a read here;
+    psutil's memory_info took ~24 us) and 50 wake-ups a second (at 200 a second, waking took
+    ~0.036 CPU-s per 1 GB save). The cache is allocated before a save, so the peak is not
+    missed between samples."""
 
     def __init__(self):
         self._fd = os.open("/proc/self/statm", os.O_RDONLY)
@@ -54,7 +56,7 @@ class PeakRSS:
     def _run(self):
         while not self._stop.is_set():
             self.peak = max(self.peak, self.rss())
-            time.sleep(0.005)
+            time.sleep(0.02)
 
     def __enter__(self):
         self.peak = self.rss()
