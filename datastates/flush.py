@@ -25,7 +25,8 @@ def write_block(cfg: EngineConfig, crc: ChecksumFn, cache: HostCache, sv: SaveJo
                 segments: List[Segment], start: int, total: int,
                 lock: threading.Condition) -> List[int]:
     """Checksum each segment of a cache block (unless its copy did) and write the block, which
-    is contiguous in the file, with one write; returns the checksums. O_DIRECT where the block is page-aligned."""
+    is contiguous in the file, with one write; returns the checksums. O_DIRECT where the block
+    is page-aligned."""
     first = segments[0]
     file_off = sv.file_offsets[first.entry] + first.offset
     if cfg.write_hook is not None:

@@ -47,7 +47,7 @@ class Copier:
     waits for the work the caller had queued when it called save; an event per piece tells when
     the bytes are on the host.
 
-    With `crc32c=True` (and the `copycrc` extension built), a contiguous CPU piece is copied and
+    With `crc32c=True` (and the `copycrc` library built), a contiguous CPU piece is copied and
     checksummed in one pass, and `copy` returns the piece's CRC-32C; otherwise it returns None and
     the writer checksums the cached bytes."""
 
