@@ -70,14 +70,14 @@ def safe_join(directory: str, name: Any, *, rank: Optional[int] = None,
 
 
 def open_confined(path: str, *, directory: Optional[str] = None, rank: Optional[int] = None,
-                  what: str = "file") -> int:
+                  what: str = "file", flags: int = 0) -> int:
     """A read-only descriptor of `path`, a file of `directory` (default: its parent), refused
     with CheckpointError if it resolves outside it. The resolved path is opened with O_NOFOLLOW,
     so a symlink put in its place after the check is refused rather than followed. Other
-    failures raise OSError, for the caller to word."""
+    failures raise OSError, for the caller to word. `flags` are added (e.g. O_DIRECT)."""
     real = confined_path(os.path.dirname(path) if directory is None else directory, path,
                          rank=rank, what=what)
-    return os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    return os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | flags)
 
 
 def read_confined(path: str, *, directory: Optional[str] = None, rank: Optional[int] = None,

@@ -1,6 +1,7 @@
 """Loading: a committed version directory -> tensors (any global box) and the nested state."""
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -15,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import checksum, fileio, layout
+from .buffers import PAGE, BufferPool, round_up
 from .config import Checksum
 from .errors import CheckpointError
 from .index import ShardMeta, parse_index
@@ -42,12 +44,20 @@ class CheckpointReader:
     fails a read (missing or truncated file, checksum mismatch) is dropped for that rank: the
     read is retried, and later ones made, from the version directory (`fallbacks` says why).
     `read_stats()` gives bytes and read seconds per kind of source ("local", "shared").
+
+    With `direct`, shard bytes are read with O_DIRECT (widened to whole pages, into reused
+    page-aligned buffers): no copy out of the page cache and no pages left behind in it, for
+    readers of whole checkpoints (the merge, the converters) whose files are read once. A file
+    system that refuses O_DIRECT is read through the page cache.
     """
 
     def __init__(self, directory: str, verify: bool = True, allow_pickle: bool = False,
                  allow_uncommitted: bool = False, threads: int = 4,
-                 local_dir: Optional[str] = None):
+                 local_dir: Optional[str] = None, direct: bool = False):
         self.directory = directory
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self._dfds: Dict[str, int] = {}  # path -> O_DIRECT descriptor, -1 where refused
+        self._pool = BufferPool()
         self.local_dir = local_dir
         self._sources: Dict[int, str] = {}
         self._parsed_from: Dict[int, str] = {}  # directory the rank's ShardMeta paths start with
@@ -192,9 +202,10 @@ class CheckpointReader:
     # ----------------------------------------------------------------- reading
     def close(self) -> None:
         with self._fd_lock:
-            for fd in self._fds.values():
+            for fd in list(self._fds.values()) + [d for d in self._dfds.values() if d >= 0]:
                 os.close(fd)
             self._fds.clear()
+            self._dfds.clear()
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -214,9 +225,26 @@ class CheckpointReader:
                 self._fds[path] = fd
             return fd
 
-    def _read_bytes(self, m: ShardMeta, b0: int, b1: int) -> Tuple[torch.Tensor, int]:
+    def _dfd(self, path: str, m: ShardMeta) -> int:
+        """The O_DIRECT descriptor of `path`, or -1 where O_DIRECT is off or refused."""
+        if not self.direct:
+            return -1
+        with self._fd_lock:
+            fd = self._dfds.get(path)
+            if fd is None:
+                try:
+                    fd = fileio.open_confined(path, rank=m.rank, what="shard file",
+                                              flags=os.O_DIRECT)
+                except OSError:
+                    fd = -1  # e.g. tmpfs (EINVAL): the buffered descriptor reads it
+                self._dfds[path] = fd
+            return fd
+
+    def _read_bytes(self, m: ShardMeta, b0: int, b1: int
+                    ) -> Tuple[torch.Tensor, int, torch.Tensor]:
         """Bytes [b0, b1) of the tensor's image, widened to whole chunks and verified when
-        `verify`. Returns (buffer, position of b0 in the buffer)."""
+        `verify`. Returns (bytes, position of b0 in them, the pool buffer holding them: give it
+        back once nothing reads the bytes any more, or keep it)."""
         try:
             return self._read_bytes_at(m, b0, b1, *self._path(m))
         except CheckpointError as err:
@@ -224,8 +252,32 @@ class CheckpointReader:
                 raise
             return self._read_bytes_at(m, b0, b1, *self._path(m))
 
+    def _pread(self, path: str, m: ShardMeta, start: int, end: int
+               ) -> Tuple[torch.Tensor, int, torch.Tensor]:
+        """(bytes [start, end) of the shard, their length read, the pool buffer holding them)."""
+        pos, n = m.offset + start, end - start
+        dfd = self._dfd(path, m)
+        if dfd >= 0:
+            a0 = pos - pos % PAGE
+            span = round_up(pos + n) - a0
+            lease = self._pool.take(span)
+            try:
+                got = os.preadv(dfd, [memoryview(lease[:span].numpy())], a0)
+                return lease[pos - a0:pos - a0 + n], max(0, min(n, got - (pos - a0))), lease
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                with self._fd_lock:  # alignment refused at read time: read buffered from now on
+                    if self._dfds.get(path, -1) >= 0:
+                        os.close(self._dfds[path])
+                        self._dfds[path] = -1
+            self._pool.give(lease)
+        lease = self._pool.take(n)
+        buf = lease[:n]
+        return buf, os.preadv(self._fd(path, m), [memoryview(buf.numpy())], pos), lease
+
     def _read_bytes_at(self, m: ShardMeta, b0: int, b1: int, path: str,
-                       kind: str) -> Tuple[torch.Tensor, int]:
+                       kind: str) -> Tuple[torch.Tensor, int, torch.Tensor]:
         t0 = time.perf_counter()
         start, end = b0, b1
         crc_fn = self._checksum[m.rank]
@@ -233,10 +285,9 @@ class CheckpointReader:
         if check:
             chunks = [c for c in m.chunks if c[0] < b1 and c[0] + c[1] > b0]
             start, end = chunks[0][0], chunks[-1][0] + chunks[-1][1]
-        buf = torch.empty(end - start, dtype=torch.uint8)
-        fd = self._fd(path, m)
-        got = os.preadv(fd, [memoryview(buf.numpy())], m.offset + start)
+        buf, got, lease = self._pread(path, m, start, end)
         if got != end - start:
+            self._pool.give(lease)
             raise CheckpointError(f"shard file is truncated: expected {end - start} bytes at "
                                   f"offset {m.offset + start}, read {got}", rank=m.rank,
                                   file=path, tensor=m.key)
@@ -245,6 +296,7 @@ class CheckpointReader:
             for off, n, crc in chunks:
                 found = crc_fn(memoryview(arr[off - start:off - start + n]))
                 if found != crc:
+                    self._pool.give(lease)
                     raise CheckpointError(f"checksum mismatch in bytes [{off}, {off + n}) of the "
                                           f"tensor (file offset {m.offset + off}): expected "
                                           f"{crc:#010x}, found {found:#010x}", rank=m.rank,
@@ -253,27 +305,31 @@ class CheckpointReader:
             stat = self._stats.setdefault(kind, [0, 0.0])
             stat[0] += end - start
             stat[1] += time.perf_counter() - t0
-        return buf, b0 - start
+        return buf, b0 - start, lease
 
-    def _read_local_box(self, m: ShardMeta, lo: Sequence[int],
-                        shape: Sequence[int]) -> torch.Tensor:
-        """The box of shard `m` at local offset `lo` with `shape`."""
+    def _read_local_box(self, m: ShardMeta, lo: Sequence[int], shape: Sequence[int]
+                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(the box of shard `m` at local offset `lo` with `shape`, the pool buffer it is a view
+        of: None, or for `_pool.give` once the box is copied)."""
         if m.nbytes == 0 or math_prod(shape) == 0:
-            return torch.empty(tuple(shape), dtype=m.dtype)
+            return torch.empty(tuple(shape), dtype=m.dtype), None
         if not m.shape:
-            buf, at = self._read_bytes(m, 0, m.nbytes)
-            return buf[at:at + m.nbytes].view(m.dtype).view(())
+            buf, at, lease = self._read_bytes(m, 0, m.nbytes)
+            return buf[at:at + m.nbytes].view(m.dtype).view(()), lease
         row_bytes = m.nbytes // m.shape[0]
         r0, r1 = lo[0], lo[0] + shape[0]
-        buf, at = self._read_bytes(m, r0 * row_bytes, r1 * row_bytes)
+        buf, at, lease = self._read_bytes(m, r0 * row_bytes, r1 * row_bytes)
         rows = buf[at:at + (r1 - r0) * row_bytes].view(m.dtype).view((r1 - r0,) + m.shape[1:])
         index = (slice(None),) + tuple(slice(o, o + s) for o, s in zip(lo[1:], shape[1:]))
-        return rows[index]
+        return rows[index], lease
 
     def read(self, key: str, global_offset: Optional[Sequence[int]] = None,
-             shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+             shape: Optional[Sequence[int]] = None, out: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
         """The box of global tensor `key` at `global_offset` (default: origin) with `shape`
-        (default: to the end), assembled from every overlapping shard of every rank."""
+        (default: to the end), assembled from every overlapping shard of every rank. With
+        `out` (a tensor of the box's shape and dtype) the box is written into it and `out`
+        returned; the reader's own buffers are then reused from one read to the next."""
         metas = self._metas(key)
         gshape = metas[0].global_shape
         off = tuple(global_offset) if global_offset is not None else (0,) * len(gshape)
@@ -283,10 +339,19 @@ class CheckpointReader:
             raise CheckpointError(f"requested box at {list(off)} of shape {list(shp)} does not fit "
                                   f"in the global shape {list(gshape)}", file=self.directory,
                                   tensor=key)
+        if out is not None and (tuple(out.shape) != shp or out.dtype != metas[0].dtype):
+            raise ValueError(f"out is {out.dtype}{list(out.shape)}, the box "
+                             f"{metas[0].dtype}{list(shp)}")
         for m in metas:  # fast path: one shard is exactly the box
             if m.global_offset == off and m.shape == shp:
-                return self._read_local_box(m, (0,) * len(shp), shp)
-        out = torch.empty(shp, dtype=metas[0].dtype)
+                box, lease = self._read_local_box(m, (0,) * len(shp), shp)
+                if out is None:
+                    return box  # a view of its buffer, which stays with it
+                out.copy_(box)
+                self._give(lease)
+                return out
+        if out is None:
+            out = torch.empty(shp, dtype=metas[0].dtype)
         if out.numel() == 0:
             return out
         jobs = _tiling_jobs(metas, off, shp)
@@ -295,10 +360,17 @@ class CheckpointReader:
 
         def run(job):
             m, dst, lo, size = job
-            out[dst] = self._read_local_box(m, lo, size)
+            box, lease = self._read_local_box(m, lo, size)
+            out[dst] = box
+            del box
+            self._give(lease)
 
         self._parallel(run, jobs)
         return out
+
+    def _give(self, lease: Optional[torch.Tensor]) -> None:
+        if lease is not None:
+            self._pool.give(lease)
 
     def _covering_jobs(self, key: str, metas: List[ShardMeta], off, shp) -> List[tuple]:
         covered = torch.zeros(shp, dtype=torch.bool)
@@ -328,8 +400,7 @@ class CheckpointReader:
             raise CheckpointError(f"no such rank; the checkpoint has ranks {self.ranks()}",
                                   rank=rank, file=self.directory)
         metas = self._by_rank[rank]
-        leaves = [None if m.is_shard else self._read_local_box(m, (0,) * len(m.shape), m.shape)
-                  for m in metas]
+        leaves = [None if m.is_shard else self._plain(m) for m in metas]
         return self._decode(rank, leaves)
 
     def load_state(self, rank: int = 0) -> Any:
@@ -339,11 +410,24 @@ class CheckpointReader:
             raise CheckpointError(f"no such rank; the checkpoint has ranks {self.ranks()}",
                                   rank=rank, file=self.directory)
         metas = self._by_rank[rank]
-        tensors = self._parallel(lambda m: self._read_local_box(m, (0,) * len(m.shape), m.shape),
-                                 metas)
+        tensors = self._parallel(
+            lambda m: self._read_local_box(m, (0,) * len(m.shape), m.shape)[0]
+            if m.is_shard else self._plain(m), metas)
         leaves = [TensorShard(t, m.key, m.global_shape, m.global_offset) if m.is_shard else t
                   for t, m in zip(tensors, metas)]
         return self._decode(rank, leaves)
+
+    def _plain(self, m: ShardMeta) -> torch.Tensor:
+        """A plain tensor of the nested state (e.g. an RNG state), in memory of its own: a view
+        into a read buffer would keep the buffer alive, and `torch.set_rng_state` misreads a
+        view that does not start its storage."""
+        box, lease = self._read_local_box(m, (0,) * len(m.shape), m.shape)
+        if lease is None:
+            return box
+        own = box.clone()
+        del box
+        self._give(lease)
+        return own
 
     def _decode(self, rank: int, leaves: List[Any]) -> Any:
         try:

@@ -136,3 +136,53 @@ def test_two_processes_save_one_version_and_rank0_commits(tmp_path):
     reader = CheckpointReader(d)
     assert torch.equal(reader.read("w", (3, 0), (6, 10)), G[3:9])
     assert reader.load_state(rank=1)["rank"] == 1
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_direct_reads_equal_buffered_reads_and_still_verify(tmp_path, monkeypatch, refused):
+    """O_DIRECT reads (the merge's and converters'), widened to pages into reused buffers, give
+    the same boxes as buffered reads, into `out` too; where O_DIRECT is refused (at open, as
+    some file systems do, or at read time) the same reader reads buffered; a damaged byte is
+    still caught."""
+    import errno
+    import fcntl
+    import os
+
+    from datastates import fileio
+
+    d = str(tmp_path / "v")
+    save_two_ranks(d)
+    if refused:
+        real_open, real_preadv = fileio.open_confined, os.preadv
+
+        def open_confined(path, **kw):
+            if kw.get("flags", 0) & os.O_DIRECT and path.endswith("r00000.bin"):
+                raise OSError(errno.EINVAL, "O_DIRECT refused", path)
+            return real_open(path, **kw)
+
+        def preadv(fd, bufs, offset):  # rank 1's file: O_DIRECT opens, its reads are refused
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "alignment refused")
+            return real_preadv(fd, bufs, offset)
+
+        monkeypatch.setattr(fileio, "open_confined", open_confined)
+        monkeypatch.setattr(os, "preadv", preadv)
+    plain, direct = CheckpointReader(d), CheckpointReader(d, direct=True)
+    boxes = [("w", (0, 0), (12, 10)), ("w", (4, 3), (4, 5)), ("w", (6, 0), (6, 10)),
+             ("e", (0, 1, 0), (6, 2, 3)), ("e", (0, 0, 0), (6, 4, 3)), ("bias", (0,), (3,))]
+    for _ in range(3):  # later rounds take their buffers from the pool
+        for key, off, shp in boxes:
+            want = plain.read(key, off, shp)
+            assert torch.equal(direct.read(key, off, shp), want), (key, off)
+            out = torch.full(shp, -1.0)
+            assert direct.read(key, off, shp, out=out) is out and torch.equal(out, want)
+    s1 = direct.load_state(rank=1)
+    assert torch.equal(s1["w"].data, G[6:]) and torch.equal(s1["bias"], torch.full((3,), 7.0))
+    assert sorted(fd >= 0 for fd in direct._dfds.values()) == ([False, False] if refused
+                                                               else [True, True])
+    direct.close()
+    with open(os.path.join(d, "shard_r00001.bin"), "r+b") as f:
+        f.seek(8)
+        f.write(bytes([f.read(1)[0] ^ 0x40]))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        CheckpointReader(d, direct=True).read("w")

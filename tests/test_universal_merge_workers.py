@@ -167,7 +167,12 @@ def test_streamed_files_of_mixed_dtypes_are_aligned_safetensors(tmp_path):
                "empty": torch.empty(0, 4)}
     entries = [Entry(k, Role.WEIGHT, k, k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
     path = str(tmp_path / "x.safetensors")
-    crcs = write_files([(path, entries)], lambda e: tensors[e.source_key].clone(),
+    # Some reads fill the writer's reused buffer, the others return a tensor of their own.
+    def read(e, out):
+        t = tensors[e.source_key]
+        return out.copy_(t) if e.name in ("a", "c", "e") else t.clone()
+
+    crcs = write_files([(path, entries)], read,
                        directory="src", metadata={"producer": "test"}, chunk_bytes=8,
                        queue_bytes=16)  # a queue smaller than most tensors: one at a time
     with safe_open(path, "pt") as f:
@@ -176,5 +181,51 @@ def test_streamed_files_of_mixed_dtypes_are_aligned_safetensors(tmp_path):
             assert torch.equal(f.get_tensor(k), t), k
     assert crcs == {k: chunk_checksums(tensor_bytes(t), 8) for k, t in tensors.items()}
     with pytest.raises(CheckpointError, match="metadata says"):  # a read that disagrees with the plan
-        write_files([(str(tmp_path / "y.safetensors"), entries)], lambda e: torch.zeros(2),
+        write_files([(str(tmp_path / "y.safetensors"), entries)], lambda e, out: torch.zeros(2),
                     directory="src", metadata={}, chunk_bytes=8)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_sink_writes_page_aligned_buffers_without_staging(tmp_path, monkeypatch, refused):
+    """Bytes at a page boundary of the file that sit page-aligned in memory are written with
+    O_DIRECT from their own memory (no staging copy); the rest is staged; the file holds exactly
+    the bytes given, also when the file system refuses O_DIRECT at the first write."""
+    import errno
+    import fcntl
+
+    from datastates.buffers import aligned_empty
+    from datastates.universal import sink as sink_mod
+
+    g = torch.Generator().manual_seed(3)
+    header = torch.frombuffer(bytearray(torch.randint(0, 256, (4096,), generator=g,
+                                                      dtype=torch.uint8).numpy()), dtype=torch.uint8)
+    aligned = aligned_empty(3 * 4096 + 100)[:3 * 4096 + 100]
+    aligned.copy_(torch.randint(0, 256, (aligned.numel(),), generator=g, dtype=torch.uint8))
+    odd = torch.randint(0, 256, (5000,), generator=g, dtype=torch.uint8)
+    late = aligned_empty(2 * 4096)  # after 100 + 5000 staged bytes: staged too
+    late.copy_(torch.randint(0, 256, (late.numel(),), generator=g, dtype=torch.uint8))
+    direct_from = []
+    real = sink_mod.pwrite_all
+
+    def pwrite_all(fd, view, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if refused:  # as a file system that opens O_DIRECT but refuses its writes
+                raise OSError(errno.EINVAL, "O_DIRECT refused")
+            direct_from.append(torch.frombuffer(view, dtype=torch.uint8).data_ptr())
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(sink_mod, "pwrite_all", pwrite_all)
+    path = str(tmp_path / "f.bin")
+    s = sink_mod.Sink(path, staging_bytes=1 << 16)
+    assert s.direct
+    for t in (header, aligned, odd, late):
+        s.write(t)
+    still_direct = s.direct
+    s.close()
+    want = torch.cat([header, aligned, odd, late])
+    assert open(path, "rb").read() == bytes(want.numpy())
+    if refused:
+        assert not still_direct and not direct_from
+    else:  # the aligned buffer's 3 whole pages went from its own memory
+        assert still_direct and aligned.data_ptr() in direct_from
+        assert late.data_ptr() not in direct_from

@@ -73,8 +73,9 @@ class DataStatesSource(Source):
         super().__init__(directory, allow_unsafe_pickle)
         # One reader thread by default: a background merge should take as little CPU from
         # training as it can (and a thread pool per read costs more than it saves here).
+        # O_DIRECT: the shards are read once, so no page-cache copy and no pages left behind.
         self.reader = CheckpointReader(directory, verify=verify, threads=threads,
-                                       allow_pickle=allow_unsafe_pickle)
+                                       allow_pickle=allow_unsafe_pickle, direct=True)
 
     def keys(self) -> List[str]:
         return self.reader.tensor_keys(shards_only=True)
@@ -85,6 +86,9 @@ class DataStatesSource(Source):
 
     def read(self, key):
         return self.reader.read(key)
+
+    def read_into(self, key, out):
+        return self.reader.read(key, out=out)
 
     def objects(self):
         out: Dict[str, Any] = {}
@@ -141,7 +145,10 @@ class TorchDistSource(Source):
 
     def read(self, key):
         dtype, shape = self.meta(key)
-        return self._load({key: torch.empty(shape, dtype=dtype)})[key]
+        return self.read_into(key, torch.empty(shape, dtype=dtype))
+
+    def read_into(self, key, out):
+        return self._load({key: out})[key]
 
     def objects(self):
         keys = [k for k in self._bytes if not k.startswith(RNG_OBJECT)]

@@ -5,9 +5,10 @@ read (reads and writes never overlap) and leaves every byte dirty in the page ca
 final fsync (measured: 8.7 s of a 11.9 s merge of 1 GiB in `serialize_file`, docs/UNIVERSAL.md).
 Here the header is written first (every tensor's dtype and shape is known from the plan), then:
 
-  reader thread   reads each tensor from the source (`read(entry)`), computes the CRC-32C of its
-                  chunks (the C function drops the GIL), and queues it; the queue holds at most
-                  `queue_bytes` (one tensor larger than that is let through alone);
+  reader thread   reads each tensor from the source (`read(entry, out)`, into a page-aligned
+                  buffer reused from tensor to tensor: no page faults on fresh memory), computes
+                  the CRC-32C of its chunks (the C function drops the GIL), and queues it; the
+                  queue holds at most `queue_bytes` (one tensor larger than that goes alone);
   writing thread  (the caller) appends each tensor's bytes to the file (`sink.Sink`: O_DIRECT
                   through one aligned staging buffer where the file system takes it, else the
                   page cache with early writeback), so the disk writes while the next tensor is
@@ -15,8 +16,11 @@ Here the header is written first (every tensor's dtype and shape is known from t
 
 The files are safetensors as the library writes them: an 8-byte little-endian header length, a
 JSON header (``__metadata__`` and, per tensor, dtype, shape and data_offsets) padded with spaces
-to a multiple of 8, then the tensors' bytes back to back; within a file tensors are ordered by
-decreasing item size, then name, so every tensor is aligned to its item size.
+(the format's padding), then the tensors' bytes back to back; within a file tensors are ordered
+by decreasing item size, then name, so every tensor is aligned to its item size. The header is
+padded to end on a page boundary (the library pads to 8 bytes; both are valid safetensors): the
+data then starts page-aligned, and a tensor whose predecessors fill whole pages is written with
+O_DIRECT straight from its read buffer, with no staging copy (`sink.Sink.write`).
 """
 from __future__ import annotations
 
@@ -29,14 +33,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..buffers import BufferPool
 from ..errors import CheckpointError
 from .format import Entry
 from .objects import DTYPE_NAMES
-from .sink import Sink
+from .sink import ALIGN, Sink
 from .tensor_files import chunk_checksums, tensor_bytes
 
 QUEUE_BYTES = 256 << 20
-Read = Callable[[Entry], torch.Tensor]
+Read = Callable[[Entry, torch.Tensor], torch.Tensor]  # (entry, buffer it may fill) -> tensor
 Written = Callable[[Entry], None]  # after each tensor's bytes are written
 
 
@@ -45,8 +50,9 @@ def file_order(entries: Sequence[Entry]) -> List[Entry]:
     return sorted(entries, key=lambda e: (-e.dtype.itemsize, e.name))
 
 
-def header_bytes(entries: Sequence[Entry], metadata: Dict[str, str]) -> bytes:
-    """The safetensors header (length prefix included) of a file holding `entries` in order."""
+def header_bytes(entries: Sequence[Entry], metadata: Dict[str, str], align: int = 8) -> bytes:
+    """The safetensors header (length prefix included) of a file holding `entries` in order,
+    padded with spaces to a multiple of `align` bytes (a multiple of 8)."""
     doc: Dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for e in entries:
@@ -54,7 +60,7 @@ def header_bytes(entries: Sequence[Entry], metadata: Dict[str, str]) -> bytes:
                        "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw)) % align)
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -86,8 +92,8 @@ class _Budget:
 _DONE = object()
 
 
-def _checked(read: Read, e: Entry, directory: str) -> torch.Tensor:
-    t = read(e)
+def _checked(read: Read, e: Entry, out: torch.Tensor, directory: str) -> torch.Tensor:
+    t = read(e, out)
     if tuple(t.shape) != e.shape or t.dtype != e.dtype:
         raise CheckpointError(f"read {t.dtype}{list(t.shape)}, metadata says "
                               f"{e.dtype}{list(e.shape)}", file=directory, tensor=e.source_key)
@@ -104,6 +110,7 @@ def write_files(files: Sequence[Tuple[str, Sequence[Entry]]], read: Read, *, dir
     plan = [(path, file_order(entries)) for path, entries in files]
     budget = _Budget(queue_bytes)
     items: "queue.Queue" = queue.Queue()
+    pool = BufferPool(keep_bytes=queue_bytes)
 
     def produce() -> None:
         try:
@@ -111,8 +118,13 @@ def write_files(files: Sequence[Tuple[str, Sequence[Entry]]], read: Read, *, dir
                 for e in entries:
                     if not budget.take(e.nbytes):
                         return
-                    t = _checked(read, e, directory)
-                    items.put((e, t, chunk_checksums(tensor_bytes(t), chunk_bytes)))
+                    lease = pool.take(e.nbytes)
+                    out = lease[:e.nbytes].view(e.dtype).view(e.shape)
+                    t = _checked(read, e, out, directory)
+                    if t.data_ptr() != out.data_ptr() or not e.nbytes:
+                        lease = None  # the source gave a tensor of its own
+                    del out
+                    items.put((e, t, chunk_checksums(tensor_bytes(t), chunk_bytes), lease))
             items.put(_DONE)
         except BaseException as err:  # handed to the writing thread, which raises it
             items.put(err)
@@ -122,7 +134,7 @@ def write_files(files: Sequence[Tuple[str, Sequence[Entry]]], read: Read, *, dir
     crcs: Dict[str, List[int]] = {}
     try:
         for i, (path, entries) in enumerate(plan):
-            _write_one(path, entries, items, budget, crcs, metadata, written, direct)
+            _write_one(path, entries, items, budget, pool, crcs, metadata, written, direct)
             if after_file is not None:
                 after_file(i)
         last = items.get()
@@ -135,22 +147,25 @@ def write_files(files: Sequence[Tuple[str, Sequence[Entry]]], read: Read, *, dir
 
 
 def _write_one(path: str, entries: List[Entry], items: "queue.Queue", budget: _Budget,
-               crcs: Dict[str, List[int]], metadata: Dict[str, str], written: Optional[Written],
-               direct: bool) -> None:
+               pool: BufferPool, crcs: Dict[str, List[int]], metadata: Dict[str, str],
+               written: Optional[Written], direct: bool) -> None:
     sink = Sink(path, direct=direct)
     try:
-        sink.write(torch.frombuffer(bytearray(header_bytes(entries, metadata)), dtype=torch.uint8))
+        header = header_bytes(entries, metadata, align=ALIGN if sink.direct else 8)
+        sink.write(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         for want in entries:
             item = items.get()
             if isinstance(item, BaseException):
                 raise item
-            e, t, crc = item
+            e, t, crc, lease = item
             if e.name != want.name:
                 raise RuntimeError(f"reader out of step: {e.name} instead of {want.name}")
             sink.write(t.reshape(-1).view(torch.uint8) if t.numel() else
                        torch.empty(0, dtype=torch.uint8))
             crcs[e.name] = crc
             del item, t
+            if lease is not None:
+                pool.give(lease)
             budget.give(e.nbytes)
             if written is not None:
                 written(e)

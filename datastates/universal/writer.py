@@ -45,7 +45,8 @@ Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current 
 class MergeSource(abc.ABC):
     """A checkpoint to merge into the universal format. Call order (one process):
       1) `iteration()`; 2) `objects()` (small objects, read before any tensor so a bad one fails
-      early); 3) `entries()`; 4) `read(entry.source_key)` per entry; 5) `manifest_fields()`;
+      early); 3) `entries()`; 4) `read_into(entry.source_key, out)` per entry;
+      5) `manifest_fields()`;
       6) `close()`."""
 
     directory: str
@@ -62,6 +63,11 @@ class MergeSource(abc.ABC):
 
     @abc.abstractmethod
     def read(self, key: str) -> torch.Tensor: ...
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """The tensor `key`, written into `out` (a buffer of its shape and dtype that the
+        writer reuses) where the source can; else a tensor of the source's own."""
+        return self.read(key)
 
     @abc.abstractmethod
     def manifest_fields(self) -> Dict[str, Any]:
@@ -228,7 +234,8 @@ def write_tensors(source: MergeSource, tmp: str, files: List[Tuple[str, List[Ent
             fault_point("merge", iteration, 0)
 
     return write_files([(os.path.join(tmp, name), g) for name, g in files],
-                       lambda e: source.read(e.source_key), directory=source.directory,
+                       lambda e, out: source.read_into(e.source_key, out),
+                       directory=source.directory,
                        metadata=FILE_METADATA, chunk_bytes=chunk_bytes, written=written,
                        after_file=after_file)
 
