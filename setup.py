@@ -10,7 +10,12 @@ setup(
     # megatron-core wheel, so only our `megatron.training` subpackage is ours to ship.
     # `tools` ships too, so `python tools/X.py` and `python -m tools.X` both find `tools.*`.
     packages=find_namespace_packages(include=["megatron.training*", "datastates*", "tools*"]),
-    package_data={"tools.scale": ["*.json"]},  # the paper's inputs, read by tools/project_scale.py
+    # tools.scale: the paper's inputs, read by tools/project_scale.py. datastates: the one-pass
+    # copy + CRC-32C (datastates/copycrc.py), a plain C library that ctypes loads, built by
+    # scripts/build_copycrc.sh (setup_venv.sh runs it). Not a Python extension, so the wheel
+    # stays pure: where the library is missing or does not load (another CPU), the engine copies
+    # with memmove and checksums in its writer thread, writing the same bytes and checksums.
+    package_data={"tools.scale": ["*.json"], "datastates": ["_copycrc.c", "_copycrc.so"]},
     install_requires=["torch>=2.4", "megatron-core==0.16.1", "psutil", "numpy", "safetensors",
                       "crc32c"],
     extras_require={

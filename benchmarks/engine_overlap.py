@@ -2,7 +2,7 @@
 
 Usage:
   python benchmarks/engine_overlap.py [--dir DIR] [--size-gb 1.0] [--iters 4] [--compute-s 1.6]
-                                      [--json out.json]
+                                      [--json out.json] [--paired N] [--matmuls M]
 
 Each iteration: a read-only compute phase (matmuls, ~compute-s seconds, like forward/backward),
 then an in-place update of the whole state (like optimizer.step), then a checkpoint. Variants, in
@@ -13,9 +13,13 @@ phase slowed down, since on 2 cores background work competes with compute.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import shutil
+import statistics
+import threading
 import time
 
 import torch
@@ -81,6 +85,75 @@ def run(variant: str, state: dict, iters: int, n_mm: int, root: str, cache: int,
     return {"variant": variant, "total_s": total, "compute_s": sum(comp)}
 
 
+class BareCopyWrite:
+    """The least any checkpoint of `state` does, in one background thread: memmove each tensor
+    into a preallocated page-aligned buffer, then write the buffer with O_DIRECT in 64 MiB
+    pieces and fsync (no checksum, no index, no commit). Its compute slowdown is the floor the
+    engine's is compared with."""
+
+    def __init__(self, state: dict, path: str):
+        self.state, self.path = state, path
+        self.nbytes = sum(t.nbytes for t in state.values())
+        size = -(-self.nbytes // (64 << 20)) * (64 << 20)
+        self.buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self.buf.madvise(mmap.MADV_HUGEPAGE)
+        self.view = memoryview(self.buf)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        self.thread = None
+
+    def _run(self) -> None:
+        off = 0
+        for t in self.state.values():
+            ctypes.memmove(self.base + off, t.data_ptr(), t.nbytes)
+            off += t.nbytes
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+        try:
+            for o in range(0, len(self.view), 64 << 20):
+                os.pwrite(fd, self.view[o:o + (64 << 20)], o)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        os.unlink(self.path)
+
+
+def paired(state: dict, pairs: int, n_mm: int, root: str, cache: int, nice: int) -> dict:
+    """Compute phases with nothing in the background and with a save in the background,
+    alternately; the same around a bare copy + O_DIRECT write of the state (BareCopyWrite)."""
+    out = {k: [] for k in ("idle_s", "busy_s", "snapshot_wait_s", "idle2_s", "bare_s")}
+    bare = BareCopyWrite(state, os.path.join(root, "bare.bin"))
+    with CheckpointEngine(EngineConfig(host_cache_bytes=cache, background_nice=nice)) as eng:
+        for it in range(pairs):
+            eng.wait_for_durable()
+            out["idle_s"].append(compute(n_mm))
+            update(state)
+            eng.save(state, os.path.join(root, f"engine_{it}"), step=it)
+            out["busy_s"].append(compute(n_mm))
+            t0 = time.perf_counter()
+            eng.wait_for_snapshot()
+            out["snapshot_wait_s"].append(time.perf_counter() - t0)
+            update(state)
+            eng.wait_for_durable()
+            out["idle2_s"].append(compute(n_mm))
+            bare.start()
+            out["bare_s"].append(compute(n_mm))
+            bare.join()
+    for name in os.listdir(root):
+        shutil.rmtree(os.path.join(root, name))
+    out["slowdown"] = [b / a - 1 for a, b in zip(out["idle_s"], out["busy_s"])]
+    out["bare_slowdown"] = [b / a - 1 for a, b in zip(out["idle2_s"], out["bare_s"])]
+    out["median_slowdown"] = statistics.median(out["slowdown"])
+    out["median_bare_slowdown"] = statistics.median(out["bare_slowdown"])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dir", default="/tmp/datastates_overlap")
@@ -90,13 +163,39 @@ def main() -> None:
     p.add_argument("--nice", type=int, default=10,
                    help="EngineConfig.background_nice for the engine variant")
     p.add_argument("--variants", default="none,torch.save,engine")
+    p.add_argument("--matmuls", type=int, default=0,
+                   help="matmuls per compute phase instead of calibrating to --compute-s (the "
+                        "same work in runs to be compared, e.g. two engine versions)")
+    p.add_argument("--paired", type=int, default=0,
+                   help="instead of the variants: N pairs of compute phases, engine idle / engine "
+                        "saving in the background (see above)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     state = make_state(int(args.size_gb * 1e9))
     nbytes = sum(t.nbytes for t in state.values())
-    n_mm = calibrate(args.compute_s)
+    n_mm = args.matmuls or calibrate(args.compute_s)
     load_before = os.getloadavg()
+    if args.paired:
+        res = paired(state, args.paired, n_mm, args.dir, nbytes + (16 << 20), args.nice)
+        print(f"state {nbytes / 1e9:.2f} GB, {args.paired} pairs of {n_mm} matmuls; engine "
+              f"background_nice "
+              f"{args.nice}; load avg before " + " ".join(f"{x:.2f}" for x in load_before)
+              + ", after " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        print(f"compute phase, nothing in the background: median "
+              f"{statistics.median(res['idle_s']):.3f} s; with a save in the background: "
+              f"{statistics.median(res['busy_s']):.3f} s; slowdown median "
+              f"{100 * res['median_slowdown']:+.1f}% (pairs: "
+              + ", ".join(f"{100 * x:+.1f}%" for x in res["slowdown"]) + "); wait_for_snapshot "
+              f"after it: median {1000 * statistics.median(res['snapshot_wait_s']):.1f} ms")
+        print(f"floor, a bare memmove + O_DIRECT write of the state in the background: slowdown "
+              f"median {100 * res['median_bare_slowdown']:+.1f}% (pairs: "
+              + ", ".join(f"{100 * x:+.1f}%" for x in res["bare_slowdown"]) + ")")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(res, state_bytes=nbytes, matmuls=n_mm, load_before=load_before,
+                               load_after=os.getloadavg()), f, indent=1)
+        return
     results = [run(v, state, args.iters, n_mm, args.dir, nbytes + (16 << 20), args.nice)
                for v in args.variants.split(",")]
     base = results[0]

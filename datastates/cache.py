@@ -32,7 +32,17 @@ class HostCache:
         if pinned:  # cudaHostAlloc memory is page-aligned
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
         else:  # torch.empty is only 64-byte aligned; an anonymous mapping is page-aligned
-            self._mmap = mmap.mmap(-1, self.capacity)
+            # Private (not mmap's default shared, i.e. shmem) so that the kernel may back it with
+            # transparent huge pages where asked: an O_DIRECT write then pins 2 MiB pages instead
+            # of 4 KiB ones (its kernel CPU fell from 0.037-0.040 to 0.016-0.020 s per GB here)
+            # and the copy and checksum take fewer TLB misses.
+            self._mmap = mmap.mmap(-1, self.capacity,
+                                   flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    self._mmap.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:  # THP disabled in the kernel: 4 KiB pages, as before
+                    pass
             self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.array = self.buffer.numpy()  # same memory; gives writers a buffer-protocol view
         self._cond = threading.Condition()

@@ -27,7 +27,7 @@ import torch
 
 from . import checksum, layout
 from .cache import HostCache
-from .config import CommitPolicy, EngineConfig, WriteMode
+from .config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from .errors import CheckpointError
 from .faults import fault_point
 from .flush import migrate_version_files, write_block, write_version_files
@@ -67,7 +67,7 @@ class CheckpointEngine:
         self._cache = HostCache(config.host_cache_bytes, pinned=torch.cuda.is_available())
         self._cache.buffer.fill_(0)
         self._cache.add_peak_listener(self._on_cache_use)
-        self._copier = Copier(self._cache)
+        self._copier = Copier(self._cache, crc32c=config.checksum is Checksum.CRC32C)
         self._copy_q: "queue.Queue" = queue.Queue()
         self._held: List[tuple] = []  # (save, its copy groups) not yet handed to copy threads
         self._write_q: "queue.Queue" = queue.Queue()
@@ -422,11 +422,11 @@ class CheckpointEngine:
             nbytes = piece.numel() * piece.element_size()
             start = self._alloc(sv, nbytes)
             try:
-                self._copier.copy(piece, start, ready)
+                crc = self._copier.copy(piece, start, ready)
             except BaseException:
                 self._cache.free(start)
                 raise
-            self._hand_over(sv, [Segment(i, off, nbytes, 0)], start, nbytes)
+            self._hand_over(sv, [Segment(i, off, nbytes, 0, crc)], start, nbytes)
 
     def _copy_bundle(self, sv: SaveJob, group: List[int]) -> None:
         """Small tensors packed into one cache block and written with one write, as laid out
@@ -443,8 +443,8 @@ class CheckpointEngine:
                 if e.nbytes:
                     pos = sv.file_offsets[i] - base
                     ready = sv.ready_events.get(e.tensor.device) if e.tensor.is_cuda else None
-                    self._copier.copy(e.tensor.detach(), start + pos, ready)
-                    segments.append(Segment(i, 0, e.nbytes, pos))
+                    crc = self._copier.copy(e.tensor.detach(), start + pos, ready)
+                    segments.append(Segment(i, 0, e.nbytes, pos, crc))
         except BaseException:
             self._cache.free(start)
             raise

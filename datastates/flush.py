@@ -24,15 +24,18 @@ DIRECT_ALIGN = 4096
 def write_block(cfg: EngineConfig, crc: ChecksumFn, cache: HostCache, sv: SaveJob,
                 segments: List[Segment], start: int, total: int,
                 lock: threading.Condition) -> List[int]:
-    """Checksum each segment of a cache block and write the block, which is contiguous in the
-    file, with one write; returns the checksums. O_DIRECT where the block is page-aligned."""
+    """Checksum each segment of a cache block (unless its copy did) and write the block, which
+    is contiguous in the file, with one write; returns the checksums. O_DIRECT where the block
+    is page-aligned."""
     first = segments[0]
     file_off = sv.file_offsets[first.entry] + first.offset
     if cfg.write_hook is not None:
         cfg.write_hook("write", {"rank": cfg.rank, "file": sv.shard_path,
                                  "tensor": sv.entries[first.entry].key, "offset": file_off,
                                  "nbytes": total})
-    crcs = [crc(cache.memview(start + s.pos, s.nbytes)) for s in segments]
+    # Segments whose copy computed their CRC (copycrc) are not read again here.
+    crcs = [s.crc if s.crc is not None else crc(cache.memview(start + s.pos, s.nbytes))
+            for s in segments]
     last = segments[-1]
     ends_tensor = last.offset + last.nbytes == sv.entries[last.entry].nbytes
     if (sv.dfd >= 0 and file_off % DIRECT_ALIGN == 0 and start % DIRECT_ALIGN == 0

@@ -63,12 +63,13 @@ SMALL_ALIGN = 64
 
 class Segment(NamedTuple):
     """Part of a cache block: bytes [offset, offset + nbytes) of tensor `entry`, at `pos` in the
-    block."""
+    block; `crc` is their CRC-32C when the copy computed it (else the writer does)."""
 
     entry: int
     offset: int
     nbytes: int
     pos: int
+    crc: Optional[int] = None
 
 
 def _align(x: int, a: int) -> int:

@@ -12,6 +12,7 @@ from typing import Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from . import copycrc
 from .cache import HostCache
 
 
@@ -44,12 +45,17 @@ def iter_pieces(t: torch.Tensor, max_bytes: int, byte_offset: int = 0
 class Copier:
     """Copies one piece into a cache block. On CUDA the copy runs on a dedicated stream that first
     waits for the work the caller had queued when it called save; an event per piece tells when
-    the bytes are on the host."""
+    the bytes are on the host.
 
-    def __init__(self, cache: HostCache):
+    With `crc32c=True` (and the `copycrc` library built), a contiguous CPU piece is copied and
+    checksummed in one pass, and `copy` returns the piece's CRC-32C; otherwise it returns None and
+    the writer checksums the cached bytes."""
+
+    def __init__(self, cache: HostCache, crc32c: bool = False):
         self.cache = cache
         self._base = cache.buffer.data_ptr()
         self._streams = {}
+        self.fused = crc32c and copycrc.available
 
     def _stream(self, device: torch.device):
         s = self._streams.get(device)
@@ -59,13 +65,16 @@ class Copier:
         return s
 
     def copy(self, piece: torch.Tensor, start: int,
-             ready_event: Optional["torch.cuda.Event"] = None) -> None:
+             ready_event: Optional["torch.cuda.Event"] = None) -> Optional[int]:
+        """Copy `piece` to cache offset `start`; its CRC-32C if computed on the way (see class)."""
         nbytes = piece.numel() * piece.element_size()
         if not piece.is_cuda and piece.is_contiguous():
-            # A plain memcpy: no OpenMP team (see below), ~1 us of overhead per tensor, and
-            # ctypes drops the GIL for the call.
+            # No OpenMP team (see below), ~1 us of overhead per tensor, and ctypes drops the GIL
+            # for the call.
+            if self.fused:
+                return copycrc.copy_crc32c(self._base + start, piece.data_ptr(), nbytes)
             ctypes.memmove(self._base + start, piece.data_ptr(), nbytes)
-            return
+            return None
         dst = self.cache.view(start, nbytes).view(piece.dtype).view(piece.shape)
         if piece.is_cuda:
             stream = self._stream(piece.device)
@@ -77,10 +86,12 @@ class Copier:
                 done.record(stream)
             # The writer reads the host bytes next, so they must have landed.
             done.synchronize()
+            return None
         else:
             # numpy's copy is single-threaded and drops the GIL. torch's copy_ would start an
             # OpenMP team from this thread whose spin-waiting competes with training on few cores.
             np.copyto(_as_numpy(dst), _as_numpy(piece), casting="no")
+            return None
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

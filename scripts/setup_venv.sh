@@ -22,4 +22,6 @@ if ! (cd / && "$PY" -c "import datastates, megatron.training, tools.errors") >/d
    || ! "$PY" -m pip show -q datastates-llm >/dev/null 2>&1; then
   "$PY" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT"
 fi
+# The engine's one-pass copy + checksum library; optional (the engine falls back without it).
+bash "$ROOT/scripts/build_copycrc.sh" || echo "setup_venv: datastates/_copycrc.so not built" >&2
 export PATH="$VENV/bin:$PATH"
