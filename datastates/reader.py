@@ -57,6 +57,7 @@ class CheckpointReader:
         self.directory = directory
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._dfds: Dict[str, int] = {}  # path -> O_DIRECT descriptor, -1 where refused
+        self._retired: List[int] = []  # O_DIRECT descriptors whose reads were refused
         self._pool = BufferPool()
         self.local_dir = local_dir
         self._sources: Dict[int, str] = {}
@@ -202,10 +203,12 @@ class CheckpointReader:
     # ----------------------------------------------------------------- reading
     def close(self) -> None:
         with self._fd_lock:
-            for fd in list(self._fds.values()) + [d for d in self._dfds.values() if d >= 0]:
+            for fd in (list(self._fds.values()) + [d for d in self._dfds.values() if d >= 0]
+                       + self._retired):
                 os.close(fd)
             self._fds.clear()
             self._dfds.clear()
+            self._retired.clear()
         self._pool.clear()
 
     def __enter__(self) -> "CheckpointReader":
@@ -269,8 +272,8 @@ class CheckpointReader:
                 if e.errno != errno.EINVAL:
                     raise
                 with self._fd_lock:  # alignment refused at read time: read buffered from now on
-                    if self._dfds.get(path, -1) >= 0:
-                        os.close(self._dfds[path])
+                    if self._dfds.get(path, -1) >= 0:  # closed by close(): another thread may
+                        self._retired.append(self._dfds[path])  # still be reading with it
                         self._dfds[path] = -1
             self._pool.give(lease)
         lease = self._pool.take(n)
