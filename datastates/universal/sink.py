@@ -17,15 +17,14 @@ the page cache instead, starting the kernel's writeback of every `writeback_byte
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 
 import torch
 
+from ..buffers import PAGE as ALIGN, aligned_empty
 from ..fileio import pwrite_all
 from ..writeback import drop_cached, start_writeback
 
-ALIGN = 4096
 STAGING_BYTES = 16 << 20
 WRITEBACK_BYTES = 64 << 20
 
@@ -45,8 +44,7 @@ class Sink:
             except OSError:
                 self.dfd = -1  # e.g. tmpfs: buffered
         size = max(ALIGN, staging_bytes - staging_bytes % ALIGN)
-        self._map = mmap.mmap(-1, size) if self.dfd >= 0 else None  # page-aligned
-        self._staging = torch.frombuffer(self._map, dtype=torch.uint8) if self._map else None
+        self._staging = aligned_empty(size) if self.dfd >= 0 else None
         self.pos = 0     # bytes in the file
         self.fill = 0    # bytes in the staging buffer after `pos`
         self.synced = 0  # buffered: writeback started up to here
@@ -84,11 +82,7 @@ class Sink:
                 return
 
     def _flush_direct(self, nbytes: int) -> None:
-        view = memoryview(self._map)[:nbytes]
-        try:
-            self._write_direct(view)
-        finally:
-            view.release()
+        self._write_direct(memoryview(self._staging[:nbytes].numpy()))
         self.fill = 0
 
     def _write_direct(self, view: memoryview) -> None:
@@ -138,10 +132,4 @@ class Sink:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self._staging = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view still lives: the GC unmaps it
-                pass
-            self._map = None
+        self._staging = None  # unmapped with its last reference

@@ -74,20 +74,20 @@ class _Pipeline:
     the writing thread `get`s them in order. Claiming in order means the tensor the writer waits
     for always has its bytes: no deadlock however the threads interleave."""
 
-    def __init__(self, count: int, limit: int):
-        self.count, self.limit = count, limit
+    def __init__(self, sizes: Sequence[int], limit: int):
+        self.sizes, self.limit = sizes, limit
         self.used, self.next, self.stopped = 0, 0, False
         self.done: Dict[int, object] = {}
         self.cond = threading.Condition()
 
-    def claim(self, nbytes_of: Callable[[int], int]) -> Optional[int]:
+    def claim(self) -> Optional[int]:
         """The next index to read, its bytes counted; None when every index is claimed or the
         pipeline stopped."""
         with self.cond:
             while True:
-                if self.stopped or self.next >= self.count:
+                if self.stopped or self.next >= len(self.sizes):
                     return None
-                n = nbytes_of(self.next)
+                n = self.sizes[self.next]
                 if not self.used or self.used + n <= self.limit:
                     i, self.next = self.next, self.next + 1
                     self.used += n
@@ -136,11 +136,11 @@ def write_files(files: Sequence[Tuple[str, Sequence[Entry]]], read: Read, *, dir
     checksums by name. `after_file(i)` runs after file i is durable."""
     plan = [(path, file_order(entries)) for path, entries in files]
     order = [e for _, entries in plan for e in entries]
-    pipe = _Pipeline(len(order), queue_bytes)
+    pipe = _Pipeline([e.nbytes for e in order], queue_bytes)
     pool = BufferPool(keep_bytes=queue_bytes)
 
     def produce() -> None:
-        while (i := pipe.claim(lambda k: order[k].nbytes)) is not None:
+        while (i := pipe.claim()) is not None:
             e = order[i]
             try:
                 lease = pool.take(e.nbytes)
