@@ -3,12 +3,17 @@
 Usage:
   python benchmarks/engine_overlap.py [--dir DIR] [--size-gb 1.0] [--iters 4] [--compute-s 1.6]
                                       [--json out.json] [--paired N] [--matmuls M]
+                                      [--device cpu|cuda]
 
 Each iteration: a read-only compute phase (matmuls, ~compute-s seconds, like forward/backward),
 then an in-place update of the whole state (like optimizer.step), then a checkpoint. Variants, in
 this order: no checkpoint, torch.save + fsync (synchronous), DataStates engine (save after the
 update, wait_for_snapshot before the next update). Reports end-to-end time and how much the compute
 phase slowed down, since on 2 cores background work competes with compute.
+
+With `--device cuda` the state lives on the GPU and the compute phase is bf16 4096x4096 matmuls on
+the GPU, timed with a synchronize at its end: what it measures is whether the engine's
+device-to-host copies, its host threads (GIL) and the writes slow down a GPU training loop.
 """
 from __future__ import annotations
 
@@ -27,25 +32,37 @@ import torch
 from datastates import CheckpointEngine, EngineConfig
 
 
+DEVICE = torch.device("cpu")  # set by main() from --device
+
+
 def make_state(total_bytes: int, n: int = 64) -> dict:
     g = torch.Generator().manual_seed(0)
-    return {f"layer{i:03d}": torch.randn(total_bytes // 4 // n, generator=g) for i in range(n)}
+    return {f"layer{i:03d}": torch.randn(total_bytes // 4 // n, generator=g).to(DEVICE)
+            for i in range(n)}
+
+
+def _matrix() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    if DEVICE.type == "cuda":
+        return torch.randn(4096, 4096, generator=g).to(DEVICE, torch.bfloat16)
+    return torch.randn(1024, 1024, generator=g)
 
 
 def calibrate(compute_s: float) -> int:
-    a = torch.randn(1024, 1024)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ a
-    per = (time.perf_counter() - t0) / 5
+    compute(5)  # warm-up (cuBLAS handles, clocks)
+    per = compute(20) / 20
     return max(1, int(compute_s / per))
 
 
 def compute(n: int) -> float:
-    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(1))
+    a = _matrix()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         a @ a
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -87,30 +104,57 @@ def run(variant: str, state: dict, iters: int, n_mm: int, root: str, cache: int,
 
 class BareCopyWrite:
     """The least any checkpoint of `state` does, in one background thread: memmove each tensor
-    into a preallocated page-aligned buffer, then write the buffer with O_DIRECT in 64 MiB
-    pieces and fsync (no checksum, no index, no commit). Its compute slowdown is the floor the
-    engine's is compared with."""
+    into a preallocated page-aligned buffer (on CUDA: one device-to-host copy per tensor on a side
+    stream into the same buffer, page-locked), then write the buffer with O_DIRECT in 64 MiB
+    pieces (buffered where O_DIRECT is refused) and fsync (no checksum, no index, no commit). Its
+    compute slowdown is the floor the engine's is compared with."""
 
     def __init__(self, state: dict, path: str):
         self.state, self.path = state, path
         self.nbytes = sum(t.nbytes for t in state.values())
         size = -(-self.nbytes // (64 << 20)) * (64 << 20)
+        self.thread = None
+        self.host = None
+        if DEVICE.type == "cuda":  # page-locked and page-aligned (cudaHostAlloc)
+            self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self.view = memoryview(self.host.numpy())
+            self.stream = torch.cuda.Stream()
+            return
         self.buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.buf.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self.buf)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
-        self.thread = None
 
     def _run(self) -> None:
         off = 0
-        for t in self.state.values():
-            ctypes.memmove(self.base + off, t.data_ptr(), t.nbytes)
-            off += t.nbytes
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+        if self.host is not None:
+            self.stream.wait_stream(torch.cuda.default_stream())  # the update before it
+            with torch.cuda.stream(self.stream):
+                for t in self.state.values():
+                    self.host[off:off + t.nbytes].copy_(t.view(-1).view(torch.uint8),
+                                                        non_blocking=True)
+                    off += t.nbytes
+            self.stream.synchronize()
+        else:
+            for t in self.state.values():
+                ctypes.memmove(self.base + off, t.data_ptr(), t.nbytes)
+                off += t.nbytes
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            fd = os.open(self.path, flags | os.O_DIRECT)
+        except OSError:  # e.g. tmpfs or a sandboxed kernel
+            fd = os.open(self.path, flags)
         try:
             for o in range(0, len(self.view), 64 << 20):
-                os.pwrite(fd, self.view[o:o + (64 << 20)], o)
+                try:
+                    os.pwrite(fd, self.view[o:o + (64 << 20)], o)
+                except OSError:  # O_DIRECT accepted at open, refused at write
+                    if o:
+                        raise
+                    os.close(fd)
+                    fd = os.open(self.path, flags)
+                    os.pwrite(fd, self.view[o:o + (64 << 20)], o)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -170,7 +214,11 @@ def main() -> None:
                    help="instead of the variants: N pairs of compute phases, engine idle / engine "
                         "saving in the background (see above)")
     p.add_argument("--json", default=None)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the state lives and the compute phase runs (see above)")
     args = p.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     os.makedirs(args.dir, exist_ok=True)
     state = make_state(int(args.size_gb * 1e9))
     nbytes = sum(t.nbytes for t in state.values())
@@ -188,12 +236,14 @@ def main() -> None:
               f"{100 * res['median_slowdown']:+.1f}% (pairs: "
               + ", ".join(f"{100 * x:+.1f}%" for x in res["slowdown"]) + "); wait_for_snapshot "
               f"after it: median {1000 * statistics.median(res['snapshot_wait_s']):.1f} ms")
-        print(f"floor, a bare memmove + O_DIRECT write of the state in the background: slowdown "
+        print(f"floor, a bare {'device-to-host copy' if DEVICE.type == 'cuda' else 'memmove'}"
+              f" + O_DIRECT write of the state in the background: slowdown "
               f"median {100 * res['median_bare_slowdown']:+.1f}% (pairs: "
               + ", ".join(f"{100 * x:+.1f}%" for x in res["bare_slowdown"]) + ")")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(res, state_bytes=nbytes, matmuls=n_mm, load_before=load_before,
+                json.dump(dict(res, state_bytes=nbytes, matmuls=n_mm, device=args.device,
+                               load_before=load_before,
                                load_after=os.getloadavg()), f, indent=1)
         return
     results = [run(v, state, args.iters, n_mm, args.dir, nbytes + (16 << 20), args.nice)

@@ -11,7 +11,12 @@ Steps, each timed; a failing step is recorded and the next one runs:
   c. lazy_resume        resume that run from iteration 3: `lm loss` of iterations 4-6 printed
                         exactly as by the uninterrupted run;
   d. d2h_copy_rate      the engine's device-to-host snapshot rate against plain pinned torch copies
-                        of the same state in the same run (benchmarks/engine_bench.py).
+                        of the same state in the same run (benchmarks/engine_bench.py);
+  e. background_cost    what a save in the background costs a GPU training loop: compute phases
+                        (bf16 matmuls) with and without a save in flight, alternated, against a bare
+                        device-to-host copy + write of the same bytes (benchmarks/engine_overlap.py
+                        --paired), and the engine's host CPU per GB saved (engine_bench --modes
+                        direct).
 All steps share one time budget (8 minutes by default). Results go to one JSON file, rewritten
 after every step so an interrupted run still leaves what it measured; logs of every process go
 beside it. Exit status: 0 when no step failed, 1 otherwise, 2 when there is no CUDA device and
@@ -355,11 +360,51 @@ def step_d2h_copy_rate(ck: Check) -> Step:
     return step
 
 
+def step_background_cost(ck: Check) -> Step:
+    """e. Compute slowdown with a save in the background, and CPU seconds per GB saved."""
+    overlap, bench = ck.work / "engine_overlap.json", ck.work / "engine_bench_cpu.json"
+    cuda = ck.device == "cuda"
+    size = ["--size-gb", "2", "--paired", "5", "--compute-s", "2.0"] if cuda else \
+        ["--size-gb", "0.1", "--paired", "1", "--compute-s", "0.3"]
+    p = ck.run("engine_overlap", [sys.executable, "benchmarks/engine_overlap.py", "--device",
+                                  ck.device, "--dir", str(ck.work / "overlap"), "--json",
+                                  str(overlap)] + size, cap=200)
+    step = Step(seconds=round(p.seconds, 2))
+    if p.returncode != 0 or not overlap.is_file():
+        step.detail = "engine_overlap: " + tail(p.stdout + p.stderr)
+        return step
+    res = json.loads(overlap.read_text())
+    step.figures = {"overlap_state_gb": res["state_bytes"] / 1e9, "matmuls": res["matmuls"],
+                    "idle_compute_s": [round(x, 4) for x in res["idle_s"]],
+                    "slowdown": [round(x, 4) for x in res["slowdown"]],
+                    "median_slowdown": round(res["median_slowdown"], 4),
+                    "bare_slowdown": [round(x, 4) for x in res["bare_slowdown"]],
+                    "median_bare_slowdown": round(res["median_bare_slowdown"], 4),
+                    "snapshot_wait_s": [round(x, 4) for x in res["snapshot_wait_s"]]}
+    size = ["--size-gb", "2", "--rounds", "2"] if cuda else ["--size-gb", "0.1", "--rounds", "1"]
+    p = ck.run("engine_bench_cpu", [sys.executable, "benchmarks/engine_bench.py", "--modes",
+                                    "direct", "--no-torch-save", "--device", ck.device, "--dir",
+                                    str(ck.work / "bench_cpu"), "--json", str(bench)] + size,
+               cap=120)
+    step.seconds = round(step.seconds + p.seconds, 2)
+    if p.returncode != 0 or not bench.is_file():
+        step.detail = "engine_bench: " + tail(p.stdout + p.stderr)
+        return step
+    rounds = json.loads(bench.read_text())["rounds"]
+    for k in ("cpu", "engine_cpu", "copy_cpu", "write_cpu"):
+        step.figures[f"{k}_s_per_gb"] = [round(r[f"direct.{k}_s_per_gb"], 4) for r in rounds]
+    step.figures["engine_gbps"] = [round(r["direct.engine_gbps"], 3) for r in rounds]
+    step.figures["raw_gbps"] = [round(r["direct.raw_gbps"], 3) for r in rounds]
+    step.status = "pass"
+    return step
+
+
 STEPS: Dict[str, tuple] = {
     "a": ("a_engine_cuda_tests", step_engine_cuda_tests),
     "b": ("b_lazy_vs_torch_dist", step_lazy_vs_torch_dist),
     "c": ("c_lazy_resume", step_lazy_resume),
     "d": ("d_d2h_copy_rate", step_d2h_copy_rate),
+    "e": ("e_background_cost", step_background_cost),
 }
 
 
@@ -394,7 +439,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="run on CPU with gloo when there is no CUDA device (checks this script)")
     p.add_argument("--json", type=Path, default=None, help="results file (see module doc)")
     p.add_argument("--logs", type=Path, default=None, help="folder for every process's output")
-    p.add_argument("--steps", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    p.add_argument("--steps", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
     p.add_argument("--budget-s", type=float, default=BUDGET_S,
                    help="time for all steps together, counted from GPU_CHECK_START if set")
     p.add_argument("--keep-work", action="store_true", help="keep the checkpoints written")
