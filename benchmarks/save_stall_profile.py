@@ -7,9 +7,12 @@ Trains the GPT of `checkpoint_compare.py` in this process (one rank, a checkpoin
 iteration) with `time.perf_counter` spans wrapped around the functions a save goes through, and
 prints each span's median inclusive time per call (ms) over the saves after the first (the first
 builds caches). Spans nest: an indented line is part of the line above it. "save call" and "wait
-before step" together are the stall `checkpoint_compare.py` reports; "poll" (agreement, commit,
-tracker) runs at the end of each iteration, outside that stall. No change to the code measured:
-the spans are installed by replacing module attributes before training starts.
+before step" together are the stall `checkpoint_compare.py` reports; "poll" (agreements, the
+commit's collectives, retention) runs at the end of each iteration, outside that stall, and the
+last line adds it: what each save costs the training thread. The commit marker and tracker are
+written by rank 0's commit thread, whose spans are timed there, off the training loop. No change
+to the code measured: the spans are installed by replacing module attributes before training
+starts.
 """
 from __future__ import annotations
 
@@ -93,13 +96,16 @@ def install_spans() -> None:
         (engine.CheckpointEngine, "start_copies", "    engine.start_copies"),
         (mgr, "before_optimizer_step", "wait before step"),
         (mgr, "after_iteration", "poll (end of iteration)"),
-        (checkpointer.LazyCheckpointer, "_commit", "  commit (finalize, marker, tracker)"),
+        (checkpointer.LazyCheckpointer, "_commit", "  commit (finalize, start commit thread)"),
         (checkpointer.LazyCheckpointer, "_gather_stats", "    stats all-reduce"),
-        (checkpointer.LazyCheckpointer, "_publish", "    publish (rank 0)"),
-        (checkpointer, "fsync_file", "      fsync metadata.json"),
-        (checkpointer, "try_commit", "      commit marker"),
-        (checkpointer, "write_tracker", "      tracker"),
-        (mgr, "_after_commit", "      retention"),
+        (checkpointer.LazyCheckpointer, "_settle", "  commit agreed (all-reduce, then below)"),
+        (mgr, "_after_commit", "    retention"),
+        (checkpointer.LazyCheckpointer, "_publish", "commit thread (rank 0, off the loop)"),
+        (checkpointer, "release_spare", "  metadata.json's spare released"),
+        (strategies, "write_metadata", "  metadata.json written"),
+        (checkpointer, "fsync_file", "  fsync metadata.json"),
+        (checkpointer, "try_commit", "  commit marker"),
+        (checkpointer, "write_tracker", "  tracker"),
     ]
     for owner, attr, label in spans:
         _wrap(owner, attr, label)
@@ -142,6 +148,10 @@ def report(skip: int) -> None:
     if stall:
         print(f"{'stall (save call + wait before step)':46s} "
               f"{statistics.median(stall) * 1e3:8.2f}")
+    total = [a + b for a, b in zip(stall, _TIMES["poll (end of iteration)"][skip:])]
+    if total:
+        print(f"{'training thread per save (stall + poll)':46s} "
+              f"{statistics.median(total) * 1e3:8.2f}")
 
 
 def main(argv=None) -> int:

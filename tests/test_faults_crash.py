@@ -22,5 +22,12 @@ def test_kills_inside_each_phase_resume_bit_identically(tmp_path):
             # Training runs on while the paused flush holds the writer, and versions commit in
             # order: nothing from the paused step on can have been committed.
             assert t.resumed_from < t.plan.step, (t, report)
+        elif t.plan.phase == "commit":
+            # Training runs on while the paused commit holds rank 0's commit thread, and versions
+            # commit in order: nothing after the paused step can have been committed (the paused
+            # one itself only when another rank was the victim and rank 0 finished it meanwhile).
+            assert t.resumed_from <= t.plan.step, (t, report)
+            if t.plan.victim == "job" or t.plan.rank == 0:
+                assert t.resumed_from < t.plan.step, (t, report)
         else:
             assert 0 <= t.lost <= t.plan.step + 1, (t, report)

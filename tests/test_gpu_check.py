@@ -30,7 +30,8 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     steps = res["steps"]
     assert {k: v["status"] for k, v in steps.items()} == {
         "a_engine_cuda_tests": "skip", "b_lazy_vs_torch_dist": "pass", "c_lazy_resume": "pass",
-        "d_d2h_copy_rate": "pass"}, {k: v["detail"] for k, v in steps.items()}
+        "d_d2h_copy_rate": "pass", "e_background_cost": "pass"}, \
+        {k: v["detail"] for k, v in steps.items()}
     assert res["ok"] is True and res["mode"] == "cpu"
     assert res["env"]["installed_files_differing_from_repo"] == []
     b = steps["b_lazy_vs_torch_dist"]["figures"]
@@ -44,8 +45,12 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert d["engine_snapshot_gbps"] > 0 and d["torch_copy_gbps"] > 0
     assert d["engine_vs_torch"] == pytest.approx(d["engine_snapshot_gbps"] / d["torch_copy_gbps"],
                                                  rel=0.5)  # medians of ratios vs ratio of medians
-    assert {"lazy.out", "torch_dist.out", "stock_load.out", "resume.out",
-            "engine_bench.out"} <= {p.name for p in logs.iterdir()}
+    e = steps["e_background_cost"]["figures"]
+    assert len(e["slowdown"]) == len(e["bare_slowdown"]) == len(e["idle_compute_s"]) >= 1
+    assert e["median_slowdown"] == pytest.approx(e["slowdown"][0], abs=1e-3)  # one pair on CPU
+    assert all(x > 0 for x in e["cpu_s_per_gb"] + e["engine_gbps"] + e["idle_compute_s"])
+    assert {"lazy.out", "torch_dist.out", "stock_load.out", "resume.out", "engine_bench.out",
+            "engine_overlap.out", "engine_bench_cpu.out"} <= {p.name for p in logs.iterdir()}
     assert all(r["returncode"] == 0 for r in res["runs"].values()), res["runs"]
 
 

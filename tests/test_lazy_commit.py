@@ -1,0 +1,157 @@
+"""The commit of a lazy save (`LazyCheckpointer`): metadata.json, the commit marker and the tracker
+are written by the commit thread, off the training loop; a commit in flight never blocks `poll` or
+the next save, versions still commit in order, and a failed commit is raised as the agreed
+`CheckpointError`. One process on a one-rank gloo group, no trainer."""
+import errno
+import importlib
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron.core.dist_checkpointing import ShardedTensor
+
+WAIT_S = 60.0  # a bound for background work to reach a state, never a timing assertion
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _state(step):
+    data = torch.arange(64, dtype=torch.float32).reshape(8, 8) + 1000 * step
+    return {"w": ShardedTensor("w", data, data.dtype, (8, 8), (8, 8), (0, 0), (1, 1)),
+            "iteration": step}
+
+
+def _checkpointer(root):
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
+
+    return LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20),
+                            log=lambda _msg: None)
+
+
+def _save(ckpt, step):
+    ckpt.save(step, _state(step))
+    ckpt.before_optimizer_step()
+    ckpt.poll(step)
+
+
+def _poll_until(ckpt, step, done):
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, "background work did not get there"
+        ckpt.poll(step)
+        time.sleep(0.01)
+
+
+def _tracked(root):
+    from datastates.megatron_adapter.paths import tracked_iteration
+
+    return tracked_iteration(str(root))
+
+
+def _loads(root, step):
+    from megatron.core.dist_checkpointing import load
+
+    importlib.import_module("datastates")  # registers our load strategy
+    empty = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 8))}
+    loaded = load(empty, str(root / f"iter_{step:07d}"))
+    return torch.equal(loaded["w"], _state(step)["w"].data)
+
+
+def _hook_tracker(monkeypatch, action):
+    """`action(root)` runs first when the tracker is about to move to iteration 2."""
+    from datastates.megatron_adapter import checkpointer
+
+    real = checkpointer.write_tracker
+
+    def hooked(root, iteration, *a, **k):
+        if iteration == 2:
+            action(root)
+        return real(root, iteration, *a, **k)
+
+    monkeypatch.setattr(checkpointer, "write_tracker", hooked)
+
+
+def _first_committed(tmp_path):
+    """A checkpointer whose iteration 1 is committed and settled."""
+    root = tmp_path / "ckpt"
+    ckpt = _checkpointer(root)
+    _save(ckpt, 1)
+    _poll_until(ckpt, 1, lambda: _tracked(root) == 1 and ckpt.publishing is None)
+    return root, ckpt
+
+
+def test_commit_files_are_written_by_the_commit_thread(tmp_path, one_rank, monkeypatch):
+    from datastates.megatron_adapter import checkpointer, strategies
+
+    threads = []
+    for owner, name in ((checkpointer, "write_tracker"), (checkpointer, "try_commit"),
+                        (strategies, "write_metadata")):
+        real = getattr(owner, name)
+
+        def traced(*a, _real=real, _name=name, **k):
+            threads.append((_name, threading.current_thread().name))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(owner, name, traced)
+    root = tmp_path / "ckpt"
+    ckpt = _checkpointer(root)
+    for step in (1, 2, 3):
+        _save(ckpt, step)
+    ckpt.finish()
+    assert sorted({n for n, _ in threads}) == ["try_commit", "write_metadata", "write_tracker"]
+    assert all(t.startswith("datastates-commit") for _, t in threads), threads
+    assert _tracked(root) == 3
+    for step in (1, 2, 3):
+        version = root / f"iter_{step:07d}"
+        meta = json.loads((version / "metadata.json").read_text())
+        assert meta["sharded_backend"] == "datastates", meta  # what megatron's finalize writes
+        assert (version / "COMMIT.json").is_file() and _loads(root, step)
+
+
+def test_a_commit_in_flight_blocks_neither_poll_nor_the_next_save(tmp_path, one_rank,
+                                                                  monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+    _hook_tracker(monkeypatch, lambda _root: (entered.set(), release.wait(WAIT_S)))
+    root, ckpt = _first_committed(tmp_path)
+    _save(ckpt, 2)
+    _poll_until(ckpt, 2, entered.is_set)  # the commit thread is inside step 2's tracker write
+    try:
+        ckpt.poll(2)  # returns: the training thread does not wait for the commit thread
+        assert _tracked(root) == 1 and ckpt.in_flight(2)
+        _save(ckpt, 3)  # the next save starts meanwhile
+        assert _tracked(root) == 1 and (root / "iter_0000002" / "COMMIT.json").is_file()
+        assert not (root / "iter_0000003" / "COMMIT.json").exists()
+    finally:
+        release.set()
+    ckpt.finish()
+    assert _tracked(root) == 3
+    assert all(_loads(root, step) for step in (1, 2, 3))
+
+
+def test_a_failed_commit_is_raised_and_the_tracker_stays(tmp_path, one_rank, monkeypatch):
+    from datastates.errors import CheckpointError
+
+    def full_disk(root):
+        raise OSError(errno.ENOSPC, "No space left on device", str(root))
+
+    _hook_tracker(monkeypatch, full_disk)
+    root, ckpt = _first_committed(tmp_path)
+    with pytest.raises(CheckpointError) as err:
+        _save(ckpt, 2)
+        _poll_until(ckpt, 2, lambda: False)  # the agreed failure ends the loop
+    assert "iteration 2" in str(err.value) and "No space left" in str(err.value)
+    assert _tracked(root) == 1 and _loads(root, 1)
