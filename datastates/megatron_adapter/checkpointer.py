@@ -18,10 +18,10 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
   4) `poll(iteration)` at the end of every iteration: a non-blocking local poll plus one
      all-reduce (MIN of "durable here": shards, index, marker and, on rank 0, common.pt) while a
      save is pending. Once every rank is durable:
-     every rank runs megatron's finalize (rank 0 writes metadata.json, barrier); then rank 0's
-     commit thread, off the training loop (its fsyncs cost ~25 ms per save on our VMs), fsyncs
-     metadata.json, writes the commit marker (`try_commit`) and moves the tracker of the save's
-     root (`paths.write_tracker`). At a later poll, once every rank agrees that this is done
+     rank 0's commit thread, off the training loop (its unlink and fsyncs cost ~30 ms per save
+     on our VMs), writes metadata.json (what megatron's finalize would write there; its barrier
+     is replaced by the agreements), fsyncs it, writes the commit marker (`try_commit`) and
+     moves the tracker of the save's root (`paths.write_tracker`). At a later poll, once every rank agrees that this is done
      (one all-reduce; one commit in flight at a time), rank 0 calls
      `after_commit(iteration, root)` (e.g. retention), logs, and starts the background merge (of
      the config's root only); on several nodes the first rank of every other node then joins
