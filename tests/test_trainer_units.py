@@ -192,23 +192,31 @@ def test_uneven_pipeline_split():
         cfg(base + "--decoder-first-pipeline-num-layers 5", 8)
 
 
-def test_host_cache_is_sized_from_the_checkpoint_unless_given(capsys):
+def test_host_cache_is_sized_from_the_checkpoint_unless_given(capsys, monkeypatch):
     import torch
 
-    from megatron.training.lazy_checkpointing import (AUTO_CACHE_MAX_MB, AUTO_CACHE_MIN_MB,
-                                                      checkpoint_bytes_bound, size_host_cache)
+    from megatron.training import lazy_checkpointing
+    from megatron.training.lazy_checkpointing import (AUTO_CACHE_MIN_MB, checkpoint_bytes_bound,
+                                                      size_host_cache)
 
     fp32 = [torch.nn.Linear(1000, 1000)]  # 1001000 parameters: 12 bytes each with Adam
     assert checkpoint_bytes_bound(fp32) == 1001000 * 12
     bf16 = [torch.nn.Linear(1000, 1000).to(torch.bfloat16)]  # + fp32 main copy: 14 bytes each
     assert checkpoint_bytes_bound(bf16) == 1001000 * 14
     lazy = config("--async-lazy-save --save /s")
+    monkeypatch.setattr(lazy_checkpointing, "host_cache_budget_mb", lambda: (20000, 1, 22222))
     sized = size_host_cache(lazy, fp32).checkpoint.lazy_save_cache_mb
     assert sized == AUTO_CACHE_MIN_MB  # 11.5 MiB of checkpoint: the smallest default cache
     assert "DataStates host cache: 16 MiB per rank (a checkpoint of rank 0 holds at most 12 MiB" \
         in capsys.readouterr().out
-    big = [torch.nn.Linear(12000, 12000, device="meta")]  # ~1.6 GiB of checkpoint: capped
-    assert size_host_cache(lazy, big).checkpoint.lazy_save_cache_mb == AUTO_CACHE_MAX_MB
+    big = [torch.nn.Linear(12000, 12000, device="meta")]  # ~1.6 GiB of checkpoint: all of it
+    assert size_host_cache(lazy, big).checkpoint.lazy_save_cache_mb == 1649
+    assert "WARNING" not in capsys.readouterr().out
+    # Half of this rank's share of free memory at most; below the checkpoint, the log warns.
+    monkeypatch.setattr(lazy_checkpointing, "host_cache_budget_mb", lambda: (2000, 1, 2222))
+    assert size_host_cache(lazy, big).checkpoint.lazy_save_cache_mb == 1000
+    assert "WARNING: the DataStates host cache (1000 MiB) may not hold a whole checkpoint of " \
+        "rank 0 (1649 MiB at most)" in capsys.readouterr().out
     given = config("--async-lazy-save --save /s --lazy-save-cache-mb 64")
     assert size_host_cache(given, big) is given  # an explicit size is kept
     off = config()

@@ -222,8 +222,8 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "next forward/backward runs, write it in the background")
     g.add_argument("--lazy-save-cache-mb", type=int, default=None,
                    help="DataStates host cache per rank in MiB (with --async-lazy-save; default: "
-                        "sized at start-up to what this rank's checkpoint can hold, at most 1024 "
-                        "and within the node's free memory; the log says what was chosen)")
+                        "sized at start-up to what this rank's checkpoint can hold, at most half "
+                        "of its share of the node's free memory; the log says what was chosen)")
     g.add_argument("--lazy-save-checksum", choices=["crc32c", "crc32", "none"], default=None,
                    help="per-chunk checksum of --async-lazy-save shards, verified on every load: "
                         "crc32c (CPU instruction; default), crc32 (zlib), none")

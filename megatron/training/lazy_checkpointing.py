@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 
 from datastates import Checksum, TensorShard, control_plane
@@ -55,35 +56,61 @@ def local_dir_of_this_rank(config: RunConfig) -> Optional[str]:
     return None if template is None else expand_local_dir(template, dist.get_rank())
 
 
-#: The default host cache is what this rank's checkpoint can hold, within these bounds (MiB).
-AUTO_CACHE_MIN_MB, AUTO_CACHE_MAX_MB = 16, 1024
+#: The default host cache is what this rank's checkpoint can hold: at least this many MiB, and at
+#: most this fraction of the rank's share of the node's free memory (`host_cache_budget_mb`).
+AUTO_CACHE_MIN_MB, AUTO_CACHE_MEMORY_FRACTION = 16, 0.5
 
 
-def checkpoint_bytes_bound(model) -> int:
-    """Upper bound of the tensor bytes one checkpoint of this rank holds: its parameters, Adam's
-    two fp32 moments and, for a bf16/fp16 model, the fp32 main copy, counted for every local
-    parameter (as if nothing were sharded over data-parallel ranks)."""
+def _optimizer_bytes(element_size: int) -> int:
+    """Adam's two fp32 moments, plus the fp32 main copy of a bf16/fp16 parameter, per element."""
+    return 8 + (4 if element_size < 4 else 0)
+
+
+def checkpoint_bytes_bound(model, distributed_optimizer: bool = False) -> int:
+    """Upper bound of the tensor bytes one checkpoint of this rank holds: its parameters (as if it
+    wrote every data-parallel replica) and their optimizer state. That state is counted for every
+    local parameter, or, with the distributed optimizer, for this rank's shard of each of
+    megatron DDP's parameter buffers (padded size / data-parallel size): what it owns and saves."""
     total = 0
     for chunk in model:
-        for p in chunk.parameters():
-            total += p.numel() * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
+        params = list(chunk.parameters())
+        total += sum(p.numel() * p.element_size() for p in params)
+        # megatron DDP's lists (on a plain module, `buffers` is nn.Module's method)
+        buffers = [b for name in ("buffers", "expert_parallel_buffers")
+                   if isinstance(getattr(chunk, name, None), list) for b in getattr(chunk, name)]
+        if distributed_optimizer and buffers:
+            total += sum(b.numel // b.data_parallel_world_size
+                         * _optimizer_bytes(torch.empty((), dtype=b.param_dtype).element_size())
+                         for b in buffers)
+        else:
+            total += sum(p.numel() * _optimizer_bytes(p.element_size()) for p in params)
     return total
 
 
 def size_host_cache(config: RunConfig, model) -> RunConfig:
     """`config` with the host cache sized, when --async-lazy-save is on and --lazy-save-cache-mb
-    was not given: this rank's checkpoint bound, between AUTO_CACHE_MIN_MB and
-    AUTO_CACHE_MAX_MB, and never above its share of the node's free memory. Larger checkpoints
-    stream through the cache; a cache larger than the checkpoint would only hold memory."""
+    was not given: this rank's checkpoint bound (at least AUTO_CACHE_MIN_MB), so that the
+    snapshot of a save never waits for the disk, unless that is more than
+    AUTO_CACHE_MEMORY_FRACTION of this rank's share of the node's free memory. A smaller cache
+    still works (the checkpoint streams through it), but then the snapshot of every save waits
+    until the writers have drained what does not fit: the log warns."""
     ckpt = config.checkpoint
     if not ckpt.async_lazy_save or ckpt.lazy_save_cache_mb is not None:
         return config
-    bound_mb = -(-checkpoint_bytes_bound(model) // 2**20)
+    bound_mb = -(-checkpoint_bytes_bound(
+        model, config.parallel.use_distributed_optimizer) // 2**20)
     budget_mb, _, _ = host_cache_budget_mb()
-    mb = max(1, min(max(AUTO_CACHE_MIN_MB, min(bound_mb, AUTO_CACHE_MAX_MB)), budget_mb))
+    limit_mb = max(1, int(budget_mb * AUTO_CACHE_MEMORY_FRACTION))
+    mb = min(max(AUTO_CACHE_MIN_MB, bound_mb), limit_mb)
     print_rank_0(f"DataStates host cache: {mb} MiB per rank (a checkpoint of rank 0 holds at most "
-                 f"{bound_mb} MiB; default bounds {AUTO_CACHE_MIN_MB}-{AUTO_CACHE_MAX_MB} MiB, "
-                 f"{budget_mb} MiB of free memory per rank; --lazy-save-cache-mb sets it)")
+                 f"{bound_mb} MiB; at least {AUTO_CACHE_MIN_MB} MiB, at most "
+                 f"{AUTO_CACHE_MEMORY_FRACTION:g} of the {budget_mb} MiB of free memory per rank; "
+                 "--lazy-save-cache-mb sets it)")
+    if mb < bound_mb:
+        print_rank_0(f"WARNING: the DataStates host cache ({mb} MiB) may not hold a whole "
+                     f"checkpoint of rank 0 ({bound_mb} MiB at most): each save's snapshot then "
+                     "waits before the next optimizer step until the writers have drained the "
+                     "rest to storage. Free host memory or give --lazy-save-cache-mb")
     return dataclasses.replace(config, checkpoint=dataclasses.replace(ckpt, lazy_save_cache_mb=mb))
 
 
@@ -94,7 +121,8 @@ def size_peer_replica(config: RunConfig, model) -> RunConfig:
     ckpt = config.checkpoint
     if not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica):
         return config
-    bound_mb = -(-checkpoint_bytes_bound(model) // 2**20)
+    bound_mb = -(-checkpoint_bytes_bound(
+        model, config.parallel.use_distributed_optimizer) // 2**20)
     mb = ckpt.lazy_save_peer_replica_mb or 2 * bound_mb
     short = [(r, b) for r, b in enumerate(control_plane.all_gather_ints(
         bound_mb if mb < bound_mb else 0)) if b]
