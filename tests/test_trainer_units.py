@@ -68,6 +68,15 @@ def config(extra="", world_size=1):
      "--non-persistent-global-ckpt-dir needs --non-persistent-ckpt-type global"),
     ("--save /ckpt --non-persistent-ckpt-type global --non-persistent-global-ckpt-dir /ckpt/",
      1, "--non-persistent-global-ckpt-dir must differ from --save (/ckpt)"),
+    ("--replication --non-persistent-ckpt-type global", 1,
+     "--replication requires the value of --replication-jump"),
+    ("--replication --replication-jump 8 --non-persistent-ckpt-type global", 1,
+     "--replication requires --non-persistent-ckpt-type local (as in Megatron-LM), got global"),
+    ("--async-lazy-save --replication --replication-jump 8 --replication-factor 2 "
+     "--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /nvme", 1,
+     "--replication (Megatron-LM's copies of local non-persistent checkpoints on peer ranks) is "
+     "not supported: drop --replication, --replication-jump and --replication-factor. With "
+     "--async-lazy-save, --lazy-save-peer-replica keeps"),
 ])
 def test_contradictory_flags_get_a_clear_error(extra, world, message):
     with pytest.raises(ArgumentError) as err:

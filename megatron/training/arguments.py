@@ -309,6 +309,16 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="accepted for Megatron-LM launch lines; no effect: DataStates' local "
                         "saves are asynchronous and every version is committed atomically")
+    g.add_argument("--replication", action="store_true",
+                   help="Megatron-LM's replication of local non-persistent checkpoints to peer "
+                        "ranks: not supported (refused with what to use instead: "
+                        "--lazy-save-peer-replica)")
+    g.add_argument("--replication-jump", type=int, default=None,
+                   help="Megatron-LM's spacing between ranks holding replicas (with "
+                        "--replication, which is not supported)")
+    g.add_argument("--replication-factor", type=int, default=2,
+                   help="Megatron-LM's number of machines holding a replica (with --replication, "
+                        "which is not supported)")
     g.add_argument("--universal-checkpoint-interval", type=int, default=None,
                    help="merge every N-th committed --async-lazy-save checkpoint into a universal "
                         "(any-layout) checkpoint in a background low-priority process")
@@ -556,6 +566,19 @@ def _check_non_persistent_flags(a: argparse.Namespace) -> None:
             _require(False, getattr(err, "reason", str(err)))
     for flag in _flags(a, ("non_persistent_local_ckpt_dir", "non_persistent_local_ckpt_algo")):
         _require(kind == "local", f"{flag} needs --non-persistent-ckpt-type local")
+    if a.replication:  # Megatron-LM's own checks first, then what to use here instead
+        _require(a.replication_jump is not None, "--replication requires the value of "
+                 "--replication-jump (as in Megatron-LM)")
+        _require(kind == "local", "--replication requires --non-persistent-ckpt-type local (as in "
+                 f"Megatron-LM), got {kind}")
+        _require(False, "--replication (Megatron-LM's copies of local non-persistent checkpoints "
+                 "on peer ranks) is not supported: drop --replication, --replication-jump and "
+                 "--replication-factor. With --async-lazy-save, --lazy-save-peer-replica keeps "
+                 "every rank's shards of the newest committed checkpoint on its own node and on "
+                 "the next node (any one node can be lost) and restores them from there at --load")
+    elif a.replication_jump is not None:
+        _warn("--replication-jump was specified despite not using replication. Ignoring (as "
+              "Megatron-LM)")
     interval = a.non_persistent_save_interval
     if interval is not None:
         _require(interval > 0, f"--non-persistent-save-interval must be >= 1, got {interval}")
