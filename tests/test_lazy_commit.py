@@ -155,3 +155,32 @@ def test_a_failed_commit_is_raised_and_the_tracker_stays(tmp_path, one_rank, mon
         _poll_until(ckpt, 2, lambda: False)  # the agreed failure ends the loop
     assert "iteration 2" in str(err.value) and "No space left" in str(err.value)
     assert _tracked(root) == 1 and _loads(root, 1)
+
+
+def test_a_finalize_function_megatron_adds_in_future_still_runs_on_the_training_thread(
+        tmp_path, one_rank, monkeypatch):
+    """The commit thread writes metadata.json in place of megatron's only finalize function; if
+    megatron's request ever holds another one, every finalize function runs as megatron would run
+    it, on the training thread, and the commit thread does not write metadata.json again."""
+    from megatron.core import dist_checkpointing
+
+    from datastates.megatron_adapter import strategies
+
+    ran, rewritten = [], []
+    real_save = dist_checkpointing.save
+
+    def save_with_extra(*a, **k):
+        request = real_save(*a, **k)
+        request.finalize_fns.append(lambda: ran.append(threading.current_thread().name))
+        return request
+
+    monkeypatch.setattr(dist_checkpointing, "save", save_with_extra)
+    monkeypatch.setattr(strategies, "write_metadata", lambda *a: rewritten.append(a))
+    root = tmp_path / "ckpt"
+    ckpt = _checkpointer(root)
+    for step in (1, 2):
+        _save(ckpt, step)
+    ckpt.finish()
+    assert ran == [threading.main_thread().name] * 2 and rewritten == []
+    meta = json.loads((root / "iter_0000002" / "metadata.json").read_text())
+    assert meta["sharded_backend"] == "datastates" and _tracked(root) == 2 and _loads(root, 2)
