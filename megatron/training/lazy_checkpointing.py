@@ -26,7 +26,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
-import torch
 import torch.distributed as dist
 
 from datastates import Checksum, TensorShard, control_plane
@@ -70,7 +69,9 @@ def checkpoint_bytes_bound(model, distributed_optimizer: bool = False) -> int:
     """Upper bound of the tensor bytes one checkpoint of this rank holds: its parameters (as if it
     wrote every data-parallel replica) and their optimizer state. That state is counted for every
     local parameter, or, with the distributed optimizer, for this rank's shard of each of
-    megatron DDP's parameter buffers (padded size / data-parallel size): what it owns and saves."""
+    megatron DDP's parameter buffers (padded size / data-parallel size): what it owns and saves,
+    an fp32 main parameter and two Adam moments per element (`distopt_shards.STATE_KEYS`), even
+    for an fp32 model."""
     total = 0
     for chunk in model:
         params = list(chunk.parameters())
@@ -79,9 +80,8 @@ def checkpoint_bytes_bound(model, distributed_optimizer: bool = False) -> int:
         buffers = [b for name in ("buffers", "expert_parallel_buffers")
                    if isinstance(getattr(chunk, name, None), list) for b in getattr(chunk, name)]
         if distributed_optimizer and buffers:
-            total += sum(b.numel // b.data_parallel_world_size
-                         * _optimizer_bytes(torch.empty((), dtype=b.param_dtype).element_size())
-                         for b in buffers)
+            total += sum(b.numel // b.data_parallel_world_size for b in buffers) \
+                * 4 * len(distopt_shards.STATE_KEYS)
         else:
             total += sum(p.numel() * _optimizer_bytes(p.element_size()) for p in params)
     return total
