@@ -591,9 +591,12 @@ class LazyCheckpointer:
         done, err = True, None
         if pub.future is not None:
             try:
-                err = (pub.future.exception(timeout=self.config.drain_timeout_s) if blocking
-                       else pub.future.exception(timeout=0) if pub.future.done() else None)
+                if blocking:
+                    pub.future.exception(timeout=self.config.drain_timeout_s)  # waits for it
+                # Read once: a commit that ends between two looks must not pass as done without
+                # its failure being seen.
                 done = pub.future.done()
+                err = pub.future.exception() if done else None
             except FutureTimeout:
                 err = CheckpointError(f"writing the commit marker and tracker took longer than "
                                       f"{self.config.drain_timeout_s:g} s (storage not "
