@@ -31,7 +31,7 @@ from .errors import CheckpointError
 
 __all__ = ["SPARE_BYTES", "TRACKER_MAX_BYTES", "atomic_write", "claim_for_removal",
            "confined_path", "fsync_dir", "fsync_file", "give_default_mode", "hold_for_reading",
-           "lock_path", "make_spare", "open_confined", "pwrite_all", "read_confined",
+           "lock_path", "make_spare", "naming", "open_confined", "pwrite_all", "read_confined",
            "read_iteration", "release_spare", "replace_from_spare", "safe_join", "spare_path",
            "umask"]
 
@@ -161,7 +161,7 @@ def pwrite_all(fd: int, mv, offset: int) -> None:
         done += n
 
 
-def _naming(err: OSError, path: str) -> OSError:
+def naming(err: OSError, path: str) -> OSError:
     """`err` with `path` as its file name if it names none (write and fsync errors do not)."""
     if err.filename is not None:
         return err
@@ -188,7 +188,7 @@ def atomic_write(path: str, data: bytes, *, durable: bool = True) -> None:
         except OSError:
             pass
         if isinstance(err, OSError):
-            raise _naming(err, path)
+            raise naming(err, path)
         raise
     if durable:
         fsync_dir(directory)
@@ -268,7 +268,7 @@ def replace_from_spare(path: str, data: bytes, *, renew: bool = True) -> None:
                 os.close(fd)
             os.replace(spare, path)
         except OSError as err:
-            raise _naming(err, path)
+            raise naming(err, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
     if renew:
         make_spare(path)

@@ -53,7 +53,7 @@ from ..config import Checksum, CommitPolicy, EngineConfig
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
 from ..faults import fault_point
-from ..fileio import atomic_write, fsync_file, make_spare, release_spare
+from ..fileio import atomic_write, fsync_file, make_spare, naming, release_spare
 from ..flatten import TensorShard
 from ..layout import COMMIT_FILE, is_committed, try_commit
 from . import local_tier
@@ -572,10 +572,9 @@ class LazyCheckpointer:
                 for fn in p.request.finalize_fns:
                     fn()
             except OSError as err:  # failed before megatron's barrier: meet the others there
-                if err.filename is None:  # megatron's json.dump into metadata.json names no file
-                    err = OSError(err.errno, err.strerror,
-                                  os.path.join(p.directory, METADATA_FILENAME))
-                self._local_errors.append(err)
+                # megatron's json.dump into metadata.json names no file
+                self._local_errors.append(naming(err, os.path.join(p.directory,
+                                                                   METADATA_FILENAME)))
                 dist.barrier()  # the one megatron's finalize would have reached (its group)
         stats = self._gather_stats(p, record)
         future = None
@@ -651,10 +650,8 @@ class LazyCheckpointer:
             release_spare(metadata)
             try:
                 write_metadata(p.directory)
-            except OSError as err:
-                if err.filename is None:  # json.dump into metadata.json names no file
-                    raise OSError(err.errno, err.strerror, metadata) from err
-                raise
+            except OSError as err:  # json.dump into metadata.json names no file
+                raise naming(err, metadata)
         fault_point("commit", p.iteration, self.rank)
         # metadata.json is written without fsync (common.pt is written durably by
         # `durable_common_save`); the commit marker must not reach the disk before it.
