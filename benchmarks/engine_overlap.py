@@ -30,6 +30,7 @@ import time
 import torch
 
 from datastates import CheckpointEngine, EngineConfig
+from datastates.universal.sink import Sink
 
 
 DEVICE = torch.device("cpu")  # set by main() from --device
@@ -105,59 +106,48 @@ def run(variant: str, state: dict, iters: int, n_mm: int, root: str, cache: int,
 class BareCopyWrite:
     """The least any checkpoint of `state` does, in one background thread: memmove each tensor
     into a preallocated page-aligned buffer (on CUDA: one device-to-host copy per tensor on a side
-    stream into the same buffer, page-locked), then write the buffer with O_DIRECT in 64 MiB
-    pieces (buffered where O_DIRECT is refused) and fsync (no checksum, no index, no commit). Its
-    compute slowdown is the floor the engine's is compared with."""
+    stream into the same buffer, page-locked), then write the buffer in 64 MiB pieces and fsync
+    (no checksum, no index, no commit) through the universal writer's `Sink`: O_DIRECT straight
+    from the buffer's memory, buffered where the file system refuses it. Its compute slowdown is
+    the floor the engine's is compared with."""
 
     def __init__(self, state: dict, path: str):
         self.state, self.path = state, path
         self.nbytes = sum(t.nbytes for t in state.values())
         size = -(-self.nbytes // (64 << 20)) * (64 << 20)
         self.thread = None
-        self.host = None
         if DEVICE.type == "cuda":  # page-locked and page-aligned (cudaHostAlloc)
-            self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self.view = memoryview(self.host.numpy())
+            self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             self.stream = torch.cuda.Stream()
             return
-        self.buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self.buf.madvise(mmap.MADV_HUGEPAGE)
-        self.view = memoryview(self.buf)
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # as the engine's host cache
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        self.buf = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def _run(self) -> None:
         off = 0
-        if self.host is not None:
+        if DEVICE.type == "cuda":
             self.stream.wait_stream(torch.cuda.default_stream())  # the update before it
             with torch.cuda.stream(self.stream):
                 for t in self.state.values():
-                    self.host[off:off + t.nbytes].copy_(t.view(-1).view(torch.uint8),
-                                                        non_blocking=True)
+                    self.buf[off:off + t.nbytes].copy_(t.view(-1).view(torch.uint8),
+                                                       non_blocking=True)
                     off += t.nbytes
             self.stream.synchronize()
         else:
+            base = self.buf.data_ptr()
             for t in self.state.values():
-                ctypes.memmove(self.base + off, t.data_ptr(), t.nbytes)
+                ctypes.memmove(base + off, t.data_ptr(), t.nbytes)
                 off += t.nbytes
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        sink = Sink(self.path)
         try:
-            fd = os.open(self.path, flags | os.O_DIRECT)
-        except OSError:  # e.g. tmpfs or a sandboxed kernel
-            fd = os.open(self.path, flags)
-        try:
-            for o in range(0, len(self.view), 64 << 20):
-                try:
-                    os.pwrite(fd, self.view[o:o + (64 << 20)], o)
-                except OSError:  # O_DIRECT accepted at open, refused at write
-                    if o:
-                        raise
-                    os.close(fd)
-                    fd = os.open(self.path, flags)
-                    os.pwrite(fd, self.view[o:o + (64 << 20)], o)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            for o in range(0, self.buf.numel(), 64 << 20):
+                sink.write(self.buf[o:o + (64 << 20)])
+        except BaseException:
+            sink.abort()
+            raise
+        sink.close()
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, daemon=True)
