@@ -17,10 +17,18 @@
  *    bytes, a linear map applied with four 256-entry tables built at load time.
  */
 #include <nmmintrin.h>
+#include <xmmintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #define STRIDE 4096u /* bytes per stream in one block of 3 * STRIDE */
+
+/* PREFETCH: each stream of a block is one 4 KiB page, and the hardware's stream prefetchers stop
+ * at page boundaries, so every block would start with three cold misses from memory. The loop
+ * therefore prefetches the next block's three pages while it copies this one. Measured on our
+ * 2-core Zen 2 VM, 1 GiB from 4 KiB-page memory, one thread: 0.102-0.110 CPU-s without,
+ * 0.074-0.086 with (a plain SSE2 non-temporal copy without checksum: 0.093-0.101); prefetching
+ * only 512 B-2 KiB ahead within the same page was slower (0.108-0.125). */
 
 static uint32_t shift_table[4][256];
 static int shift_ready;
@@ -87,7 +95,14 @@ uint32_t ds_copy_crc32c(void *dst_, const void *src_, size_t n, uint32_t crc, in
     }
     while (shift_ready && n >= 3 * STRIDE) {
         uint64_t a = r, b = 0, c = 0;
+        /* The next block's three pages, a line per 64 bytes copied (see PREFETCH above). */
+        const unsigned char *next = n >= 6 * STRIDE ? src + 3 * STRIDE : NULL;
         for (size_t i = 0; i < STRIDE; i += 8) {
+            if (next && !(i & 63)) {
+                _mm_prefetch((const char *)next + i, _MM_HINT_T0);
+                _mm_prefetch((const char *)next + STRIDE + i, _MM_HINT_T0);
+                _mm_prefetch((const char *)next + 2 * STRIDE + i, _MM_HINT_T0);
+            }
             uint64_t x = load64(src + i), y = load64(src + STRIDE + i),
                      z = load64(src + 2 * STRIDE + i);
             a = _mm_crc32_u64(a, x);
