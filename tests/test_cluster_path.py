@@ -44,31 +44,36 @@ def test_checkpoint_collectives_run_where_nccl_would_accept_them(tmp_path):
     assert min(_checked_counts(resumed.stdout)) > 0
 
 
-def _two_nodes(args, tmp_path, name):
-    """Two torchrun agents of one job (one rank each), each "node" with its own local dir."""
+def _two_nodes(args, tmp_path, name, env=None):
+    """Two torchrun agents of one job (one rank each), each "node" with its own local dir;
+    `env` maps a node to extra environment variables."""
     port, logs = free_port(), tmp_path / name
     logs.mkdir()
     return [Node(r, 2, 1, port, args + ["--lazy-save-local-dir", str(tmp_path / f"node{r}")],
-                 logs) for r in (0, 1)]
+                 logs, (env or {}).get(r)) for r in (0, 1)]
 
 
 def test_two_nodes_one_lost_resume_from_local_copy_and_shared(tmp_path):
     """Two nodes on one machine save every iteration to their node-local dirs (migrated to the
     shared --save); node 1 is killed and its local dir deleted; both resume: node 0 reads its
-    shards from its local copy, node 1 from --save, and the losses match an uninterrupted run."""
+    shards from its local copy, node 1 from --save, and the losses match an uninterrupted run.
+
+    Node 1's copy of iteration 7 is held (a fault point), so the kill lands before the run can
+    end: without it a fast machine finished all 8 iterations before the kill, and the test
+    resumed from nothing."""
     args = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--use-distributed-optimizer",
                                       "--train-iters", "8"]
     reference = launch(2, args)
     assert reference.returncode == 0, reference.describe()
     save = tmp_path / "save"
     lazy = args + LAZY + ["--save", str(save), "--load", str(save)]
-    first = _two_nodes(lazy, tmp_path, "first")
+    first = _two_nodes(lazy, tmp_path, "first", {1: {"DATASTATES_FAULT_DELAY_COPY": "600@7:1"}})
     first[0].wait_for(" checkpoint iteration        3 |", timeout=240)
     first[1].kill()
     shutil.rmtree(tmp_path / "node1")
     first[0].result(timeout=60)
     latest = int((save / "latest_checkpointed_iteration.txt").read_text())
-    assert 3 <= latest < 8
+    assert 3 <= latest < 7  # iteration 7 cannot commit: node 1 never copied it
     assert (tmp_path / "node0" / f"iter_{latest:07d}").is_dir()
 
     second = _two_nodes(lazy, tmp_path, "second")
