@@ -36,8 +36,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from .errors import CheckpointError
 
 __all__ = ["UNSAFE_PICKLE_FLAG", "SafeBytesMixin", "SafeFileSystemReader", "SafeLoadPlanner",
-           "UnsafePickleError", "opt_in_pickle_loads", "read_dcp_metadata", "reraise_dcp_failure",
-           "safe_globals", "torch_load"]
+           "UnsafePickleError", "opt_in_pickle_loads", "pickle_imports", "read_dcp_metadata",
+           "reraise_dcp_failure", "safe_globals", "torch_load"]
 
 UNSAFE_PICKLE_FLAG = "--allow-unsafe-pickle"
 
@@ -111,15 +111,12 @@ def _pickle_bytes(source: Union[str, io.BytesIO]) -> bytes:
     return raw
 
 
-def _refused_globals(source: Union[str, io.BytesIO]) -> List[str]:
-    """Names of the globals a pickle would import that weights_only loading does not allow,
-    found by reading its opcodes (`pickletools.genops` parses, it never executes)."""
-    try:
-        data = _pickle_bytes(source)
-        allowed = set(torch._weights_only_unpickler._get_allowed_globals())
-    except Exception:  # noqa: BLE001 - only used to word an error better
-        return []
-    allowed |= {f"{g.__module__}.{g.__qualname__}" for g in safe_globals()}
+def pickle_imports(data: bytes, *, partial: bool = False) -> List[str]:
+    """What a pickle stream would import before it could call anything, found by reading its
+    opcodes (`pickletools.genops` parses, it never executes): "module.name" for GLOBAL, INST and
+    STACK_GLOBAL, "copyreg extension N" for EXT1/2/4. A stream that imports nothing cannot run
+    code when unpickled: every callable a REDUCE, BUILD or OBJ applies comes from one of those.
+    A malformed stream raises ValueError, unless `partial`: then what was found before it."""
     named, strings, memo = [], [], {}
     try:
         for op, arg, _ in pickletools.genops(data):
@@ -129,13 +126,28 @@ def _refused_globals(source: Union[str, io.BytesIO]) -> List[str]:
                 memo[len(memo)] = strings[-1]
             elif op.name in ("BINGET", "LONG_BINGET", "GET") and arg in memo:
                 strings.append(memo[arg])
-            elif op.name == "GLOBAL":
+            elif op.name in ("GLOBAL", "INST"):
                 named.append(arg.replace(" ", "."))
-            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                named.append(f"{strings[-2]}.{strings[-1]}")
-    except Exception:  # noqa: BLE001 - a truncated stream: report what was found so far
-        pass
-    return [n for n in dict.fromkeys(named) if n not in allowed]
+            elif op.name == "STACK_GLOBAL":
+                named.append(f"{strings[-2]}.{strings[-1]}" if len(strings) >= 2
+                             else "a name built on the stack")
+            elif op.name in ("EXT1", "EXT2", "EXT4"):
+                named.append(f"copyreg extension {arg}")
+    except Exception as err:  # noqa: BLE001 - genops raises ValueError and others on bad input
+        if not partial:
+            raise ValueError(f"not a readable pickle stream: {_first_line(err)}") from None
+    return list(dict.fromkeys(named))
+
+
+def _refused_globals(source: Union[str, io.BytesIO]) -> List[str]:
+    """Names of the globals a pickle would import that weights_only loading does not allow."""
+    try:
+        data = _pickle_bytes(source)
+        allowed = set(torch._weights_only_unpickler._get_allowed_globals())
+    except Exception:  # noqa: BLE001 - only used to word an error better
+        return []
+    allowed |= {f"{g.__module__}.{g.__qualname__}" for g in safe_globals()}
+    return [n for n in pickle_imports(data, partial=True) if n not in allowed]
 
 
 def _why(err: BaseException) -> str:

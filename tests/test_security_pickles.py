@@ -152,6 +152,21 @@ def plant_universal_object(u_dir, value):
     return key
 
 
+def plant_universal_extra_state(u_dir, pickled: bytes):
+    """A universal manifest whose first module extra state is `pickled` in a uint8 tensor: how
+    Transformer Engine saves its FP8 metadata, and what its set_extra_state before 2.18 hands to
+    pickle.loads. Stored in format 2's typed encoding (no pickle in the manifest itself)."""
+    from datastates.universal.objects import encode_object
+
+    path = u_dir / "manifest.json"
+    m = json.loads(path.read_text())
+    key = sorted(k for k in m["objects"] if k.split("/")[0].endswith("._extra_state"))[0]
+    m["objects"][key] = encode_object(torch.frombuffer(bytearray(pickled), dtype=torch.uint8))
+    path.write_text(json.dumps(m))
+    reseal(str(u_dir))
+    return key
+
+
 def _tool(*args):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, TOOL] + [str(a) for a in args], capture_output=True,
@@ -267,6 +282,18 @@ def test_trainer_load_refuses_planted_pickles_in_every_format(runs, tmp_path):
     shutil.copytree(runs["universal"], u)
     plant_universal_object(u, None)  # what format 1 wrote for a CPU model's _extra_state
     cases.append(dict(name="universal_legacy_safe", load=str(u)))
+    # Module extra state as Transformer Engine writes it: a pickle in a uint8 tensor. One that
+    # imports a callable is refused before any module's set_extra_state sees it; one that imports
+    # nothing (an empty dict) cannot run code and loads; the opt-in loads the first.
+    for name, optin in (("te_extra_state", False), ("te_extra_state_optin", True)):
+        u = tmp_path / name
+        shutil.copytree(runs["universal"], u)
+        plant_universal_extra_state(
+            u, pickle.dumps(Payload(case(name, u, allow_unsafe_pickle=optin))))
+    u = tmp_path / "te_extra_state_inert"
+    shutil.copytree(runs["universal"], u)
+    plant_universal_extra_state(u, pickle.dumps({}))
+    cases.append(dict(name="te_extra_state_inert", load=str(u)))
 
     cases_path = tmp_path / "cases.json"
     cases_path.write_text(json.dumps(cases))
@@ -284,7 +311,9 @@ def test_trainer_load_refuses_planted_pickles_in_every_format(runs, tmp_path):
               "torch_model": ["model_optim_rng.pt", "posix.mkdir"],
               "torch_distopt": ["distrib_optim.pt", "posix.mkdir"],
               "ds_index": ["pickled object", "index_r00000.json"],
-              "universal": ["manifest.json", "_extra_state", "posix.mkdir", "upgrade-universal"]}
+              "universal": ["manifest.json", "_extra_state", "posix.mkdir", "upgrade-universal"],
+              "te_extra_state": ["linear_fc1._extra_state", "set_extra_state", "posix.mkdir",
+                                 "Transformer Engine 2.18"]}
     for name, needles in expect.items():
         r = results[name]
         assert not r["ok"] and r["error"] and not r["error"].startswith("UNEXPECTED"), r
@@ -293,6 +322,10 @@ def test_trainer_load_refuses_planted_pickles_in_every_format(runs, tmp_path):
             assert needle in r["error"], (name, needle, r["error"])
         assert not markers[name].exists(), f"{name}: the payload ran"
     assert results["universal_legacy_safe"]["ok"], results["universal_legacy_safe"]
+    assert results["te_extra_state_inert"]["ok"], results["te_extra_state_inert"]
+    # With the opt-in the planted state reaches the module (the local spec's linear layers keep
+    # no extra state and ignore it; Transformer Engine's would unpickle it).
+    assert results["te_extra_state_optin"]["ok"], results["te_extra_state_optin"]
     # The explicit opt-in, and only it, unpickles the legacy object with code execution.
     assert results["universal_optin"]["ok"] and markers["universal_optin"].is_dir()
 
@@ -343,3 +376,53 @@ def test_dcp_metadata_symlink_outside_is_refused(runs, tmp_path):
     os.symlink(secret, d / "__0_0.distcp")
     with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
         read_dcp_metadata(str(d))
+
+
+# ----------------------------------------------------------------- module extra state (unit)
+
+def test_pickle_imports_lists_what_a_stream_would_import_without_running_it(tmp_path):
+    from datastates.safe_load import pickle_imports
+
+    marker = tmp_path / "M"
+    assert pickle_imports(pickle.dumps({})) == []
+    assert pickle_imports(pickle.dumps({"a": [1, 2.5, "x", (True, None)]})) == []
+    for protocol in (0, 2, 4, 5):  # GLOBAL/INST in the old protocols, STACK_GLOBAL from 4
+        assert pickle_imports(pickle.dumps(Payload(marker), protocol=protocol)) == ["posix.mkdir"]
+    te_like = {"scale_fwd": torch.ones(3), "extra_fp8_variables": {"num_gemms": 1}}
+    assert "torch._utils._rebuild_tensor_v2" in pickle_imports(pickle.dumps(te_like))
+    with pytest.raises(ValueError, match="not a readable pickle stream"):
+        pickle_imports(b"\x80\x04not a pickle")
+    assert not marker.exists()
+
+
+def test_extra_state_check_refuses_what_set_extra_state_would_unpickle(monkeypatch, tmp_path):
+    from datastates.safe_load import UnsafePickleError
+    from megatron.training import checkpoint_contents as cc
+
+    def as_tensor(raw):
+        return torch.tensor(list(raw), dtype=torch.uint8)
+
+    planted = as_tensor(pickle.dumps(Payload(tmp_path / "M")))
+    fine = {"a.weight": torch.ones(2), "a._extra_state": None, "b._extra_state": as_tensor(b""),
+            "c._extra_state": as_tensor(pickle.dumps({})), "d.bias_extra": planted}
+    cc.check_extra_states(fine, allow_unsafe_pickle=False)
+    for value, needle in ((planted, "imports posix.mkdir"),
+                          (io.BytesIO(_torch_bytes({"x": 1})), "a torch.save buffer"),
+                          (as_tensor(b"\x80\x04junk"), "not a readable pickle stream")):
+        with pytest.raises(UnsafePickleError) as err:
+            cc.check_extra_states({**fine, "layer.fc1._extra_state": value},
+                                  allow_unsafe_pickle=False, path="/ckpt/iter_0000002")
+        assert "layer.fc1._extra_state" in str(err.value) and needle in str(err.value)
+        assert "--allow-unsafe-pickle" in str(err.value) and "/ckpt/iter_0000002" in str(err.value)
+        cc.check_extra_states({"layer.fc1._extra_state": value}, allow_unsafe_pickle=True)
+    # A Transformer Engine that checks these pickles itself (2.18+) decides on its own, and our
+    # flag is its opt-in while the model loads; the environment is restored afterwards.
+    monkeypatch.setattr(cc, "_te_guards_extra_state", lambda: True)
+    cc.check_extra_states({"layer.fc1._extra_state": planted}, allow_unsafe_pickle=False)
+    monkeypatch.delenv(cc.TE_UNSAFE_PICKLE_ENV, raising=False)
+    with cc._te_pickle_opt_in(True):
+        assert os.environ[cc.TE_UNSAFE_PICKLE_ENV] == "1"
+    assert cc.TE_UNSAFE_PICKLE_ENV not in os.environ
+    with cc._te_pickle_opt_in(False):
+        assert cc.TE_UNSAFE_PICKLE_ENV not in os.environ
+    assert not (tmp_path / "M").exists()

@@ -9,19 +9,23 @@ loader returned.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import importlib.util
+import io
 import json
 import os
 import random
+import sys
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import numpy as np
 import torch
 
 from datastates.megatron_adapter import paths
-from datastates.safe_load import torch_load
+from datastates.safe_load import UNSAFE_PICKLE_FLAG, UnsafePickleError, pickle_imports, torch_load
 
 from megatron.training import upstream_compat
 from megatron.training.checkpoint_errors import CheckpointError
@@ -256,15 +260,105 @@ def check_schedule(scheduler, saved: dict, policy: SchedulerOnResume, path: str 
     return f"learning-rate schedule: following {which}; they differ in " + "; ".join(diffs)
 
 
+#: Transformer Engine 2.18+ refuses pickled extra state unless this is "1" (its own opt-in).
+TE_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+def _te_guards_extra_state() -> bool:
+    """Whether the Transformer Engine loaded in this process refuses pickled extra state itself
+    (2.18 and later: `transformer_engine.pytorch._extra_state`). Earlier 2.x releases unpickle
+    whatever bytes a checkpoint holds in `set_extra_state`, with plain pickle."""
+    if "transformer_engine.pytorch" not in sys.modules:
+        return False
+    try:
+        return importlib.util.find_spec("transformer_engine.pytorch._extra_state") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _extra_state_bytes(value: Any) -> Optional[bytes]:
+    """The bytes a module's `set_extra_state` would unpickle from `value` (TE: a uint8 tensor, or
+    an io.BytesIO from TE 1.x), None when there is nothing to unpickle."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes() \
+            if value.numel() else None
+    if isinstance(value, io.BytesIO):
+        return value.getvalue() or None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value) or None
+    return None
+
+
+def check_extra_states(model_state: dict, *, allow_unsafe_pickle: bool, path: str = "") -> None:
+    """Refuse a checkpoint whose modules' ``_extra_state`` would be unpickled with code in it.
+
+    Transformer Engine before 2.18 saves its FP8 metadata as a pickle in a uint8 tensor and
+    `set_extra_state` runs `pickle.loads` on whatever the checkpoint holds there (`torch.load` for
+    TE 1.x's BytesIO), so loading a crafted checkpoint would run its code. Here, unless
+    --allow-unsafe-pickle: a non-empty BytesIO, or bytes whose pickle would import anything
+    (`safe_load.pickle_imports`), is refused before any module sees it. A pickle that imports
+    nothing cannot run code (an empty dict, say) and passes. Where the loaded TE guards itself
+    (2.18+), its own check decides, with our flag as its opt-in (`_te_pickle_opt_in`)."""
+    if allow_unsafe_pickle or _te_guards_extra_state():
+        return
+    refused = []
+    for key, value in model_state.items():
+        if not key.endswith("_extra_state"):
+            continue
+        data = _extra_state_bytes(value)
+        if data is None:
+            continue
+        if isinstance(value, io.BytesIO):
+            refused.append(f"{key} (a torch.save buffer)")
+            continue
+        try:
+            imports = pickle_imports(data)
+        except ValueError as err:
+            refused.append(f"{key} ({err})")
+            continue
+        if imports:
+            refused.append(f"{key} (imports {', '.join(imports[:3])})")
+    if refused:
+        raise UnsafePickleError(
+            f"the checkpoint's module extra state would be unpickled by Transformer Engine's "
+            f"set_extra_state, which can run code: {'; '.join(refused[:4])}"
+            f"{f' and {len(refused) - 4} more' if len(refused) > 4 else ''}. Nothing of it was "
+            f"run. If you trust this checkpoint, rerun with {UNSAFE_PICKLE_FLAG}; Transformer "
+            "Engine 2.18 or later checks these pickles itself", file=path or None)
+
+
+@contextlib.contextmanager
+def _te_pickle_opt_in(allow_unsafe_pickle: bool) -> Iterator[None]:
+    """--allow-unsafe-pickle is also Transformer Engine 2.18+'s opt-in while the model loads, so
+    one flag reads a trusted FP8 checkpoint; the environment is restored afterwards."""
+    if not allow_unsafe_pickle or os.environ.get(TE_UNSAFE_PICKLE_ENV) == "1":
+        yield
+        return
+    before = os.environ.get(TE_UNSAFE_PICKLE_ENV)
+    os.environ[TE_UNSAFE_PICKLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TE_UNSAFE_PICKLE_ENV, None)
+        else:
+            os.environ[TE_UNSAFE_PICKLE_ENV] = before
+
+
 def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool,
                             load_rng: bool, finetune: bool,
                             schedule: SchedulerOnResume = SchedulerOnResume.MUST_MATCH,
-                            path: str = "") -> Optional[str]:
+                            path: str = "", allow_unsafe_pickle: bool = False) -> Optional[str]:
     """Restore model (always), then optimizer+scheduler, RNG and progress counters unless told
-    not to. ``finetune`` keeps iteration and sample counters at zero."""
+    not to. ``finetune`` keeps iteration and sample counters at zero. Module extra state that
+    would be unpickled with code in it is refused first (`check_extra_states`)."""
     n = len(state.model)
-    for i, chunk in enumerate(state.model):
-        unwrap(chunk).load_state_dict(loaded[_model_key(i, n)], strict=True)
+    for i in range(n):
+        check_extra_states(loaded[_model_key(i, n)], allow_unsafe_pickle=allow_unsafe_pickle,
+                           path=path)
+    with _te_pickle_opt_in(allow_unsafe_pickle):
+        for i, chunk in enumerate(state.model):
+            unwrap(chunk).load_state_dict(loaded[_model_key(i, n)], strict=True)
     note = None
     if load_optim and "opt_param_scheduler" in loaded:
         # Before anything is applied: a refused schedule leaves the state untouched.

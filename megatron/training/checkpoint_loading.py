@@ -177,7 +177,8 @@ def load_checkpoint(state: TrainState, config: RunConfig,
             loaded["optimizer"].pop(key, None)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                                    finetune=ckpt.finetune,
-                                   schedule=config.optimizer.scheduler_on_resume, path=directory)
+                                   schedule=config.optimizer.scheduler_on_resume, path=directory,
+                                   allow_unsafe_pickle=unsafe)
     if own_boxes:
         model_sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=False,
                                             include_rng=False)

@@ -215,7 +215,8 @@ def load_universal(state: TrainState, config: RunConfig, directory: str,
         _apply_common(loaded, m, load_optim, distributed, u.megatron_common)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=False,
                                    finetune=ckpt.finetune or bool(m.get("release")),
-                                   schedule=config.optimizer.scheduler_on_resume, path=directory)
+                                   schedule=config.optimizer.scheduler_on_resume, path=directory,
+                                   allow_unsafe_pickle=ckpt.allow_unsafe_pickle)
     if note:
         print_rank_0(note)
     print_rank_0(f"loaded universal checkpoint {directory} (iteration {m['iteration']}, saved at "
