@@ -87,6 +87,12 @@ def checkpoint_bytes_bound(model, distributed_optimizer: bool = False) -> int:
     return total
 
 
+def _checkpoint_bound_mb(config: RunConfig, model) -> int:
+    """`checkpoint_bytes_bound` for this run's optimizer, in MiB rounded up: what the host cache
+    and the peer replica are sized against."""
+    return -(-checkpoint_bytes_bound(model, config.parallel.use_distributed_optimizer) // 2**20)
+
+
 def size_host_cache(config: RunConfig, model) -> RunConfig:
     """`config` with the host cache sized, when --async-lazy-save is on and --lazy-save-cache-mb
     was not given: this rank's checkpoint bound (at least AUTO_CACHE_MIN_MB), so that the
@@ -97,8 +103,7 @@ def size_host_cache(config: RunConfig, model) -> RunConfig:
     ckpt = config.checkpoint
     if not ckpt.async_lazy_save or ckpt.lazy_save_cache_mb is not None:
         return config
-    bound_mb = -(-checkpoint_bytes_bound(
-        model, config.parallel.use_distributed_optimizer) // 2**20)
+    bound_mb = _checkpoint_bound_mb(config, model)
     budget_mb, _, _ = host_cache_budget_mb()
     limit_mb = max(1, int(budget_mb * AUTO_CACHE_MEMORY_FRACTION))
     mb = min(max(AUTO_CACHE_MIN_MB, bound_mb), limit_mb)
@@ -121,8 +126,7 @@ def size_peer_replica(config: RunConfig, model) -> RunConfig:
     ckpt = config.checkpoint
     if not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica):
         return config
-    bound_mb = -(-checkpoint_bytes_bound(
-        model, config.parallel.use_distributed_optimizer) // 2**20)
+    bound_mb = _checkpoint_bound_mb(config, model)
     mb = ckpt.lazy_save_peer_replica_mb or 2 * bound_mb
     short = [(r, b) for r, b in enumerate(control_plane.all_gather_ints(
         bound_mb if mb < bound_mb else 0)) if b]
