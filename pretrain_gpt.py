@@ -29,9 +29,7 @@ def main(argv=None) -> int:
     from megatron.training.training import setup, train
 
     try:
-        trainer = setup(config)
-        if config.checkpoint.save and int(os.environ.get("RANK", "0")) == 0:
-            os.makedirs(config.checkpoint.save, exist_ok=True)
+        trainer = setup(config)  # creates and checks --save on every rank
         train(trainer)
     except CheckpointError as err:
         _report(err)
@@ -44,10 +42,14 @@ def main(argv=None) -> int:
 
 
 def _report(err: BaseException) -> None:
+    """The error, once per job where every rank raised the same agreed one (rank 0 prints it,
+    naming the failing ranks), else on each rank that has it."""
     if os.environ.get("DEBUG_TRACEBACK"):
         import traceback
 
         traceback.print_exc()
+    if getattr(err, "agreed", False) and os.environ.get("RANK", "0") != "0":
+        return
     print(f"pretrain_gpt.py: error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
 

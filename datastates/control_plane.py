@@ -8,32 +8,105 @@ no host-device copy or stream sync for a flag, and nothing queued behind trainin
 CPU runs (default group gloo) get their own group too, so the path CI runs is the GPU one.
 
 `control_group()` is collective the first time it is called for a default group (it may create a
-group): every rank calls it at the same point, e.g. right after `init_process_group`.
+group): every rank calls it at the same point, e.g. right after `init_process_group`. Its
+`timeout_s` bounds every collective on it: a rank that stops answering (hung storage, a stuck
+thread) makes the others fail after that long instead of waiting forever.
+
+`agree(fn, what)` is how a step that can fail on some ranks only is made safe: every rank runs
+it, then one all-gather tells every rank whether any failed, and all raise the same
+`CheckpointError` naming the failing ranks and their errors before anyone enters the next
+collective (a rank that raised alone would leave the others waiting in it).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_ints", "all_reduce", "barrier", "control_group", "exchange",
-           "new_side_group"]
+from .errors import CheckpointError
+
+__all__ = ["agree", "agreed_failure", "all_gather_ints", "all_reduce", "barrier",
+           "control_group", "exchange", "new_side_group"]
+
+T = TypeVar("T")
 
 # (the default group it was made for, the gloo group); holding the first keeps its id unique.
 _CACHE: Optional[Tuple[object, object]] = None
 
 
-def control_group():
-    """The gloo group of all ranks for checkpoint collectives (see module doc)."""
+def control_group(timeout_s: Optional[float] = None):
+    """The gloo group of all ranks for checkpoint collectives (see module doc). `timeout_s`
+    bounds each of its collectives when this call creates it (None: torch's default)."""
     global _CACHE
     if not dist.is_initialized():
         raise RuntimeError("the checkpoint control plane needs torch.distributed to be "
                            "initialized (init_process_group) first")
     world = dist.group.WORLD
     if _CACHE is None or _CACHE[0] is not world:
-        _CACHE = (world, dist.new_group(backend="gloo"))
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        _CACHE = (world, dist.new_group(backend="gloo", **kwargs))
     return _CACHE[1]
+
+
+def agree(fn: Callable[[], T], what: str,
+          describe: Callable[[BaseException], Optional[str]] = str) -> T:
+    """Every rank: run `fn` and return its result, unless it raised on any rank; then every rank
+    raises the same `CheckpointError` ("`what` failed on rank(s) [...]: ...", each failing
+    rank's error as `describe` words it, or `(text, ranks)` for an error about other ranks). One
+    all-gather of one integer when nothing failed.
+    Exceptions outside `Exception` count too (PyTorch DCP's CheckpointException is a
+    BaseException), but not KeyboardInterrupt and SystemExit."""
+    err: Optional[BaseException] = None
+    result = None
+    try:
+        result = fn()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - agreed on and re-raised below, on every rank
+        err = e
+    failure = agreed_failure(err, what, describe)
+    if failure is not None:
+        raise failure from err
+    return result
+
+
+def agreed_failure(err: Optional[BaseException], what: str,
+                   describe: Callable[[BaseException], Optional[str]] = str
+                   ) -> Optional[CheckpointError]:
+    """Every rank, with its own error or None: None when no rank failed, else the same
+    `CheckpointError` on every rank, naming the failing ranks (`ranks`) and their errors (ranks
+    with the same words are listed together). `describe` may return None for an error that only
+    echoes another rank's (e.g. a collective that raises everywhere, with the details on one
+    rank): such ranks are named only if no rank says more."""
+    try:
+        flags = all_gather_ints(int(err is not None))
+        failed = [r for r, f in enumerate(flags) if f]
+        if not failed:
+            return None
+        texts: List[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(texts, None if err is None else describe(err),
+                               group=control_group())
+    except RuntimeError as lost:  # a rank died or stopped answering within the timeout
+        return CheckpointError(
+            f"{what}: not every rank reached the agreement ({lost}); a rank died or hangs"
+            + (f"; this rank's own error: {describe(err) or err}" if err is not None else ""),
+            rank=dist.get_rank())
+    # A description may name the ranks it is about: (text, ranks), e.g. a coordinator reporting
+    # the writes that failed on other ranks.
+    named = sorted({n for r in failed if isinstance(texts[r], tuple) for n in texts[r][1]})
+    told = [r for r in failed if texts[r] is not None]
+    by_text: Dict[str, List[int]] = {}
+    for r in told or failed:
+        item = texts[r]
+        text = item[0] if isinstance(item, tuple) else item
+        by_text.setdefault(text or "see the other ranks' output", []).append(r)
+    failed = sorted(set(named) | {r for r in told if not isinstance(texts[r], tuple)}) \
+        or told or failed
+    detail = "; ".join(text if len(by_text) == 1 else f"rank(s) {ranks}: {text}"
+                       for text, ranks in by_text.items())
+    return CheckpointError(f"{what} failed on rank(s) {failed}: {detail}", ranks=failed)
 
 
 def all_reduce(values: Sequence[float], op=dist.ReduceOp.SUM,

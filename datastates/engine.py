@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import queue
 import threading
 import time
@@ -330,6 +331,8 @@ class CheckpointEngine:
 
     # ----------------------------------------------------------------- internals: threads
     def _fail(self, sv: SaveJob, err: CheckpointError) -> None:
+        if err.__cause__ is None and sys.exc_info()[1] is not err:
+            err.__cause__ = sys.exc_info()[1]  # the OSError behind it tells a full disk apart
         with self._cond:
             if sv.error is None:
                 sv.error = err

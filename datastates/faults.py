@@ -25,10 +25,29 @@ Phases (in the order a save goes through them):
            to <universal root>/merge_logs/worker-K.log (K: the worker)
 
 A pause of many seconds models a hung writer (see the drain timeout of the trainer).
+
+Failures, for the fault-matrix tests: one step of a save fails on one rank while the others go on.
+
+    DATASTATES_FAULT_FAIL_<STEP>="<kind>[@<step>][:<rank>]"
+
+makes `fail_point(step_name, step, rank)` print ``DATASTATES_FAULT fail=<step_name> kind=<kind>
+step=<step> rank=<rank>`` on stderr and then, by kind: ``error`` raises RuntimeError, ``enospc``,
+``erofs`` and ``eacces`` raise the OSError of that errno, and ``kill`` sends SIGKILL to the rank's
+process (from a child process the rank forked too). Steps, in save order:
+  probe     every rank, start-up check that a checkpoint root can be written
+  prepare   the rank that prepares a version directory (rank 0), at the save call
+  common    the rank that writes common.pt (rank 0), as it writes it
+  write     every rank's shard writes (DataStates' writer; torch_dist's writer process)
+  commit    the commit marker: DataStates' COMMIT.json, torch_dist's metadata.json (rank 0)
+  tracker   the tracker move (rank 0)
+  retention the removal of old checkpoints after a commit (rank 0)
+  merge     the hand-off of a committed version to the universal merge (rank 0)
 """
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -38,27 +57,53 @@ from .errors import CheckpointError
 
 ENV_PREFIX = "DATASTATES_FAULT_DELAY_"
 PHASES = ("copy", "flush", "commit", "tracker", "merge")
+FAIL_PREFIX = "DATASTATES_FAULT_FAIL_"
+FAIL_STEPS = ("probe", "prepare", "common", "write", "commit", "tracker", "retention", "merge")
+FAIL_KINDS = ("error", "enospc", "erofs", "eacces", "kill")
+_ERRNO = {"enospc": errno.ENOSPC, "erofs": errno.EROFS, "eacces": errno.EACCES}
+
+
+def _split(text: str):
+    """'<what>[@<step>][:<rank>]' -> (what, step or None, rank or None); ints not yet parsed."""
+    what, step, rank = text, None, None
+    if ":" in what:
+        what, rank = what.rsplit(":", 1)
+    if "@" in what:
+        what, step = what.split("@", 1)
+    return what, step, rank
+
+
+class _Where:
+    """Mixin: a spec restricted to one step and one rank when they are given."""
+
+    step: Optional[int]
+    rank: Optional[int]
+
+    def matches(self, step: int, rank: int) -> bool:
+        return (self.step is None or self.step == step) and (self.rank is None or self.rank == rank)
 
 
 @dataclass(frozen=True)
-class FaultSpec:
+class FaultSpec(_Where):
     """A pause at one phase: `seconds`, optionally restricted to one step and one rank."""
 
     seconds: float
     step: Optional[int] = None
     rank: Optional[int] = None
 
-    def matches(self, step: int, rank: int) -> bool:
-        return (self.step is None or self.step == step) and (self.rank is None or self.rank == rank)
+
+@dataclass(frozen=True)
+class FailSpec(_Where):
+    """A failure of one step: `kind` (FAIL_KINDS), optionally at one step and on one rank."""
+
+    kind: str
+    step: Optional[int] = None
+    rank: Optional[int] = None
 
 
 def parse_spec(name: str, text: str) -> FaultSpec:
     """'2.5', '2.5@7', '2.5@7:1' or '2.5:1' -> FaultSpec; a clear error otherwise."""
-    seconds, step, rank = text, None, None
-    if ":" in seconds:
-        seconds, rank = seconds.rsplit(":", 1)
-    if "@" in seconds:
-        seconds, step = seconds.split("@", 1)
+    seconds, step, rank = _split(text)
     try:
         spec = FaultSpec(float(seconds), None if step is None else int(step),
                          None if rank is None else int(rank))
@@ -78,14 +123,64 @@ def _read_env() -> Dict[str, FaultSpec]:
     return specs
 
 
+def parse_fail(name: str, text: str) -> FailSpec:
+    """'enospc', 'kill@3', 'erofs@3:1' or 'error:0' -> FailSpec; a clear error otherwise."""
+    kind, step, rank = _split(text)
+    if kind not in FAIL_KINDS:
+        raise CheckpointError(f"{name}={text!r}: expected <kind>[@<step>][:<rank>] with kind one "
+                              f"of {', '.join(FAIL_KINDS)}, found {kind!r}")
+    try:
+        return FailSpec(kind, None if step is None else int(step),
+                        None if rank is None else int(rank))
+    except ValueError:
+        raise CheckpointError(f"{name}={text!r}: expected <kind>[@<step>][:<rank>], e.g. "
+                              "'enospc@3:1'") from None
+
+
+def _read_fail_env() -> Dict[str, FailSpec]:
+    specs = {}
+    for key, value in os.environ.items():
+        if key.startswith(FAIL_PREFIX) and value:
+            step = key[len(FAIL_PREFIX):].lower()
+            if step not in FAIL_STEPS:
+                raise CheckpointError(f"{key}: unknown step {step!r}; expected one of "
+                                      f"{', '.join(FAIL_STEPS)}")
+            specs[step] = parse_fail(key, value)
+    return specs
+
+
 # Read once, at import: the engine's threads must not parse the environment per save.
 _SPECS = _read_env()
+_FAILS = _read_fail_env()
+_PID = os.getpid()  # the rank's process: `kill` from a forked writer kills it too
 
 
 def reload_from_env() -> None:
     """Re-read the environment (tests that set the variables after import)."""
-    global _SPECS
+    global _SPECS, _FAILS
     _SPECS = _read_env()
+    _FAILS = _read_fail_env()
+
+
+def fail_point(name: str, step: int, rank: int, path: Optional[str] = None) -> None:
+    """Fail here if DATASTATES_FAULT_FAIL_<NAME> asks for it (see module doc); `path` is the
+    file the failing operation would have touched (named in the OSError)."""
+    if not _FAILS:
+        return
+    spec = _FAILS.get(name)
+    if spec is None or not spec.matches(step, rank):
+        return
+    sys.stderr.write(f"DATASTATES_FAULT fail={name} kind={spec.kind} step={step} rank={rank}\n")
+    sys.stderr.flush()
+    if spec.kind == "kill":
+        if os.getpid() != _PID:
+            os.kill(_PID, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if spec.kind == "error":
+        raise RuntimeError(f"injected failure of step {name!r} (DATASTATES_FAULT_FAIL_"
+                           f"{name.upper()})")
+    code = _ERRNO[spec.kind]
+    raise OSError(code, os.strerror(code), path)
 
 
 def fault_point(phase: str, step: int, rank: int) -> None:

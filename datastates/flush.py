@@ -12,7 +12,7 @@ from . import fileio, layout
 from .cache import HostCache
 from .checksum import ChecksumFn
 from .config import EngineConfig
-from .faults import fault_point
+from .faults import fail_point, fault_point
 from .index import build_index
 from .job import SaveJob, Segment
 from .writeback import drop_cached, start_writeback
@@ -66,6 +66,7 @@ def write_version_files(cfg: EngineConfig, sv: SaveJob, lock: threading.Conditio
                         close_fd: Callable[[SaveJob], None]) -> None:
     """fsync the shard, then write index, format file and, last, this rank's marker."""
     fault_point("flush", sv.handle.step, cfg.rank)
+    fail_point("write", sv.handle.step, cfg.rank, sv.shard_path)
     if cfg.write_hook is not None:
         cfg.write_hook("fsync", {"rank": cfg.rank, "file": sv.shard_path, "tensor": None})
     if cfg.fsync:

@@ -208,19 +208,23 @@ def test_load_strategy_registered_in_any_import_order(imports):
     assert "('datastates', 1)" in out.stdout, out.stdout
 
 
-def test_overwrite_warning_only_when_the_directory_held_files(tmp_path):
-    """megatron-core warns "Overwriting old incomplete / corrupted checkpoint..." for any non-empty
-    directory, and ours holds the room set aside for the commit marker: the warning must appear only
-    for a directory that really held leftovers of an earlier save, naming them."""
+def test_leftovers_of_an_unfinished_save_are_set_aside_not_mixed(tmp_path):
+    """An iteration directory holding an earlier, unfinished save's files is moved out of the
+    ``iter_*`` namespace (and removed) before the new save writes, with one line naming it;
+    megatron-core's "Overwriting old incomplete / corrupted checkpoint..." (printed for any
+    non-empty directory, ours holds the commit marker's room) never appears."""
     root = tmp_path / "ckpt"
     (root / "iter_0000002").mkdir(parents=True)
     (root / "iter_0000002" / "shard_r00000.bin").write_bytes(b"left over")
+    (root / "iter_0000002" / "stale_extra_file").write_bytes(b"x")
     run = launch(1, TINY_MODEL + NO_DROPOUT + ["--train-iters", "2", "--save", str(root),
                                                "--save-interval", "1", "--async-lazy-save"])
     assert run.returncode == 0, run.describe()
     text = run.stdout + run.stderr
     assert "Overwriting old incomplete" not in text, text[-3000:]
-    warnings = [ln for ln in text.splitlines() if "already holds files of an earlier" in ln]
-    assert len(warnings) == 1 and "iter_0000002" in warnings[0] and "shard_r00000.bin" in \
-        warnings[0], warnings
+    lines = [ln for ln in text.splitlines() if "moved the leftovers of an earlier" in ln]
+    assert len(lines) == 1 and "iteration 2" in lines[0] and ".incomplete-iter_0000002" in \
+        lines[0], lines
+    assert not (root / "iter_0000002" / "stale_extra_file").exists()  # nothing mixed in
+    assert (root / "iter_0000002" / "shard_r00000.bin").read_bytes() != b"left over"
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"

@@ -32,7 +32,7 @@ def config(extra="", world_size=1):
     ("--lazy-save-cache-mb 64", 1, "--lazy-save-cache-mb configure --async-lazy-save, which is "
      "not on"),
     ("--lazy-save-checksum none --ckpt-drain-timeout 5", 1,
-     "--lazy-save-checksum, --ckpt-drain-timeout configure --async-lazy-save"),
+     "--lazy-save-checksum configure --async-lazy-save"),
     ("--async-lazy-save --async-save", 1, "two different asynchronous savers"),
     ("--async-lazy-save --ckpt-format torch", 1, "it needs --ckpt-format torch_dist"),
     ("--async-lazy-save --load /tmp/x", 1, "--async-lazy-save writes checkpoints under --save, "

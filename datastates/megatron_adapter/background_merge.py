@@ -44,10 +44,11 @@ from .merge import TELEMETRY_FILE
 from .paths import checkpoint_dir
 
 
-def _die_with_parent() -> None:
-    """In the merge child, before exec: SIGKILL it when the trainer process dies (Linux
-    PR_SET_PDEATHSIG), so a crashed or killed rank 0 never leaves a merge running. A merge
-    killed this way leaves only a .tmp- directory (see writer.py); the next merge removes it."""
+def die_with_parent() -> None:
+    """In a child of the trainer (the merge child before exec; megatron's results-queue Manager):
+    SIGKILL it when the trainer process dies (Linux PR_SET_PDEATHSIG), so a crashed or killed
+    rank never leaves it running. A merge killed this way leaves only a .tmp- directory (see
+    writer.py); the next merge removes it."""
     try:
         import ctypes
         import signal
@@ -142,7 +143,7 @@ class _Worker:
         with open(log_path, log_mode) as log:
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, env=env, text=True, bufsize=1,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         self.alive = True
         threading.Thread(target=self._pump, args=(answers,), daemon=True,
                          name=f"merge-worker-{index}").start()

@@ -37,7 +37,9 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import shutil
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,7 +54,8 @@ from .. import control_plane
 from ..config import Checksum, CommitPolicy, EngineConfig
 from ..engine import CheckpointEngine
 from ..errors import CheckpointError
-from ..faults import fault_point
+from ..faults import fail_point, fault_point
+from ..storage_errors import advice, explain, kind, root_os_error
 from ..fileio import atomic_write, fsync_file, make_spare, naming, release_spare
 from ..flatten import TensorShard
 from ..layout import COMMIT_FILE, is_committed, try_commit
@@ -60,12 +63,13 @@ from . import local_tier
 from .payload import PayloadPlan
 from .save_plan import SavePlanCache, StructurePolicy
 from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
-    tracked_iteration, write_tracker
+    probe_writable, set_aside, tracked_iteration, write_tracker
 
 __all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySaveConfig",
            "TELEMETRY_FILENAME", "append_telemetry"]
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
+_ITER_IN_PATH = re.compile(r"iter_(\d{7,})(?:/|$)")
 #: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.
 COMMIT_RESERVE_BYTES = 64 * 1024
 
@@ -149,6 +153,7 @@ class _Pending:
     t_start: float  # wall clock at the save call (for the timeline)
     t_returned: float  # wall clock when the save call returned
     files: List[Future] = field(default_factory=list)  # rank 0: common.pt written durably
+    errors: List[BaseException] = field(default_factory=list)  # this save's own, on this rank
 
 
 @dataclass
@@ -202,8 +207,11 @@ class LazyCheckpointer:
             from .node_local import discover
 
             self.node = discover(config.non_persistent_root, self.rank)
-            if self.rank == self.node.leader:
-                prepare_root(config.non_persistent_root)
+        self._prepare_roots()
+        #: Per root, iterations whose directory held an unfinished save when the run started
+        #: (set by the caller, e.g. the trainer's manager, which lists them once): their next
+        #: save is agreed on before any rank writes, so the leftovers are set aside first.
+        self.leftovers: Dict[str, set] = {}
         # common.pt is serialized in the save call and written (temp, fsync, rename) here, off the
         # training thread; a version commits only once its write is done (`_files_durable`).
         self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-common")
@@ -221,9 +229,6 @@ class LazyCheckpointer:
         self.universal = None  # rank 0: the background universal merges, when asked for
         self._merge_follower = None  # the first rank of each other node: its share of them
         if self.rank == 0:
-            prepare_root(config.root)
-            if config.non_persistent_root is not None:
-                prepare_root(config.non_persistent_root)
             self._event({"event": "start", "time": time.time()})  # the timeline splits runs here
         if config.universal_every_n:
             self._start_mergers(log)
@@ -305,14 +310,17 @@ class LazyCheckpointer:
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         writer = self.rank == (self.node.leader if node_local else 0)  # common.pt, spares
+        errors: List[BaseException] = []  # this save's (agreed on when its turn comes)
         if writer:
-            self._prepare_directory(directory)
+            errors += self._prepare_directory(directory, iteration)
+        prepare_failed = bool(errors)
         payloads = self.node_payloads if node_local else self.payloads
         if node_local:  # every rank writes all it holds, its node's leader the small files
             from .node_local import claim_every_replica
 
             claim_every_replica(sharded_state_dict)
-            plan = self.node_plans.prepare(sharded_state_dict, extra_shards)
+            plan = self.node_plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
+                                           agree=iteration in self.leftovers.get(root, ()))
             if not plan.reuse_distribution:
                 payloads.forget()
             strategy, base = save_strategy(self.engine, iteration, None, None,
@@ -322,7 +330,8 @@ class LazyCheckpointer:
         else:
             # After rank 0's spares: when the plan is reused, the plan check's all-reduce is
             # what orders them before any rank's shard bytes (ASSUME_CONSTANT has none).
-            plan = self.plans.prepare(sharded_state_dict, extra_shards)
+            plan = self.plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
+                                      agree=iteration in self.leftovers.get(root, ()))
             if not plan.reuse_distribution:
                 self._wrapper = None  # its cached distribution belongs to the previous structure
                 payloads.forget()
@@ -340,6 +349,15 @@ class LazyCheckpointer:
         def defer(path: str, data: bytes) -> None:
             serialized.append((path, data))
 
+        if plan.failed or prepare_failed:
+            # Rank 0's directory could not be prepared: no rank enters megatron's collectives
+            # for this save; its failure is agreed on at the next poll.
+            plans.forget()
+            payloads.forget()
+            self.pending.append(_Pending(iteration, root, node_local, directory, None, None,
+                                         time.perf_counter() - t0, wall0, time.time(), [],
+                                         errors))
+            return
         try:
             # After megatron's collectives, rank 0 hands common.pt to its writer thread and every
             # rank opens its shard: a full disk fails here (or in that write) on some ranks only,
@@ -354,7 +372,7 @@ class LazyCheckpointer:
                                                   content_metadata=content_metadata)
             plans.confirm()
         except (OSError, RuntimeError, CheckpointError) as err:
-            self._local_errors.append(err)
+            errors.append(err)
             plans.forget()
             payloads.forget()
         except BaseException:
@@ -363,30 +381,41 @@ class LazyCheckpointer:
             raise
         # Started last: background threads' wake-ups would take the GIL from the rest of this
         # call (the tensors are not mutated before `before_optimizer_step` either way).
-        files = [self._files.submit(atomic_write, path, data) for path, data in serialized]
+        files = [self._files.submit(self._write_file, iteration, path, data)
+                 for path, data in serialized]
         self.engine.start_copies()
         self.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
-                                     time.perf_counter() - t0, wall0, time.time(), files))
+                                     time.perf_counter() - t0, wall0, time.time(), files,
+                                     errors))
 
-    def _prepare_directory(self, directory: str) -> None:
-        """Rank 0, at a save call: the version directory, a warning naming leftovers of an
-        earlier save, and the room set aside for COMMIT.json and metadata.json. A failure is
-        recorded for the next agreement (the other ranks go on into the save's collectives)."""
+    def _write_file(self, iteration: int, path: str, data: bytes) -> None:
+        """The common.pt writer thread: durable and atomic."""
+        fail_point("common", iteration, self.rank, path)
+        atomic_write(path, data)
+
+    def _prepare_directory(self, directory: str, iteration: int) -> List[BaseException]:
+        """Rank 0, at a save call: an earlier unfinished save's leftovers set aside
+        (`paths.set_aside`; removed in the background), the version directory, and the room set
+        aside for COMMIT.json and metadata.json. Returns the failure, if any: every rank learns
+        of it before megatron's collectives (see `save`), it is agreed on at a later poll."""
         try:
+            fail_point("prepare", iteration, self.rank, directory)
+            aside = set_aside(directory)
+            if aside is not None:
+                self.log(f"moved the leftovers of an earlier, unfinished save of iteration "
+                         f"{iteration} aside ({aside}); removing them in the background")
+                threading.Thread(target=shutil.rmtree, args=(aside, True), daemon=True,
+                                 name="datastates-leftovers").start()
             os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
-            leftovers = sorted(os.listdir(directory))
-            if leftovers:  # megatron's own warning would fire for our spares too: ours only
-                shown = ", ".join(leftovers[:3]) + (", ..." if len(leftovers) > 3 else "")
-                self.log(f"WARNING: {directory} already holds files of an earlier, incomplete "
-                         f"save ({shown}); overwriting them")
             # Room for COMMIT.json (written into it) and metadata.json (megatron writes it:
             # released right before), taken before any shard byte of this save or a later
             # one, so a disk that the next save fills up rarely keeps this save, once
             # durable, from committing.
             make_spare(os.path.join(directory, COMMIT_FILE), COMMIT_RESERVE_BYTES)
             make_spare(os.path.join(directory, METADATA_FILENAME), COMMIT_RESERVE_BYTES)
-        except OSError as err:
-            self._local_errors.append(err)
+        except (OSError, RuntimeError, CheckpointError) as err:
+            return [err]
+        return []
 
     # -- 3) before optimizer step i+1 --------------------------------------------------------
     def before_optimizer_step(self) -> None:
@@ -426,6 +455,25 @@ class LazyCheckpointer:
                         merger.wait()  # no merge process outlives the run
 
     # -- internals -----------------------------------------------------------------------------
+    def _prepare_roots(self) -> None:
+        """Every rank (collective): rank 0 creates the roots and the trackers' spares (each node's
+        leader its node-local root), every rank checks it can write there; one agreement per
+        root, so a read-only, full or missing --save stops every rank with one error."""
+        c = self.config
+        roots = [("--save", c.root, self.rank == 0)]
+        if c.non_persistent_root is not None:
+            leader = self.node.leader if self.node is not None else 0
+            roots.append(("the non-persistent checkpoint directory", c.non_persistent_root,
+                          self.rank == leader))
+        for flag, root, prepares in roots:
+            def check(root=root, prepares=prepares) -> None:
+                if prepares:
+                    prepare_root(root)
+                probe_writable(root, self.rank)
+
+            control_plane.agree(check, f"checking that {flag} {root} can be written",
+                                describe=lambda err, f=flag, r=root: explain(err, f, r))
+
     def _agree_local_dir_usable(self, local_dir: str) -> None:
         """Every rank probes its node-local directory; one that cannot write there stops every
         rank with the same error (no rank waits in a collective the others skipped)."""
@@ -487,8 +535,20 @@ class LazyCheckpointer:
         try:
             return fn()
         except Exception as err:  # noqa: BLE001 - recorded and re-raised below
-            self._local_errors.append(err)
+            self._record(err)
             return None
+
+    def _record(self, err: BaseException) -> None:
+        """An engine error goes with the save in flight whose version directory it names (so an
+        earlier save that is durable everywhere still commits, and this one fails on its turn);
+        one that names none fails the oldest save in flight."""
+        match = _ITER_IN_PATH.search(str(getattr(err, "file", None) or ""))
+        if match:
+            for p in self._uncommitted():
+                if p.iteration == int(match.group(1)):
+                    p.errors.append(err)
+                    return
+        self._local_errors.append(err)
 
     def _files_durable(self, p: _Pending, blocking: bool) -> bool:
         """Whether `p`'s common.pt write is done (waiting for it if `blocking`); its failure is
@@ -504,28 +564,48 @@ class LazyCheckpointer:
                                       "responding?)", rank=self.rank, file=p.directory)
             p.files.pop(0)
             if err is not None:
-                self._local_errors.append(err)
+                p.errors.append(err)
         return True
 
     def _agree(self, p: _Pending, local_done: bool) -> bool:
         """All ranks: True when every rank has `p` durable (or committed); raises the same
         CheckpointError on every rank if any rank recorded an error."""
-        err = self._local_errors[0] if self._local_errors else None
+        errors = self._local_errors + p.errors  # a later save's own errors wait for its turn
+        err = errors[0] if errors else None
         code = -1 if err is not None else int(local_done)
         (agreed,) = control_plane.all_reduce([code], op=dist.ReduceOp.MIN)
         if agreed >= 0:
             return bool(agreed)
-        failed = control_plane.all_gather_ints(1 if err is not None else 0)
-        ranks = [r for r, f in enumerate(failed) if f]
         root = p.root
         where = "--save" if root == self.config.root else f"non-persistent root {root}"
-        msg = (f"DataStates save of iteration {p.iteration} failed on rank(s) {ranks}"
-               + (": " + "; then: ".join(dict.fromkeys(str(e) for e in self._local_errors))
-                  if err is not None else "") + _free_space(root, self.config.local_dir, where)
-               + f"; {_state_of(p, root)}. Free space or fix the {where} storage"
-               + (" and the --lazy-save-local-dir one" if self.config.local_dir else "")
-               + "; --ckpt-failure-policy continue keeps training without checkpoints")
-        raise CheckpointError(msg, rank=self.rank, file=p.directory) from err
+        failure = control_plane.agreed_failure(
+            err, f"DataStates save of iteration {p.iteration}",
+            describe=lambda _: self._describe_errors(errors, root, where))
+        if failure is None or failure.ranks is None:  # a rank died, or stopped answering
+            raise (failure or CheckpointError("the save failed", rank=self.rank)) from err
+        msg = (failure.reason + f"; {_state_of(p, root)}; --ckpt-failure-policy continue keeps "
+               "training without checkpoints")
+        raise CheckpointError(msg, rank=self.rank, file=p.directory, ranks=failure.ranks) from err
+
+    def _describe_errors(self, errors: List[BaseException], root: str, where: str) -> str:
+        """This rank's errors, in order, each with what it means and what to do (a full disk:
+        the free space of --save and of the node-local directory)."""
+        local = self.config.local_dir
+        parts = []
+        for e in errors:
+            os_err = root_os_error(e)
+            path = (os_err.filename if os_err is not None else None) or getattr(e, "file", None)
+            in_local = bool(local and isinstance(path, str) and os.path.abspath(path).startswith(
+                os.path.abspath(local) + os.sep))
+            flag, base = ("--lazy-save-local-dir", local) if in_local else (where, root)
+            text = str(e)
+            if kind(os_err or e) == "full":
+                free = _free_space(root, local, where)  # ' (free space under ...)' or ''
+                text += f" (the file system is full{'; ' + free[2:] if free else ')'}"
+            else:
+                text += advice(e, flag, base)
+            parts.append(text)
+        return "; then: ".join(dict.fromkeys(parts))
 
     def _uncommitted(self) -> List[_Pending]:
         """Saves not yet committed: the one being published, then those in flight."""
@@ -543,7 +623,7 @@ class LazyCheckpointer:
             head = self.pending[0]
             key = os.path.normpath(head.directory)
             if (blocking and key not in self.durable and head.handle is not None
-                    and not self._local_errors):
+                    and not self._local_errors and not head.errors):
                 wait = lambda: self.engine.wait_for_durable(  # noqa: E731
                     head.handle, timeout=self.config.drain_timeout_s)
                 for record in self._guard(wait) or []:
@@ -626,8 +706,9 @@ class LazyCheckpointer:
                 if self.rank == 0:
                     self._log(p, pub.stats)
                     if self.universal is not None and p.root == self.config.root:
+                        fail_point("merge", p.iteration, self.rank, p.directory)
                         self.universal.on_commit(p.iteration, p.directory)
-            except (OSError, CheckpointError) as err:
+            except (OSError, RuntimeError, CheckpointError) as err:
                 self._local_errors.append(err)
         if p.node_local:
             return  # the shared versions' local copies and replicas are not touched
@@ -653,6 +734,7 @@ class LazyCheckpointer:
             except OSError as err:  # json.dump into metadata.json names no file
                 raise naming(err, metadata)
         fault_point("commit", p.iteration, self.rank)
+        fail_point("commit", p.iteration, self.rank, os.path.join(p.directory, COMMIT_FILE))
         # metadata.json is written without fsync (common.pt is written durably by
         # `durable_common_save`); the commit marker must not reach the disk before it.
         if os.path.exists(metadata):
@@ -661,6 +743,7 @@ class LazyCheckpointer:
             raise CheckpointError("every rank reported its shards durable but the rank markers "
                                   "are not all valid", rank=self.rank, file=p.directory)
         fault_point("tracker", p.iteration, self.rank)
+        fail_point("tracker", p.iteration, self.rank, os.path.join(p.root, TRACKER_FILENAME))
         write_tracker(p.root, p.iteration, self.config.run_config_json)
 
     def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
@@ -722,7 +805,8 @@ def _state_of(p: _Pending, root: str) -> str:
                 "will use")
     intact = ("no earlier checkpoint was completed" if latest is None else
               f"earlier checkpoints are intact (newest complete: iteration {latest})")
-    return f"{intact}, and this one is not marked complete"
+    return (f"{intact}, and this one is not marked complete: {p.directory} is never loaded, and "
+            "a later save of that iteration moves it aside (it can also be deleted by hand)")
 
 
 def _free_space(root: Optional[str], local_dir: Optional[str] = None,

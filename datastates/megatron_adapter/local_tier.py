@@ -14,7 +14,7 @@ from typing import Iterable, List, Mapping, Optional
 
 from ..errors import CheckpointError
 from ..layout import FORMAT_FILE, index_file, rank_marker_file, shard_file
-from .paths import checkpoint_dir, iteration_of
+from .paths import checkpoint_dir, iteration_of, probe_writable
 
 __all__ = ["check_usable", "expand", "local_iterations", "prune", "remove_rank_files"]
 
@@ -39,16 +39,8 @@ def expand(template: str, rank: int, env: Optional[Mapping[str, str]] = None,
 def check_usable(local_dir: str, rank: int) -> Optional[str]:
     """None when this rank can create, write and fsync a file in `local_dir` (created if
     missing); otherwise why not, naming the directory."""
-    probe = os.path.join(local_dir, f".datastates_probe_r{rank:05d}")
     try:
-        os.makedirs(local_dir, exist_ok=True)
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, b"\0" * 4096)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.unlink(probe)
+        probe_writable(local_dir, rank)
     except OSError as err:
         free = _free_mib(local_dir)
         return (f"{FLAG} {local_dir} is not usable on rank {rank}: {err.strerror or err}"

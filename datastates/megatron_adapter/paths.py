@@ -21,9 +21,11 @@ import enum
 import json
 import os
 import re
-from typing import List, Optional
+import time
+from typing import List, Optional, Tuple
 
 from ..errors import CheckpointError
+from ..faults import fail_point
 from ..fileio import TRACKER_MAX_BYTES, atomic_write, make_spare, read_confined, read_iteration, \
     replace_from_spare, safe_join
 from ..layout import COMMIT_FILE, is_committed
@@ -31,7 +33,8 @@ from ..safe_load import torch_load
 
 __all__ = ["COMMON_FILENAME", "DISTRIB_OPTIM_FILENAME", "METADATA_FILENAME",
            "RUN_CONFIG_FILENAME", "TORCH_FILENAME", "TRACKER_FILENAME", "Format",
-           "checkpoint_dir", "complete_iterations", "detect_format", "is_complete",
+           "checkpoint_dir", "complete_iterations", "detect_format", "existing_iterations",
+           "INCOMPLETE_PREFIX", "is_complete", "probe_writable", "set_aside",
            "iteration_of", "prepare_root", "RELEASE_DIRNAME", "tracker_names_release", "previous_complete", "read_tracker",
            "resolve_checkpoint_dir", "saved_common", "sharded_backend", "torch_rank_dir",
            "tracked_iteration", "write_tracker"]
@@ -109,6 +112,70 @@ def prepare_root(root: str) -> None:
     spare (see `write_tracker`)."""
     os.makedirs(root, exist_ok=True)
     make_spare(os.path.join(root, TRACKER_FILENAME))
+
+
+def probe_writable(root: str, rank: int) -> None:
+    """Every rank, at start-up: create `root` if needed, then create, write, fsync and remove a
+    small file there; raises the OSError of the first step that fails, naming `root` (a read-only
+    mount, a full disk, a permission problem show up here instead of at the first save)."""
+    try:
+        fail_point("probe", 0, rank, root)
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".datastates_probe_r{rank:05d}")
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as err:  # named by the directory: every rank's words match, one line
+        raise OSError(err.errno, err.strerror, root) from err
+
+
+def existing_iterations(root: str) -> Tuple[List[int], List[int]]:
+    """(complete, incomplete): the iterations under `root` with a version directory whose save
+    finished and those whose directory holds an unfinished save's leftovers. Finished: `is_complete`
+    (metadata.json, and DataStates' commit marker); the legacy torch format has no marker of its
+    own, so its directories up to the iteration the tracker names count as finished (its saves
+    run in order and the tracker moves only after every rank's files are written)."""
+    done = set(complete_iterations(root))
+    tracked = tracked_iteration(root)
+    incomplete = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        if not _ITER_DIR.fullmatch(name) or not os.path.isdir(path):
+            continue
+        it = int(name[len(_ITER_PREFIX):])
+        if it in done:
+            continue
+        legacy = any(n.startswith("mp_rank_") for n in os.listdir(path)) \
+            and sharded_backend(path) is None
+        if legacy and tracked is not None and it <= tracked:
+            done.add(it)
+        else:
+            incomplete.append(it)
+    return sorted(done), sorted(incomplete)
+
+
+INCOMPLETE_PREFIX = ".incomplete-"
+
+
+def set_aside(directory: str) -> Optional[str]:
+    """Rank 0, before a save into `directory`: an earlier, unfinished save's leftovers there are
+    renamed out of the ``iter_*`` namespace (``.incomplete-iter_N-<ns>``), so no file of theirs is
+    mixed with the new save's and no reader takes them for a checkpoint. Returns the new name (for
+    the caller to remove), or None when there was nothing. Never called on a complete version:
+    a committed checkpoint is never rewritten (see `CheckpointManager.maybe_save`)."""
+    if not os.path.isdir(directory):
+        return None
+    if is_complete(directory):
+        raise CheckpointError("refusing to set aside a complete checkpoint (a committed "
+                              "checkpoint is never rewritten)", file=directory)
+    root, name = os.path.split(os.path.normpath(directory))
+    aside = os.path.join(root, f"{INCOMPLETE_PREFIX}{name}-{time.time_ns()}")
+    os.replace(directory, aside)
+    return aside
 
 
 def write_tracker(root: str, iteration: int, run_config_json: Optional[str] = None) -> None:

@@ -60,6 +60,9 @@ class PreparedSave:
     """Run megatron-core's sharding validation on this save (`validate_access_integrity`)."""
     reuse_distribution: bool
     """A fully-parallel wrapper's cached distribution of replicated shards is still valid."""
+    failed: bool = False
+    """The caller's own preparation failed on some rank (`prepare(local_failed=...)`): every
+    rank that knows it skips the save call (see `prepare`)."""
 
 
 def fingerprint(sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = ()) -> List[tuple]:
@@ -96,24 +99,35 @@ class SavePlanCache:
         self.rebuilt = 0
         self.reused = 0
 
-    def prepare(self, sharded_state_dict: Any,
-                extra_shards: Sequence[TensorShard] = ()) -> PreparedSave:
+    def prepare(self, sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = (),
+                local_failed: bool = False, agree: bool = False) -> PreparedSave:
+        """`local_failed`: the caller's preparation of this save (rank 0's directory) failed
+        here. Under CHECK it rides on the plan check's all-reduce, so every rank learns it before
+        megatron's collectives and skips the save call (`failed`); under ASSUME_CONSTANT only
+        `agree=True` (or a first save) adds that all-reduce: otherwise a save has no collective
+        and only the failing rank skips its call."""
         apply_factories(sharded_state_dict)
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
         if self.policy is StructurePolicy.ASSUME_CONSTANT:
             same = self._saved_once
+            failed = local_failed
+            if distributed and (agree or not same):
+                (failed,) = control_plane.all_reduce([int(local_failed)], op=dist.ReduceOp.MAX)
         else:
             self._staged = fingerprint(sharded_state_dict, extra_shards)
             same = self._previous is not None and self._staged == self._previous
-            if dist.is_initialized() and dist.get_world_size() > 1:
+            failed = local_failed
+            if distributed:
                 # One rank's change invalidates every rank's plan: the validation and the
                 # distribution are collective.
-                (changed,) = control_plane.all_reduce([0 if same else 1], op=dist.ReduceOp.MAX)
+                changed, failed = control_plane.all_reduce([0 if same else 1, int(local_failed)],
+                                                           op=dist.ReduceOp.MAX)
                 same = not changed
         if same:
             self.reused += 1
         else:
             self.rebuilt += 1
-        return PreparedSave(validate=not same, reuse_distribution=same)
+        return PreparedSave(validate=not same, reuse_distribution=same, failed=bool(failed))
 
     def confirm(self) -> None:
         """3) after `dist_checkpointing.save` returned: the structure just saved (and, on a

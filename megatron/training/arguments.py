@@ -259,10 +259,11 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="load checkpoint files whose pickles name arbitrary code (only for legacy "
                         "files you trust; by default such a file is refused and nothing in it "
                         "runs)")
-    g.add_argument("--ckpt-drain-timeout", type=float, default=None,
+    g.add_argument("--ckpt-drain-timeout", type=float, default=1800.0,
                    help="seconds a wait on the background checkpoint writers may take before it "
-                        "is reported as a hung writer (with --async-lazy-save; default "
-                        f"{LAZY_SAVE_DEFAULTS['ckpt_drain_timeout']:g})")
+                        "is reported as a hung writer; checkpointing's collectives give up on a "
+                        "rank that does not answer after 1.1x this plus 10 s (every format; "
+                        "default 1800)")
     # Megatron-LM's names for what dist_checkpointing does; see _check_megatron_ckpt_flags.
     g.add_argument("--use-dist-ckpt", action="store_true", dest="use_dist_ckpt_deprecated",
                    help="deprecated Megatron-LM flag: the same as --ckpt-format torch_dist, the "
@@ -481,7 +482,7 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
 
 #: Flags that only --async-lazy-save reads, and their defaults (applied after the check below).
 LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": None, "lazy_save_checksum": "crc32c",
-                      "ckpt_drain_timeout": 1800.0, "lazy_save_local_dir": None,
+                      "lazy_save_local_dir": None,
                       "lazy_save_local_keep": 2, "lazy_save_peer_replica": False,
                       "lazy_save_peer_replica_mb": None}
 

@@ -10,12 +10,19 @@ non-persistent where its interval is due and the persistent one is not.
 
 Call order, every rank:
   0) `start()` once before training (`make_checkpoint_manager` calls it): rank 0 creates --save
-     and the tracker's spare, for every format;
+     and the tracker's spare, every rank checks that it can write there (one agreement: a
+     read-only or full file system stops every rank with one error before training starts), and
+     rank 0 tells every rank which iterations already have a version directory;
   1) `before_optimizer_step()` each step, after forward/backward, before ``optimizer.step()``;
   2) `maybe_save(state, force=False)` right after the optimizer step of the iteration;
   3) `after_iteration(iteration)` at the end of each iteration (non-blocking; with
      --save-interval auto, rank 0 also times the iteration here);
   4) `finalize()` once at the end (or exit interval / SIGTERM): drain in-flight saves.
+A committed checkpoint is never rewritten: a save that falls on an iteration whose directory is
+already complete is skipped with one line (rank 0 moves the tracker to it if it names an older
+one), and leftovers of an unfinished save of that iteration are set aside before a new one
+starts (`paths.set_aside`). A step that can fail on some ranks only is agreed on
+(`control_plane.agree`) before the next collective, so every rank raises the same error.
 Every save call is followed by Megatron's `(min, max) time across ranks (ms):` report of
 `save-checkpoint` (one all-reduce on the checkpoint control plane); each complete checkpoint is
 reported to `metrics` on rank 0 as a `CheckpointRecord`.
@@ -33,6 +40,9 @@ import torch.distributed as dist
 
 from datastates import control_plane
 from datastates.megatron_adapter import expand_local_dir, paths
+from datastates import CheckpointError
+from datastates.faults import fail_point
+from datastates.storage_errors import explain
 
 from megatron.training.checkpoint_contents import TrainState
 from megatron.training.config import RunConfig
@@ -78,6 +88,12 @@ class CheckpointManager:
         #: --save-interval auto (`start_auto_interval`); None: the fixed --save-interval.
         self.auto: Optional[AutoInterval] = None
         self._iteration_t0: Optional[float] = None
+        #: Saves started by `maybe_save` (the summary's count; skipped and in-flight saves apart).
+        self.saves_started = 0
+        #: Per root, as rank 0 found it at `start()`: iterations with a complete version
+        #: (never saved again) and with an unfinished save's leftovers (set aside first).
+        self.complete_at_start: Dict[str, List[int]] = {}
+        self.leftovers_at_start: Dict[str, List[int]] = {}
 
     def start_auto_interval(self, start_iteration: int) -> None:
         """Every rank, once the resumed iteration is known (before the first iteration)."""
@@ -96,9 +112,26 @@ class CheckpointManager:
 
     # 0) every rank, once
     def start(self) -> None:
+        for root in self.roots():
+            prepare_and_probe_root(root, self._flag_of(root))
+        self.scan_existing()
+
+    def _flag_of(self, root: str) -> str:
+        if root == self.ckpt.save:
+            return "--save"
+        local = self.ckpt.non_persistent_ckpt_type == "local"
+        return f"--non-persistent-{'local' if local else 'global'}-ckpt-dir"
+
+    def scan_existing(self) -> None:
+        """Every rank (collective): which iterations each root already holds, as rank 0 sees
+        them (one broadcast)."""
+        found = [None]
         if dist.get_rank() == 0:
-            for root in self.roots():
-                paths.prepare_root(root)
+            found = [{root: paths.existing_iterations(root) for root in self.roots()}]
+        dist.broadcast_object_list(found, src=0, group=control_plane.control_group())
+        for root, (complete, incomplete) in found[0].items():
+            self.complete_at_start[root] = complete
+            self.leftovers_at_start[root] = incomplete
 
     def roots(self) -> List[str]:
         """Where this run saves: --save, then the non-persistent root if any."""
@@ -140,6 +173,10 @@ class CheckpointManager:
             self.last_save_persistent = persistent and decided
             return decided
         self.last_save_persistent = persistent
+        if iteration in self.complete_at_start.get(root, ()):
+            self._skip_complete(iteration, root)
+            return True
+        self.saves_started += 1
         start = time.time()
         track = self.log_save_calls and dist.get_rank() == 0
         if track:
@@ -159,6 +196,56 @@ class CheckpointManager:
         if self.auto is not None and persistent:
             self.auto.saved(iteration)
         return True
+
+    def _skip_complete(self, iteration: int, root: str) -> None:
+        """Every rank: `iteration` is already a complete checkpoint under `root` (an earlier run
+        saved it): it stays as it is. Rank 0 moves the tracker to it if the tracker names an
+        older one (that run was stopped between its commit and the tracker move)."""
+        directory = paths.checkpoint_dir(root, iteration)
+        print_rank_0(f"skipping the save of iteration {iteration}: {directory} already holds a "
+                     "complete checkpoint (a committed checkpoint is never rewritten)")
+        if dist.get_rank() != 0:
+            return
+        tracked = paths.tracked_iteration(root)
+        if tracked is None or tracked < iteration:
+            try:
+                paths.write_tracker(root, iteration, self.config.to_json())
+            except OSError as err:
+                print_rank_0(f"WARNING: could not move {paths.TRACKER_FILENAME} under {root} to "
+                             f"iteration {iteration}: {explain(err, self._flag_of(root), root)}")
+
+    def prepare_version_dir(self, root: str, iteration: int) -> str:
+        """Every rank (collective), at a save call of a stock format: rank 0 sets aside an
+        earlier unfinished save's leftovers of `iteration` and creates its directory; agreed."""
+        directory = paths.checkpoint_dir(root, iteration)
+
+        def prepare() -> None:
+            if dist.get_rank() == 0:
+                fail_point("prepare", iteration, 0, directory)
+                self.set_aside_leftovers(root, iteration)
+                os.makedirs(directory, exist_ok=True)
+
+        self.agreed(prepare, f"saving iteration {iteration}", root, iteration)
+        return directory
+
+    def set_aside_leftovers(self, root: str, iteration: int) -> None:
+        """Rank 0, before a save of `iteration` into `root`: an unfinished earlier save's
+        directory is renamed out of the way (`paths.set_aside`) and removed."""
+        aside = paths.set_aside(paths.checkpoint_dir(root, iteration))
+        if aside is not None:
+            print_rank_0(f"moved the leftovers of an earlier, unfinished save of iteration "
+                         f"{iteration} aside ({aside}); removing them")
+            self._remove(aside)
+
+    def agreed(self, fn, what: str, root: Optional[str], iteration: Optional[int]):
+        """Every rank: `control_plane.agree(fn, what)`, the error worded for `root`'s storage and
+        completed with what is on disk (the newest complete checkpoint, this one's state)."""
+        flag = self._flag_of(root) if root else "--save"
+        try:
+            return control_plane.agree(fn, what, describe=lambda err: _describe(err, flag, root))
+        except CheckpointError as err:
+            raise type(err)(err.reason + _on_disk(root, iteration), rank=err.rank,
+                            file=err.file, ranks=err.ranks) from err.__cause__
 
     # 3) every rank, end of each iteration
     def after_iteration(self, iteration: int) -> None:
@@ -197,6 +284,7 @@ class CheckpointManager:
         apply retention. Stock formats call it; the lazy format's adapter moves the tracker
         itself and calls `_after_commit`."""
         if dist.get_rank() == 0:
+            fail_point("tracker", iteration, 0, os.path.join(root, paths.TRACKER_FILENAME))
             paths.write_tracker(root, iteration, self.config.to_json())
             self._after_commit(iteration, root)
             if (root, iteration) in self._save_started:
@@ -223,6 +311,7 @@ class CheckpointManager:
         flight are newer than `iteration`, so retention never reaches them; checkpoints that
         `_in_use` names or another process reads are kept for now."""
         persistent = root == self.ckpt.save
+        fail_point("retention", iteration, dist.get_rank(), root)
         keep = self.ckpt.keep_last_n_checkpoints if persistent else 1
         done = apply_retention(root, keep, iteration,
                                in_flight=self._in_use() if persistent else [],
@@ -239,6 +328,53 @@ class CheckpointManager:
     def _remove(self, trash: str) -> None:
         """Rank 0: delete a checkpoint retention has renamed out of the `iter_*` namespace."""
         remove_now(trash)
+
+
+def _describe(err: BaseException, flag: str, root: Optional[str]):
+    """One rank's error for an agreed message. PyTorch DCP's CheckpointException (megatron's
+    torch_dist writers) is raised on every rank, with the failing ranks' errors on the
+    coordinator only: there it names them (text, ranks), elsewhere it is an echo (None)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        if not failures:
+            return None
+        return ("; ".join(  # each value: the exception, or (exception, its stack)
+            f"the writes of rank {r} failed: "
+            f"{explain(e[0] if isinstance(e, tuple) else e, flag, root)}"
+            for r, e in sorted(failures.items())), sorted(failures))
+    return explain(err, flag, root)
+
+
+def _on_disk(root: Optional[str], iteration: Optional[int]) -> str:
+    """What a failed save left, for the agreed error: the newest complete checkpoint and whether
+    this one is complete."""
+    if not root:
+        return ""
+    latest = paths.tracked_iteration(root)
+    text = ("; no complete checkpoint under " + root if latest is None else
+            f"; the newest complete checkpoint is iteration {latest} "
+            f"({paths.TRACKER_FILENAME} names it) and is intact")
+    if iteration is not None and latest != iteration:
+        text += (f"; iteration {iteration} is not complete: its directory is never loaded, and "
+                 "the next save of that iteration sets it aside")
+    return text + ". Nothing that was saved before was changed"
+
+
+def prepare_and_probe_root(root: str, flag: str, preparer: Optional[bool] = None) -> None:
+    """Every rank (collective), at start-up: the preparing rank (rank 0 unless `preparer` says
+    otherwise) creates `root` and the tracker's spare, every rank checks it can write there;
+    a failure on any rank stops every rank with the same error naming the ranks and the cause
+    (read-only, full, missing, permission denied), before training starts."""
+    rank = dist.get_rank()
+    prepares = rank == 0 if preparer is None else preparer
+
+    def check() -> None:
+        if prepares:
+            paths.prepare_root(root)
+        paths.probe_writable(root, rank)
+
+    control_plane.agree(check, f"checking that {flag} {root} can be written",
+                        describe=lambda err: explain(err, flag, root))
 
 
 def _directory_bytes(directory: str) -> int:

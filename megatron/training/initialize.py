@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 import random
 from datetime import timedelta
 
@@ -19,10 +20,12 @@ def backend_name() -> str:
     return "nccl" if cuda_available() else "gloo"
 
 
-def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10) -> None:
+def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10,
+                           control_timeout_s: Optional[float] = None) -> None:
     """1) patch megatron-core for CPU if needed; 2) init the default process group from the
     torchrun environment (a single process without torchrun gets a world of one);
-    3) build megatron-core's TP/PP/DP groups."""
+    3) build megatron-core's TP/PP/DP groups; 4) checkpointing's control plane, whose
+    collectives fail after `control_timeout_s` (`control_timeout`) instead of hanging."""
     from megatron.core import parallel_state
 
     apply_cpu_patches()
@@ -46,7 +49,14 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10) 
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         )
-    control_plane.control_group()  # checkpointing's gloo group: created here, on every rank
+    control_plane.control_group(control_timeout_s)  # checkpointing's gloo group, every rank
+
+
+def control_timeout(drain_timeout_s: float) -> float:
+    """How long a checkpoint collective may wait for the slowest rank: --ckpt-drain-timeout plus
+    a tenth and 10 s, so that a rank whose own bounded wait on its writers expires reports that
+    (naming the stuck file) before the others give up on it."""
+    return 1.1 * drain_timeout_s + 10.0
 
 
 def _free_port() -> int:

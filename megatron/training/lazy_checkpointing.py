@@ -233,7 +233,10 @@ class LazyCheckpointManager(CheckpointManager):
             on_record=lambda r: self._record(CheckpointRecord.from_telemetry(r)))
 
     def start(self) -> None:
-        pass  # the checkpointer prepared the root (tracker spare) when it was built
+        # The checkpointer prepared and probed its roots when it was built.
+        self.scan_existing()
+        self.checkpointer.leftovers = {root: set(its)
+                                       for root, its in self.leftovers_at_start.items()}
 
     @property
     def disabled(self) -> bool:

@@ -7,7 +7,10 @@ for that). Each function says which call is wrong, how it shows, and when the fi
   CPU or GPU) fails to load a `fully_reshardable` distributed-optimizer checkpoint
   (`KeyError: 'step'`) and, after loading one, shares a single `step` tensor between all
   parameters (wrong bias correction: a resumed run silently diverges), and cannot build a fresh
-  distributed optimizer's sharded state dict for loading (`assert len(steps) == 1`).
+  distributed optimizer's sharded state dict for loading (`assert len(steps) == 1`);
+- `results_queue_dies_with_rank`: torch_dist's writers report through a multiprocessing
+  Manager process that outlives a rank stopped by a signal (e.g. torchrun's SIGTERM after another
+  rank failed), holding the job's output open: the job never ends for whoever waits on it.
 """
 from __future__ import annotations
 
@@ -91,3 +94,30 @@ def apply_torch_adam_patches() -> bool:
 
     cls.sharded_state_dict = sharded_state_dict
     return True
+
+
+_MANAGERS: list = []  # the Manager of the results queue, alive as long as this process
+
+
+def results_queue_dies_with_rank() -> None:
+    """Before the first torch_dist save: start the Manager process behind megatron-core's write
+    results queue (`filesystem_async._get_write_results_queue`, a spawned
+    `multiprocessing.Manager()`) ourselves, with PR_SET_PDEATHSIG, so it dies with the rank.
+
+    megatron-core starts it on the first save and shuts it down only at a normal interpreter
+    exit. A rank ended by a signal (torchrun sends SIGTERM to the others once one rank failed)
+    leaves it running, re-parented to init: it keeps the job's stdout open, so a launcher or a
+    test that reads the job's output never sees it end (seen in the fault matrix)."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    from datastates.megatron_adapter import die_with_parent
+
+    if getattr(fa, "_results_queue", None) is not None or not hasattr(fa, "_results_queue"):
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent)
+    _MANAGERS.append(manager)
+    fa._results_queue = manager.Queue()

@@ -19,7 +19,8 @@ from megatron.training.mcore_fixes import apply_torch_adam_patches
 from megatron.training.data import Datasets, MicroBatchIterator, build_datasets, get_batch
 from megatron.training.flops import num_floating_point_operations, shape_of, \
     throughput_tflops_per_gpu
-from megatron.training.initialize import backend_name, initialize_distributed, set_random_seeds
+from megatron.training.initialize import backend_name, control_timeout, \
+    initialize_distributed, set_random_seeds
 from megatron.training.lazy_checkpointing import size_host_cache, size_peer_replica
 from megatron.training.log import print_rank_0, print_rank_last, training_log_line, validation_lines
 from megatron.training.metrics import Metrics
@@ -107,7 +108,8 @@ def setup(config: RunConfig) -> Trainer:
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core import parallel_state as ps
 
-    initialize_distributed(config.parallel)
+    initialize_distributed(config.parallel, control_timeout_s=control_timeout(
+        config.checkpoint.ckpt_drain_timeout))
     apply_torch_adam_patches()
     t = config.training
     init_num_microbatches_calculator(dist.get_rank(), None, t.global_batch_size,
@@ -258,7 +260,7 @@ class _Summary:
         self.t0 = time.time()
         self.wait_at_start_s = trainer.checkpoint_wait_s
         self.blocked_s = 0.0  # in the loop's own checkpoint calls (train_step's waits apart)
-        self.saves = 0
+        self.saves_at_start = trainer.checkpoints.saves_started
 
     def blocked(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
@@ -268,9 +270,7 @@ class _Summary:
             self.blocked_s += time.perf_counter() - t0
 
     def saving(self, maybe_save, state, force: bool = False) -> bool:
-        saved = self.blocked(maybe_save, state, force=force)
-        self.saves += int(saved)
-        return saved
+        return self.blocked(maybe_save, state, force=force)
 
     def report(self) -> None:
         from datastates.megatron_adapter import paths
@@ -285,7 +285,8 @@ class _Summary:
         blocked = self.blocked_s + self.trainer.checkpoint_wait_s - self.wait_at_start_s
         print_rank_0(f" training summary | iterations: {self.start_iteration} -> "
                      f"{state.iteration} | time (s): {wall:.1f} | tokens/s: "
-                     f"{tokens / wall if wall > 0 else 0.0:.1f} | checkpoints: {self.saves} | "
+                     f"{tokens / wall if wall > 0 else 0.0:.1f} | checkpoints: "
+                     f"{self.trainer.checkpoints.saves_started - self.saves_at_start} | "
                      f"blocked by checkpointing (s): {blocked:.3f} | newest complete "
                      f"checkpoint: {newest_dir}")
 
@@ -397,9 +398,11 @@ def _train_loop(trainer: Trainer) -> int:
                 if not saved_last:
                     summary.saving(trainer.checkpoints.maybe_save, state, force=True)
                 return state.iteration
-        if state.iteration > 0 and not (saved_last and trainer.checkpoints.last_save_persistent):
+        if state.iteration > summary.start_iteration and not (
+                saved_last and trainer.checkpoints.last_save_persistent):
             # Megatron saves at the end too, also after a non-persistent save of this iteration
-            # (the exit interval and SIGTERM above take any save of it, as Megatron-LM does)
+            # (the exit interval and SIGTERM above take any save of it, as Megatron-LM does).
+            # Not when no iteration ran: the state is the loaded checkpoint's.
             summary.saving(trainer.checkpoints.maybe_save, state, force=True)
         if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval and \
                 state.iteration > summary.start_iteration:
