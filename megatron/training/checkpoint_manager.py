@@ -94,6 +94,7 @@ class CheckpointManager:
         #: (never saved again) and with an unfinished save's leftovers (set aside first).
         self.complete_at_start: Dict[str, List[int]] = {}
         self.leftovers_at_start: Dict[str, List[int]] = {}
+        self._saved: Dict[str, set] = {}  # per root: iterations this run has saved
 
     def start_auto_interval(self, start_iteration: int) -> None:
         """Every rank, once the resumed iteration is known (before the first iteration)."""
@@ -124,12 +125,13 @@ class CheckpointManager:
 
     def scan_existing(self) -> None:
         """Every rank (collective): which iterations each root already holds, as rank 0 sees
-        them (one broadcast)."""
+        them (one broadcast), so that every rank decides the same way at each save. Keyed by
+        each rank's own name of the root: a node-local root's path differs between nodes."""
         found = [None]
         if dist.get_rank() == 0:
-            found = [{root: paths.existing_iterations(root) for root in self.roots()}]
+            found = [[paths.existing_iterations(root) for root in self.roots()]]
         dist.broadcast_object_list(found, src=0, group=control_plane.control_group())
-        for root, (complete, incomplete) in found[0].items():
+        for root, (complete, incomplete) in zip(self.roots(), found[0]):
             self.complete_at_start[root] = complete
             self.leftovers_at_start[root] = incomplete
 
@@ -173,10 +175,13 @@ class CheckpointManager:
             self.last_save_persistent = persistent and decided
             return decided
         self.last_save_persistent = persistent
+        if iteration in self._saved.get(root, ()):
+            return True  # this run saved it already (e.g. the end-of-training save after it)
         if iteration in self.complete_at_start.get(root, ()):
             self._skip_complete(iteration, root)
             return True
         self.saves_started += 1
+        self._saved.setdefault(root, set()).add(iteration)
         start = time.time()
         track = self.log_save_calls and dist.get_rank() == 0
         if track:

@@ -36,7 +36,6 @@ class TorchDistCheckpointManager(CheckpointManager):
 
     def __init__(self, config: RunConfig):
         super().__init__(config)
-        results_queue_dies_with_rank()  # megatron-core's writer results: no orphan at exit
         self._queue = None
         self._strategy = None  # kept across saves with --ckpt-assume-constant-structure
         if self.ckpt.async_save:
@@ -75,6 +74,7 @@ class TorchDistCheckpointManager(CheckpointManager):
         writer process is done, at a later `_poll`."""
         from megatron.core import dist_checkpointing
 
+        results_queue_dies_with_rank()  # megatron-core's writer results: no orphan at exit
         if self._queue is not None:
             self._agreed_poll(blocking=True)  # one save in flight at most
         iteration = state.iteration
@@ -134,14 +134,13 @@ class TorchDistCheckpointManager(CheckpointManager):
             self._agreed_poll(blocking=False)
 
     def finalize(self) -> None:
-        if self._queue is not None:
+        if self._queue is None:
+            return
+        try:
+            self._agreed_poll(blocking=True)
+        finally:
             queue, self._queue = self._queue, None
-            try:
-                self._queue = queue
-                self._agreed_poll(blocking=True)
-            finally:
-                self._queue = None
-                queue.close(abort=True)  # nothing is left to finalize (or it failed)
+            queue.close(abort=True)  # nothing is left to finalize (or it failed)
 
 
 def _with_fault_points(request, iteration: int, root: str, strategy, commit):

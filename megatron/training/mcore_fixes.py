@@ -99,8 +99,21 @@ def apply_torch_adam_patches() -> bool:
 _MANAGERS: list = []  # the Manager of the results queue, alive as long as this process
 
 
+def _serve_until_the_rank_dies() -> None:
+    """In the results-queue Manager process: ignore SIGTERM and SIGINT (a launcher signals the
+    whole process tree, and the rank may still save on SIGTERM, --exit-signal-handler) and die
+    with the rank instead (PR_SET_PDEATHSIG)."""
+    import signal
+
+    from datastates.megatron_adapter import die_with_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
 def results_queue_dies_with_rank() -> None:
-    """Before the first torch_dist save: start the Manager process behind megatron-core's write
+    """At the first torch_dist save: start the Manager process behind megatron-core's write
     results queue (`filesystem_async._get_write_results_queue`, a spawned
     `multiprocessing.Manager()`) ourselves, with PR_SET_PDEATHSIG, so it dies with the rank.
 
@@ -113,11 +126,9 @@ def results_queue_dies_with_rank() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    from datastates.megatron_adapter import die_with_parent
-
     if getattr(fa, "_results_queue", None) is not None or not hasattr(fa, "_results_queue"):
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent)
+    manager.start(initializer=_serve_until_the_rank_dies)
     _MANAGERS.append(manager)
     fa._results_queue = manager.Queue()
