@@ -274,8 +274,10 @@ def test_rank0_writes_one_record_per_committed_checkpoint(runs):
              for n in names]
     assert tb["checkpoint/bytes"][6] == pytest.approx(sum(map(os.path.getsize, files)), rel=1e-7)
     assert abs(tb["checkpoint/stall-ms"][6] - float(call_ms)) <= 0.05 + 1e-4
+    # Durable inside the call: only the agreement that follows the commit (one all-gather on the
+    # control plane) separates the two.
     assert tb["checkpoint/durable-s"][6] * 1000 == pytest.approx(tb["checkpoint/stall-ms"][6],
-                                                                 abs=1.0)
+                                                                 abs=5.0)
     assert 6 not in tb["checkpoint/copy-ms"]  # no background copy in a synchronous save
 
 

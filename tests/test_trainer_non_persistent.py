@@ -84,10 +84,10 @@ def test_torch_dist_non_persistent_root_keeps_its_newest_and_loses_to_a_newer_pe
     assert after(empty.losses(), 4) == after(first.losses(), 4)
 
 
-def _two_nodes(args, logs):
+def _two_nodes(args, logs, extra_env=None):
     port = free_port()
     logs.mkdir()
-    return [Node(r, 2, 1, port, args, logs) for r in (0, 1)]
+    return [Node(r, 2, 1, port, args, logs, extra_env) for r in (0, 1)]
 
 
 def test_local_non_persistent_versions_stay_on_their_node_and_resume_on_every_node(tmp_path):
@@ -102,7 +102,9 @@ def test_local_non_persistent_versions_stay_on_their_node_and_resume_on_every_no
                           "5", "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type",
                           "local", "--non-persistent-local-ckpt-dir", str(local / "node{node}"),
                           "--train-iters", "40"]
-    first = _two_nodes(flags, tmp_path / "first")
+    # The copy of iteration 10 is held (fault point), so --save cannot move past 5 however
+    # fast the run goes before the kill lands (on a loaded machine it reached 10 first).
+    first = _two_nodes(flags, tmp_path / "first", {"DATASTATES_FAULT_DELAY_COPY": "600@10"})
     first[0].wait_for(f"committed: {local / 'node0' / 'iter_0000006'}", timeout=240)
     for node in first:
         node.kill()
