@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -120,13 +121,18 @@ def args_for(fmt: str, work: Path, save: Path, train_iters: int = TRAIN_ITERS,
     return out
 
 
+MARKER = "FAULT_MATRIX_CELL"  # in the environment of every process a cell's job starts
+
+
 def _left_processes(marker: str) -> List[str]:
+    """Processes whose environment carries `marker`: the job's, its workers' and whatever they
+    started (multiprocessing helpers inherit the environment but not a telling command line)."""
     left = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if any(marker in part for part in (p.info["cmdline"] or [])):
-                left.append(f"{p.info['pid']}: {' '.join(p.info['cmdline'])[:200]}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            if p.pid != os.getpid() and p.environ().get(MARKER) == marker:
+                left.append(f"{p.info['pid']}: {' '.join(p.info['cmdline'] or [])[:200]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return left
 
@@ -165,8 +171,9 @@ def run_cell(cell: Cell, work: Path, ref: Dict[int, str]) -> Dict[str, object]:
     """Run one cell in `work` (its own directory); raises AssertionError naming what broke.
     Returns the figures: seconds to fail, the iteration resumed from, error lines."""
     save = work / "save"
+    marker = f"{cell.name}-{uuid.uuid4().hex}"
     env = {f"DATASTATES_FAULT_FAIL_{cell.step.upper()}": f"{cell.kind}@"
-           f"{0 if cell.step == 'probe' else FAULT_ITERATION}:{cell.rank}"}
+           f"{0 if cell.step == 'probe' else FAULT_ITERATION}:{cell.rank}", MARKER: marker}
     t0 = time.monotonic()
     run = launch(cell.ranks, args_for(cell.fmt, work, save), timeout=LAUNCH_TIMEOUT_S,
                  extra_env=env)
@@ -186,8 +193,9 @@ def run_cell(cell: Cell, work: Path, ref: Dict[int, str]) -> Dict[str, object]:
         if cell.kind in words:
             word = words[cell.kind]
             assert word in errors[0], f"the error does not say {word!r}; {where}"
-    time.sleep(0.5)
-    left = _left_processes(str(save))
+    deadline = time.monotonic() + 10  # helpers notice their parent's death within moments
+    while (left := _left_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert not left, f"processes left: {left}; {where}"
     bad = verify_saved(save, cell.fmt)
     assert not bad, f"damaged committed checkpoints: {bad}; {where}"

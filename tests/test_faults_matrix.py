@@ -67,7 +67,7 @@ def _hashes(root: Path) -> Dict[str, str]:
 
 
 def test_rerunning_a_finished_run_never_rewrites_a_committed_checkpoint(tmp_path):
-    """The README's launch line run again on a finished run: it loads the newest checkpoint,
+    """A launch line run again on a finished run: it loads the newest checkpoint,
     trains nothing and saves nothing (it used to save the committed iteration again, in place);
     killed at seeded random moments of such re-runs, every committed file stays byte-identical and
     the tracker still names a committed checkpoint that resumes."""

@@ -139,7 +139,9 @@ def test_readme_launch_line_runs_in_a_fresh_directory(tmp_path):
     block = text[text.index("A Megatron-LM launch line runs unchanged"):]
     start = block.index("```bash") + len("```bash")
     block = block[start:block.index("```", start)]
-    line = " ".join(part.strip().rstrip("\\") for part in block.strip().splitlines())
+    lines = block.strip().splitlines()
+    assert lines[0] == "source .venv/bin/activate", lines  # torchrun is the venv's
+    line = " ".join(part.strip().rstrip("\\") for part in lines[1:])
     args = line.split()
     assert args[:3] == ["torchrun", "--nproc_per_node", "2"] and args[3] == "pretrain_gpt.py", args
     iters = args.index("--train-iters")

@@ -476,13 +476,20 @@ class LazyCheckpointer:
 
     def _agree_local_dir_usable(self, local_dir: str) -> None:
         """Every rank probes its node-local directory; one that cannot write there stops every
-        rank with the same error (no rank waits in a collective the others skipped)."""
-        problem = local_tier.check_usable(local_dir, self.rank)
-        bad = [r for r, f in enumerate(control_plane.all_gather_ints(problem is not None)) if f]
-        if bad:
-            raise CheckpointError((problem or f"{local_tier.FLAG} is not usable on rank(s) "
-                                   f"{bad}; see their error") + ". Nothing was saved or removed",
-                                  rank=self.rank, file=local_dir)
+        rank with the same error, printed once, naming the ranks (no rank waits in a collective
+        the others skipped)."""
+        def check() -> None:
+            problem = local_tier.check_usable(local_dir, self.rank)
+            if problem is not None:
+                raise CheckpointError(problem, rank=self.rank, file=local_dir)
+
+        try:
+            control_plane.agree(check, f"checking that every rank can write its "
+                                       f"{local_tier.FLAG}",
+                                describe=lambda e: getattr(e, "reason", None) or str(e))
+        except CheckpointError as err:
+            raise CheckpointError(err.reason + ". Nothing was saved or removed", rank=self.rank,
+                                  file=local_dir, ranks=err.ranks) from err.__cause__
 
     def _prune_local(self, committed: int) -> None:
         """After a commit, every rank: its files of local copies beyond the newest `local_keep`
