@@ -85,8 +85,11 @@ class CheckpointReader:
         else:
             raise CheckpointError(
                 f"checkpoint is not committed (no valid {layout.COMMIT_FILE}): its save did not "
-                f"finish on every rank. Load an earlier version, or pass allow_uncommitted=True to "
-                f"inspect it", file=directory)
+                f"finish on every rank, and it is never loaded. Load the iteration "
+                f"latest_checkpointed_iteration.txt names (the newest complete one; "
+                f"--ckpt-fallback-to-previous picks the newest intact one); a later save of this "
+                f"iteration moves it aside. From Python, CheckpointReader(directory, "
+                f"allow_uncommitted=True) opens it for inspection", file=directory)
         self._fds: Dict[str, int] = {}
         self._fd_lock = threading.Lock()
         self._by_rank: Dict[int, List[ShardMeta]] = {}

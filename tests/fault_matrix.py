@@ -40,7 +40,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from crash_harness import verify_committed  # noqa: E402
-from trainer_launch import NO_DROPOUT, TINY_MODEL, Run, launch  # noqa: E402
+from trainer_launch import NO_DROPOUT, TINY_MODEL, launch  # noqa: E402
 
 FORMATS = {
     "torch_dist": [],

@@ -13,6 +13,7 @@ import socket
 from typing import Iterable, List, Mapping, Optional
 
 from ..errors import CheckpointError
+from ..storage_errors import advice
 from ..layout import FORMAT_FILE, index_file, rank_marker_file, shard_file
 from .paths import checkpoint_dir, iteration_of, probe_writable
 
@@ -42,9 +43,9 @@ def check_usable(local_dir: str, rank: int) -> Optional[str]:
     try:
         probe_writable(local_dir, rank)
     except OSError as err:
-        free = _free_mib(local_dir)
-        return (f"{FLAG} {local_dir} is not usable on rank {rank}: {err.strerror or err}"
-                + (f" (free space there: {free:.1f} MiB)" if free is not None else ""))
+        # why, in words, and what to do (a full disk: the free space there)
+        return f"{FLAG} {local_dir} is not usable on rank {rank}: {err.strerror or err}" \
+            + advice(err, FLAG, local_dir)
     return None
 
 
@@ -90,12 +91,3 @@ def prune(local_dir: str, rank: int, keep: int, protected: Iterable[int]) -> Lis
     for it in removed:
         remove_rank_files(checkpoint_dir(local_dir, it), rank)
     return removed
-
-
-def _free_mib(path: str) -> Optional[float]:
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
-    try:
-        return shutil.disk_usage(path or ".").free / 2**20
-    except OSError:
-        return None
