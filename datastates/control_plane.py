@@ -67,9 +67,12 @@ def agree(fn: Callable[[], T], what: str,
     except BaseException as e:  # noqa: BLE001 - agreed on and re-raised below, on every rank
         err = e
     failure = agreed_failure(err, what, describe)
-    if failure is not None:
-        raise failure from err
-    return result
+    if failure is None:
+        return result
+    if isinstance(err, CheckpointError) and err.agreed and \
+            failure.ranks == list(range(dist.get_world_size())):
+        raise err  # every rank raised an error agreed on inside `fn` (a nested agreement)
+    raise failure from err
 
 
 def agreed_failure(err: Optional[BaseException], what: str,

@@ -212,7 +212,7 @@ def run_cell(cell: Cell, work: Path, ref: Dict[int, str]) -> Dict[str, object]:
         expected = {it: v for it, v in ref.items() if it > resumed_from}
         assert resume.losses() == expected, f"losses {resume.losses()} != {expected}; {rwhere}"
     return {"cell": cell.name, "fail_s": round(seconds, 1), "resumed_from": resumed_from,
-            "error_lines": len(errors)}
+            "error_lines": len(errors), "error": errors[0][len(_ERROR_LINE):] if errors else None}
 
 
 def main(argv=None) -> int:

@@ -249,8 +249,12 @@ class CheckpointManager:
         try:
             return control_plane.agree(fn, what, describe=lambda err: _describe(err, flag, root))
         except CheckpointError as err:
-            raise type(err)(err.reason + _on_disk(root, iteration), rank=err.rank,
-                            file=err.file, ranks=err.ranks) from err.__cause__
+            if getattr(err, "says_what_is_on_disk", False):
+                raise  # an agreement inside `fn` already said it
+            full = type(err)(err.reason + _on_disk(root, iteration), rank=err.rank,
+                             file=err.file, ranks=err.ranks)
+            full.says_what_is_on_disk = True
+            raise full from err.__cause__
 
     # 3) every rank, end of each iteration
     def after_iteration(self, iteration: int) -> None:
@@ -360,8 +364,12 @@ def _on_disk(root: Optional[str], iteration: Optional[int]) -> str:
             f"; the newest complete checkpoint is iteration {latest} "
             f"({paths.TRACKER_FILENAME} names it) and is intact")
     if iteration is not None and latest != iteration:
-        text += (f"; iteration {iteration} is not complete: its directory is never loaded, and "
-                 "the next save of that iteration sets it aside")
+        if paths.is_complete(paths.checkpoint_dir(root, iteration)):
+            text += (f"; iteration {iteration} is complete but {paths.TRACKER_FILENAME} could not "
+                     f"be moved to it: --load uses the iteration the tracker names")
+        else:
+            text += (f"; iteration {iteration} is not complete: its directory is never loaded, "
+                     "and the next save of that iteration sets it aside")
     return text + ". Nothing that was saved before was changed"
 
 
