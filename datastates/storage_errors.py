@@ -59,19 +59,20 @@ def root_os_error(err: Optional[BaseException]) -> Optional[OSError]:
 def advice(err: BaseException, flag: str = "--save", root: Optional[str] = None) -> str:
     """' (why, in plain words; what to do)' for the OSError behind `err`, '' for other errors."""
     cause = kind(root_os_error(err) or err)
+    where = flag if not root or root in flag else f"{flag} ({root})"
     if cause == "full":
         free = _free_mib(root)
-        return (f" (the file system under {flag} is full"
+        return (f" (the file system under {where} is full"
                 + (f": {free:.1f} MiB free" if free is not None else "")
                 + f"; free space there or point {flag} elsewhere)")
     if cause == "read-only":
-        return (f" (the file system under {flag} is mounted read-only; remount it read-write or "
+        return (f" (the file system under {where} is mounted read-only; remount it read-write or "
                 f"point {flag} at writable storage)")
     if cause == "permission-denied":
-        return (f" (this process may not write under {flag}; fix the directory's owner or "
+        return (f" (this process may not write under {where}; fix the directory's owner or "
                 f"permissions, or point {flag} elsewhere)")
     if cause == "missing":
-        return (f" (a directory under {flag} does not exist, or was removed while the job ran; "
+        return (f" (a directory under {where} does not exist, or was removed while the job ran; "
                 f"create it or point {flag} elsewhere)")
     return ""
 

@@ -546,12 +546,13 @@ class LazyCheckpointer:
             return None
 
     def _record(self, err: BaseException) -> None:
-        """An engine error goes with the save in flight whose version directory it names (so an
-        earlier save that is durable everywhere still commits, and this one fails on its turn);
-        one that names none fails the oldest save in flight."""
+        """An engine error goes with the save not yet agreed durable whose version directory it
+        names (so an earlier save that is durable everywhere still commits, and this one fails
+        on its turn); any other (one that names no such save, or a late one of a save already
+        agreed on, e.g. its node-local copy) fails the oldest save in flight."""
         match = _ITER_IN_PATH.search(str(getattr(err, "file", None) or ""))
         if match:
-            for p in self._uncommitted():
+            for p in self.pending:
                 if p.iteration == int(match.group(1)):
                     p.errors.append(err)
                     return
