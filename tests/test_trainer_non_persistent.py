@@ -102,9 +102,13 @@ def test_local_non_persistent_versions_stay_on_their_node_and_resume_on_every_no
                           "5", "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type",
                           "local", "--non-persistent-local-ckpt-dir", str(local / "node{node}"),
                           "--train-iters", "40"]
-    # The copy of iteration 10 is held (fault point), so --save cannot move past 5 however
-    # fast the run goes before the kill lands (on a loaded machine it reached 10 first).
-    first = _two_nodes(flags, tmp_path / "first", {"DATASTATES_FAULT_DELAY_COPY": "600@10"})
+    # Held by fault points, however fast the run goes before the kill lands (on a loaded
+    # machine both happened): the copy of iteration 10, so --save cannot move past 5; the commit
+    # of node-local iteration 8, so neither node commits it (one node's commit thread could finish
+    # it after the other node was killed, and its retention then drops 6: no version on every
+    # node, and the resume rightly falls back to --save).
+    first = _two_nodes(flags, tmp_path / "first", {"DATASTATES_FAULT_DELAY_COPY": "600@10",
+                                                   "DATASTATES_FAULT_DELAY_COMMIT": "600@8"})
     first[0].wait_for(f"committed: {local / 'node0' / 'iter_0000006'}", timeout=240)
     for node in first:
         node.kill()
