@@ -135,7 +135,8 @@ def size_peer_replica(config: RunConfig, model) -> RunConfig:
             f"--lazy-save-peer-replica-mb {mb} is smaller than one rank's checkpoint: "
             + ", ".join(f"rank {r} holds up to {b} MiB" for r, b in short)
             + f"; give at least {2 * max(b for _, b in short)} MiB (its own shards and the replica "
-            "it receives), or drop the flag for the default", path=ckpt.lazy_save_local_dir)
+            "it receives), or drop the flag for the default", path=ckpt.lazy_save_local_dir,
+            ranks=[r for r, _ in short])  # every rank raises it: printed once
     print_rank_0(f"DataStates peer replicas: up to {mb} MiB per rank in "
                  f"{ckpt.lazy_save_local_dir} (its own shards of the newest committed checkpoint "
                  "and the replica of the previous node's)")
