@@ -42,6 +42,7 @@ _EXPORTS = {
     "COMMIT_RESERVE_BYTES": "checkpointer", "FailurePolicy": "checkpointer",
     "LazyCheckpointer": "checkpointer", "LazySaveConfig": "checkpointer",
     "TELEMETRY_FILENAME": "checkpointer", "append_telemetry": "checkpointer",
+    "prepare_and_probe_root": "checkpointer",
     # strategies
     "BACKEND": "strategies", "DataStatesLoadStrategy": "strategies",
     "DataStatesSaveStrategy": "strategies", "DurableCommonSaveStrategy": "strategies",

@@ -66,7 +66,7 @@ from .paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_
     probe_writable, set_aside, tracked_iteration, write_tracker
 
 __all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySaveConfig",
-           "TELEMETRY_FILENAME", "append_telemetry"]
+           "TELEMETRY_FILENAME", "append_telemetry", "prepare_and_probe_root"]
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 _ITER_IN_PATH = re.compile(r"iter_(\d{7,})(?:/|$)")
@@ -466,13 +466,7 @@ class LazyCheckpointer:
             roots.append(("the non-persistent checkpoint directory", c.non_persistent_root,
                           self.rank == leader))
         for flag, root, prepares in roots:
-            def check(root=root, prepares=prepares) -> None:
-                if prepares:
-                    prepare_root(root)
-                probe_writable(root, self.rank)
-
-            control_plane.agree(check, f"checking that {flag} {root} can be written",
-                                describe=lambda err, f=flag, r=root: explain(err, f, r))
+            prepare_and_probe_root(root, flag, prepares)
 
     def _agree_local_dir_usable(self, local_dir: str) -> None:
         """Every rank probes its node-local directory; one that cannot write there stops every
@@ -790,6 +784,23 @@ class LazyCheckpointer:
             path = os.path.join(self.config.root, TELEMETRY_FILENAME)
             self.log(f"WARNING: cannot append to {path} ({err}); checkpoint telemetry is off for "
                      "the rest of this run")
+
+
+def prepare_and_probe_root(root: str, flag: str, prepares: bool) -> None:
+    """Every rank (collective), at start-up: the rank that `prepares` creates `root` and the
+    tracker's spare, every rank checks it can write there (`paths.probe_writable`); a failure on
+    any rank stops every rank with the same error naming the ranks and the cause (read-only,
+    full, missing, permission denied), before anything is saved. `flag` names the setting that
+    chose `root` in that error."""
+    rank = dist.get_rank()
+
+    def check() -> None:
+        if prepares:
+            prepare_root(root)
+        probe_writable(root, rank)
+
+    control_plane.agree(check, f"checking that {flag} {root} can be written",
+                        describe=lambda err: explain(err, flag, root))
 
 
 def append_telemetry(root: str, record: Dict[str, Any]) -> None:

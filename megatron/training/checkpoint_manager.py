@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from datastates import control_plane
-from datastates.megatron_adapter import expand_local_dir, paths
+from datastates.megatron_adapter import expand_local_dir, paths, prepare_and_probe_root
 from datastates import CheckpointError
 from datastates.faults import fail_point
 from datastates.storage_errors import explain
@@ -113,8 +113,9 @@ class CheckpointManager:
 
     # 0) every rank, once
     def start(self) -> None:
+        rank0 = dist.get_rank() == 0
         for root in self.roots():
-            prepare_and_probe_root(root, self._flag_of(root))
+            prepare_and_probe_root(root, self._flag_of(root), prepares=rank0)
         self.scan_existing()
 
     def _flag_of(self, root: str) -> str:
@@ -371,23 +372,6 @@ def _on_disk(root: Optional[str], iteration: Optional[int]) -> str:
             text += (f"; iteration {iteration} is not complete: its directory is never loaded, "
                      "and the next save of that iteration sets it aside")
     return text + ". Nothing that was saved before was changed"
-
-
-def prepare_and_probe_root(root: str, flag: str, preparer: Optional[bool] = None) -> None:
-    """Every rank (collective), at start-up: the preparing rank (rank 0 unless `preparer` says
-    otherwise) creates `root` and the tracker's spare, every rank checks it can write there;
-    a failure on any rank stops every rank with the same error naming the ranks and the cause
-    (read-only, full, missing, permission denied), before training starts."""
-    rank = dist.get_rank()
-    prepares = rank == 0 if preparer is None else preparer
-
-    def check() -> None:
-        if prepares:
-            paths.prepare_root(root)
-        paths.probe_writable(root, rank)
-
-    control_plane.agree(check, f"checking that {flag} {root} can be written",
-                        describe=lambda err: explain(err, flag, root))
 
 
 def _directory_bytes(directory: str) -> int:
