@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.checkpoint_compare import COMMON, CONFIGS  # noqa: E402
-from megatron.training.save_interval import optimal_compute_seconds  # noqa: E402
+from megatron.training.checkpointing.save_interval import optimal_compute_seconds  # noqa: E402
 
 _LOAD = re.compile(r" checkpoint load \| iteration\s+\d+ \| bytes read: (\d+) \| time \(s\): "
                    r"([\d.]+) \|")

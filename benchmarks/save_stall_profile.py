@@ -58,10 +58,10 @@ def install_spans() -> None:
     from megatron.core.dist_checkpointing.strategies import fully_parallel
 
     import datastates.engine as engine
-    import datastates.megatron_adapter.checkpointer as checkpointer
-    import datastates.megatron_adapter.payload as payload
-    import datastates.megatron_adapter.strategies as strategies
-    from megatron.training import distopt_shards, lazy_checkpointing
+    import datastates.megatron_adapter.save.checkpointer as checkpointer
+    import datastates.megatron_adapter.save.payload as payload
+    import datastates.megatron_adapter.save.strategies as strategies
+    from megatron.training.checkpointing import distopt_shards, lazy as lazy_checkpointing
 
     mgr = lazy_checkpointing.LazyCheckpointManager
     spans = [
@@ -116,7 +116,7 @@ def install_cprofile(skip: int):
     detail inside the spans; it slows what it measures, so read its shares, not its times)."""
     import cProfile
 
-    import datastates.megatron_adapter.checkpointer as checkpointer
+    import datastates.megatron_adapter.save.checkpointer as checkpointer
 
     prof, calls = cProfile.Profile(), [0]
     fn = checkpointer.LazyCheckpointer.save
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     import pretrain_gpt
 
     if a.no_plan_cache:
-        from datastates.megatron_adapter import save_plan
+        from datastates.megatron_adapter.save import plan as save_plan
 
         save_plan.SavePlanCache.confirm = save_plan.SavePlanCache.forget
     prof = install_cprofile(skip=1) if a.cprofile else None

@@ -19,7 +19,7 @@ _TARGET = "megatron.core"
 def _register() -> None:
     # Importing the adapter registers (its last line). When the adapter itself is what imported
     # megatron.core, this returns the half-initialised module and its own last line registers.
-    from .megatron_adapter import strategies  # noqa: F401
+    from .megatron_adapter.save import strategies  # noqa: F401
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

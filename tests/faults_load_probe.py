@@ -20,8 +20,8 @@ def main(argv) -> int:
     flags = argv[sep + 1:]
     from datastates import CheckpointError as EngineError
     from megatron.training.arguments import build_run_config, parse_args
-    from megatron.training.checkpoint_loading import load_checkpoint
-    from megatron.training.checkpoint_contents import CheckpointError
+    from megatron.training.checkpointing.loading import load_checkpoint
+    from megatron.training.checkpointing.contents import CheckpointError
     from megatron.training.training import setup
 
     trainer = setup(build_run_config(parse_args(flags)))

@@ -72,7 +72,7 @@ def test_torch_format_files_are_loaded_without_running_code(tmp_path):
 
     import numpy as np
 
-    from megatron.training.checkpoint_loading import safe_torch_load
+    from megatron.training.checkpointing.loading import safe_torch_load
     from datastates.safe_load import UnsafePickleError
 
     path = tmp_path / "model_optim_rng.pt"
@@ -98,7 +98,7 @@ def test_torch_format_files_are_loaded_without_running_code(tmp_path):
 
 def test_free_space_in_a_failed_save_names_the_root_it_measured(tmp_path):
     """A failed non-persistent save reports the free space of its own root, named as such."""
-    from datastates.megatron_adapter.checkpointer import _free_space
+    from datastates.megatron_adapter.save.checkpointer import _free_space
 
     local = tmp_path / "local"
     local.mkdir()

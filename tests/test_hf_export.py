@@ -99,7 +99,7 @@ class _Fake:
 ])
 def test_shapes_hugging_face_cannot_express_are_refused_naming_the_part(model, needles):
     from datastates import CheckpointError
-    from datastates.megatron_adapter.hf_export import _config_and_plan
+    from datastates.megatron_adapter.hf.exporter import _config_and_plan
 
     with pytest.raises(CheckpointError) as e:
         _config_and_plan(_Fake(**model))

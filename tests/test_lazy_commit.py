@@ -73,7 +73,7 @@ def _loads(root, step):
 
 def _hook_tracker(monkeypatch, action):
     """`action(root)` runs first when the tracker is about to move to iteration 2."""
-    from datastates.megatron_adapter import checkpointer
+    from datastates.megatron_adapter.save import checkpointer
 
     real = checkpointer.write_tracker
 
@@ -95,7 +95,7 @@ def _first_committed(tmp_path):
 
 
 def test_commit_files_are_written_by_the_commit_thread(tmp_path, one_rank, monkeypatch):
-    from datastates.megatron_adapter import checkpointer, strategies
+    from datastates.megatron_adapter.save import checkpointer, strategies
 
     threads = []
     for owner, name in ((checkpointer, "write_tracker"), (checkpointer, "try_commit"),
@@ -164,7 +164,7 @@ def test_a_finalize_function_megatron_adds_in_future_still_runs_on_the_training_
     it, on the training thread, and the commit thread does not write metadata.json again."""
     from megatron.core import dist_checkpointing
 
-    from datastates.megatron_adapter import strategies
+    from datastates.megatron_adapter.save import strategies
 
     ran, rewritten = [], []
     real_save = dist_checkpointing.save

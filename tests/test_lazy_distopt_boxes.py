@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from megatron.training.distopt_shards import flat_range_boxes
+from megatron.training.checkpointing.distopt_shards import flat_range_boxes
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (1, 6, 5), (4, 1, 3, 2), ()])
@@ -40,7 +40,7 @@ def test_swiglu_fc1_boxes_land_in_both_global_halves():
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-    from megatron.training.distopt_shards import param_range_boxes
+    from megatron.training.checkpointing.distopt_shards import param_range_boxes
 
     tp, ffn, hidden, layers, layer = 2, 6, 3, 4, 2
     w = torch.arange(ffn * hidden, dtype=torch.float32).view(ffn, hidden)

@@ -193,8 +193,8 @@ def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):
     assert int(check.stdout.split("MATCH")[1].split()[0]) > 20  # model and optimizer tensors
 
 
-@pytest.mark.parametrize("imports", ["import datastates.megatron_adapter.strategies",
-                                     "import datastates.megatron_adapter.payload",
+@pytest.mark.parametrize("imports", ["import datastates.megatron_adapter.save.strategies",
+                                     "import datastates.megatron_adapter.save.payload",
                                      "import datastates.megatron_adapter",
                                      "import datastates; import megatron.core",
                                      "import megatron.core; import datastates"])

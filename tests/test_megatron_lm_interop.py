@@ -81,7 +81,7 @@ def _common(name: str = "gpt2_distopt_dp_reshardable") -> dict:
 
 
 def test_megatron_lm_args_give_the_model_and_layout():
-    from megatron.training import upstream_compat
+    from megatron.training.checkpointing import upstream_compat
 
     saved = json.loads(upstream_compat.saved_config_from_args(_common("llama_adam"), "x"))
     assert saved["model"]["num_layers"] == 2 and saved["model"]["hidden_size"] == 32
@@ -93,8 +93,8 @@ def test_megatron_lm_args_give_the_model_and_layout():
 
 
 def test_dp_reshardable_at_another_tp_names_the_conversion():
-    from megatron.training.checkpoint_contents import CheckpointError
-    from megatron.training.checkpoint_loading import _megatron_lm_optimizer_metadata
+    from megatron.training.checkpointing.contents import CheckpointError
+    from megatron.training.checkpointing.loading import _megatron_lm_optimizer_metadata
 
     common = _common()
     layout = {"tp": 1, "pp": 1, "vpp": None, "dp": 1}
@@ -117,8 +117,8 @@ def test_dp_reshardable_at_another_tp_names_the_conversion():
     (lambda c: c["content_metadata"].update(new_flag=True), "'new_flag'"),
 ])
 def test_fields_we_do_not_read_are_refused_by_name(change, field):
-    from megatron.training import upstream_compat
-    from megatron.training.checkpoint_contents import CheckpointError
+    from megatron.training.checkpointing import upstream_compat
+    from megatron.training.checkpointing.contents import CheckpointError
 
     common = _common()
     common["args"] = argparse.Namespace(**vars(common["args"]))
@@ -206,7 +206,7 @@ def test_our_common_state_carries_what_megatron_lm_reads():
     from megatron_lm_fixtures import DISTOPT, TINY
 
     from megatron.training.arguments import build_run_config, parse_args
-    from megatron.training.checkpoint_contents import CHECKPOINT_VERSION, TrainState, common_state
+    from megatron.training.checkpointing.contents import CHECKPOINT_VERSION, TrainState, common_state
 
     config = build_run_config(parse_args(TINY + DISTOPT))
     state = TrainState(model=[], optimizer=None, scheduler=None, iteration=3,

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from datastates import layout
 from datastates.errors import CheckpointError
-from datastates.megatron_adapter.peer_replica import Ring
+from datastates.megatron_adapter.levels.peer_replica import Ring
 
 from trainer_launch import NO_DROPOUT, TINY_MODEL, Node, after, free_port, launch
 
@@ -81,7 +81,7 @@ def _files(rank, step=3):
 def _restore_worker(rank, port, root, out, needed):
     import torch.distributed as dist
 
-    from datastates.megatron_adapter.peer_replica import restore_before_load
+    from datastates.megatron_adapter.levels.peer_replica import restore_before_load
 
     os.environ.update(GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
@@ -117,7 +117,7 @@ def _holds(tmp_path, node, saved):
 
 
 def test_restore_plan_refills_both_holders_and_never_trusts_a_mismatch(tmp_path):
-    from datastates.megatron_adapter.peer_replica import _write_files
+    from datastates.megatron_adapter.levels.peer_replica import _write_files
 
     shared = tmp_path / "save" / "iter_0000003"
     for r in range(3):
@@ -143,7 +143,7 @@ def test_restore_brings_what_each_rank_reads_from_other_nodes(tmp_path):
     """Phase 2: with three nodes a node holds two ranks' files; a rank that reads a third's
     (replicated tensors written by a data-parallel peer elsewhere) gets them from a holder, once
     per node; a stale copy there is replaced, never used."""
-    from datastates.megatron_adapter.peer_replica import _write_files
+    from datastates.megatron_adapter.levels.peer_replica import _write_files
 
     shared = tmp_path / "save" / "iter_0000003"
     for r in range(3):
@@ -259,7 +259,7 @@ def test_a_failing_side_still_finishes_the_stream_and_never_leaves_a_trusted_cop
     """A transfer must run to its end on both ranks (the other is mid-stream): a sender whose
     file vanished sends zeros from there on (no valid marker arrives); a receiver that cannot
     write keeps receiving and raises at commit."""
-    from datastates.megatron_adapter.peer_replica import _Incoming, _Outgoing, _write_files
+    from datastates.megatron_adapter.levels.peer_replica import _Incoming, _Outgoing, _write_files
 
     files = _files(3)
     _write_files(str(tmp_path / "src"), 3, files)

@@ -1,4 +1,4 @@
-"""Cached save plans (`datastates.megatron_adapter.save_plan`): megatron-core's validation is
+"""Cached save plans (`datastates.megatron_adapter.save.plan`): megatron-core's validation is
 skipped only while the sharded structure is unchanged, and a changed structure is validated,
 saved and loaded back correctly. One process on a one-rank gloo group, no trainer."""
 import pytest

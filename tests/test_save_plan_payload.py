@@ -10,7 +10,7 @@ import torch
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
 from datastates.flatten import TensorShard, decode_skeleton, flatten_state
-from datastates.megatron_adapter.payload import PayloadPlan, engine_payload
+from datastates.megatron_adapter.save.payload import PayloadPlan, engine_payload
 
 ENTRY_FIELDS = ("key", "global_shape", "global_offset", "is_shard", "dtype", "shape", "nbytes")
 
@@ -58,7 +58,7 @@ def _assert_same_as_scratch(flat, sd, extra):
     assert flat.skeleton == skeleton
     assert len(flat.entries) == len(entries)
     for got, want in zip(flat.entries, entries):
-        assert all(getattr(got, f) == getattr(want, f) for f in ENTRY_FIELDS), (got.key, f)
+        assert all(getattr(got, f) == getattr(want, f) for f in ENTRY_FIELDS), got.key
         assert torch.equal(_bytes(got.tensor), _bytes(want.tensor)), got.key
         assert got.tensor.data_ptr() == want.tensor.data_ptr()  # the live tensor: nothing copied
 

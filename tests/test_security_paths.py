@@ -340,8 +340,8 @@ def test_merge_tracker_is_not_held_back_by_a_forged_number(tmp_path):
 # The trainer's readers (megatron-core is imported: a few seconds, once).
 @pytest.mark.parametrize("text", BAD_TRACKERS)
 def test_trainer_read_tracker_refuses_forged_numbers(tmp_path, text):
-    from megatron.training.checkpoint_contents import CheckpointError as TrainerError
-    from megatron.training.checkpoint_loading import _read_tracker as read_tracker
+    from megatron.training.checkpointing.contents import CheckpointError as TrainerError
+    from megatron.training.checkpointing.loading import _read_tracker as read_tracker
 
     root = root_with(tmp_path, text)
     with pytest.raises(TrainerError) as err:
@@ -350,8 +350,8 @@ def test_trainer_read_tracker_refuses_forged_numbers(tmp_path, text):
 
 
 def test_trainer_read_tracker_refuses_an_iteration_linked_from_outside(tmp_path):
-    from megatron.training.checkpoint_contents import CheckpointError as TrainerError
-    from megatron.training.checkpoint_loading import _read_tracker as read_tracker
+    from megatron.training.checkpointing.contents import CheckpointError as TrainerError
+    from megatron.training.checkpointing.loading import _read_tracker as read_tracker
 
     root = root_with(tmp_path, "5", iteration=1)
     outside = tmp_path / "outside" / "iter_0000005"

@@ -397,7 +397,7 @@ def test_pickle_imports_lists_what_a_stream_would_import_without_running_it(tmp_
 
 def test_extra_state_check_refuses_what_set_extra_state_would_unpickle(monkeypatch, tmp_path):
     from datastates.safe_load import UnsafePickleError
-    from megatron.training import checkpoint_contents as cc
+    from megatron.training.checkpointing import contents as cc
 
     def as_tensor(raw):
         return torch.tensor(list(raw), dtype=torch.uint8)

@@ -2,7 +2,7 @@
 import torch
 
 from megatron.training.arguments import build_run_config, parse_args
-from megatron.training.checkpoint_manager import CheckpointManager
+from megatron.training.checkpointing.manager import CheckpointManager
 
 ARGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 4 --train-iters 4 --lr 1e-3 --mock-data "

@@ -166,7 +166,7 @@ def test_accepted_flags_build_megatron_core_config(extra, world):
 
 
 def test_checkpoint_of_another_architecture_is_refused_and_old_ones_still_load():
-    from megatron.training.checkpoint_contents import CheckpointError, check_model_shape
+    from megatron.training.checkpointing.contents import CheckpointError, check_model_shape
 
     gpt2, llama = config(), config(LLAMA + " --ffn-hidden-size 256")
     check_model_shape(llama.to_json(), llama, "ckpt")
@@ -217,9 +217,9 @@ def test_megatron_lm_checkpoint_args_describe_the_same_architecture():
     universal checkpoint its model config must pass the same architecture check."""
     from argparse import Namespace
 
-    from datastates.megatron_adapter.merge_plan import _model_from_megatron_args
+    from datastates.megatron_adapter.merge.plan import _model_from_megatron_args
 
-    from megatron.training.checkpoint_contents import CheckpointError, check_model_shape
+    from megatron.training.checkpointing.contents import CheckpointError, check_model_shape
 
     ours = config(LLAMA + " --ffn-hidden-size 256")
     args = Namespace(**{k: v for k, v in json.loads(ours.to_json())["model"].items()
@@ -234,7 +234,7 @@ def test_megatron_lm_checkpoint_args_describe_the_same_architecture():
 def test_universal_load_keeps_the_fp16_loss_scaler():
     """A universal checkpoint keeps megatron's common.pt; fp16's scaler state comes from there
     (measured: without it a resumed fp16 run restarts at --initial-loss-scale)."""
-    from megatron.training.from_universal import _restore_grad_scaler
+    from megatron.training.checkpointing.from_universal import _restore_grad_scaler
 
     saved = {"optimizer": {"grad_scaler": {"scale": torch.tensor([512.0]), "growth_tracker": 1,
                                            "hysteresis_tracker": 2}}}

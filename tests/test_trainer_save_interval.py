@@ -9,7 +9,7 @@ import re
 import pytest
 
 from megatron.training.arguments import ArgumentError, build_run_config, parse_args
-from megatron.training.save_interval import (
+from megatron.training.checkpointing.save_interval import (
     MAX_PENDING,
     PROBE_CHECKPOINTS,
     PROBE_INTERVAL,

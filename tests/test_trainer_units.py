@@ -115,7 +115,7 @@ def test_megatron_checkpoint_flags_map_onto_ours(capsys):
     constant = config("--async-lazy-save --save /s --ckpt-assume-constant-structure").checkpoint
     assert constant.ckpt_assume_constant_structure and not local.ckpt_assume_constant_structure
     from datastates.megatron_adapter import StructurePolicy
-    from megatron.training.lazy_checkpointing import lazy_save_config
+    from megatron.training.checkpointing.lazy import lazy_save_config
 
     assert lazy_save_config(config("--async-lazy-save --save /s --lazy-save-cache-mb 16 "
                                    "--ckpt-assume-constant-structure")
@@ -204,8 +204,8 @@ def test_uneven_pipeline_split():
 def test_host_cache_is_sized_from_the_checkpoint_unless_given(capsys, monkeypatch):
     import torch
 
-    from megatron.training import lazy_checkpointing
-    from megatron.training.lazy_checkpointing import (AUTO_CACHE_MIN_MB, checkpoint_bytes_bound,
+    from megatron.training.checkpointing import lazy as lazy_checkpointing
+    from megatron.training.checkpointing.lazy import (AUTO_CACHE_MIN_MB, checkpoint_bytes_bound,
                                                       size_host_cache)
 
     fp32 = [torch.nn.Linear(1000, 1000)]  # 1001000 parameters: 12 bytes each with Adam

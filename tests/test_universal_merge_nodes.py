@@ -1,4 +1,4 @@
-"""One merge on two nodes (merge_nodes.py): node 0's and node 1's mergers in one process here, the
+"""One merge on two nodes (merge/nodes.py): node 0's and node 1's mergers in one process here, the
 trainer on two torchrun agents below. Every part is written by its
 node and the manifest is committed last by node 0; a worker killed on either node commits
 nothing, keeps the previous universal checkpoint, and leaves no directory behind."""
@@ -9,7 +9,7 @@ import time
 import torch
 
 from datastates.megatron_adapter import BackgroundMerger, MergerConfig, open_source
-from datastates.megatron_adapter.merge_nodes import job_tmp
+from datastates.megatron_adapter.merge.nodes import job_tmp
 from datastates.universal import UniversalCheckpoint, is_committed, write_universal
 from test_universal_merge_workers import _alive, _universal_name, _wait_for
 from universal_fixtures import source  # noqa: F401
@@ -100,7 +100,7 @@ def _merge_worker_of(node):
     import psutil
 
     for p in psutil.Process(node.proc.pid).children(recursive=True):
-        if "datastates.megatron_adapter.merge_worker" in " ".join(p.cmdline()):
+        if "datastates.megatron_adapter.merge.worker" in " ".join(p.cmdline()):
             return p
     raise AssertionError("no merge worker under node 1's agent")
 

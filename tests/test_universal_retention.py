@@ -13,7 +13,7 @@ from universal_fixtures import source  # noqa: F401 - a fixture
 
 
 def test_retention_keeps_what_a_merge_reads(tmp_path):
-    from megatron.training.retention import apply_retention
+    from megatron.training.checkpointing.retention import apply_retention
 
     root = tmp_path / "save"
     for it in (1, 2, 3, 4):
@@ -31,7 +31,7 @@ def test_retention_keeps_what_a_merge_reads(tmp_path):
 
 
 def test_universal_retention_after_each_merge(tmp_path):
-    from megatron.training.lazy_checkpointing import LazyCheckpointManager
+    from megatron.training.checkpointing.lazy import LazyCheckpointManager
 
     uroot = tmp_path / "universal"
     for it in (3, 6, 9):

@@ -109,7 +109,7 @@ def _merge(args, kind):
 def _to_torch_dist(args):
     from datastates import CheckpointError
     from datastates.megatron_adapter import locate
-    from datastates.megatron_adapter.merge import advance_tracker
+    from datastates.megatron_adapter.merge.run import advance_tracker
 
     found = locate(args.src)
     if found.kind not in ("datastates", "universal"):
@@ -118,9 +118,9 @@ def _to_torch_dist(args):
     if os.path.isdir(args.dst) and os.listdir(args.dst):
         raise CheckpointError("output directory is not empty; choose a new one", file=args.dst)
     if found.kind == "datastates":  # converted directly, without a universal merge
-        from megatron.training.to_torch_dist import datastates_to_torch_dist as convert
+        from megatron.training.checkpointing.to_torch_dist import datastates_to_torch_dist as convert
     else:
-        from megatron.training.from_universal import universal_to_torch_dist as convert
+        from megatron.training.checkpointing.from_universal import universal_to_torch_dist as convert
     opts = {"warn": _warn} if found.kind == "universal" else {}
     it = convert(_located(found), args.dst, progress=Progress("to-torch-dist", False),
                  allow_unsafe_pickle=args.allow_unsafe_pickle, **opts)
@@ -174,7 +174,7 @@ def _to_hf(args):
 def _from_hf(args):
     import shlex
 
-    from datastates.megatron_adapter.hf_import import import_hf, launch_flags
+    from datastates.megatron_adapter.hf.importer import import_hf, launch_flags
 
     result, model = import_hf(args.src, args.dst, progress=Progress("from-hf", True),
                               max_file_bytes=args.max_file_size_mb << 20,

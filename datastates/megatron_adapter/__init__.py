@@ -1,33 +1,24 @@
 """The Megatron side of DataStates: the only part of `datastates` that knows Megatron.
 
 The trainer (`megatron.training`) and the tools import this package's names and `datastates`'
-public API, nothing else. What lives here:
+public API, nothing else. One sub-package per concern:
 
-  checkpointer.py      `LazyCheckpointer`: save / before_optimizer_step / poll / finish: the engine,
-                       the save strategy, agreement across ranks, spare files, the commit marker,
-                       the tracker move, fault points, telemetry, the background merge
-  strategies.py        megatron-core dist_checkpointing strategies: our save/load strategy (backend
-                       "datastates", registered when megatron-core is imported), torch_dist and
-                       common.pt loads that never run code, common.pt written durably
-  save_plan.py         cached save plans: megatron's validation and shard distribution reused
-                       while a structural fingerprint is unchanged (--ckpt-assume-constant-structure)
-  payload.py           what the engine is handed per save (this rank's main replicas), refilled
-                       from the previous save's flattened form while every tensor matches it
-  local_tier.py        --lazy-save-local-dir: placeholders, usability probe, pruning of old copies
-  node_local.py        node-local versions (Megatron-LM's `local` non-persistent checkpoints):
-                       nodes and their leaders, every replica written per node, which version
-                       every node holds
-  paths.py             Megatron checkpoint paths: iter_XXXXXXX naming, tracker, format detection,
-                       run_config.json, complete iterations (no megatron import)
-  merge_sources.py, merge_plan.py, merge.py, background_merge.py
-                       Megatron checkpoints -> universal checkpoints (`datastates.universal`),
-                       by hand or in a low-priority background process
-  inspect.py           what a checkpoint holds
-  hf_export.py, hf_import.py, hf_common.py, hf_llama.py, hf_gpt2.py
-                       universal <-> Hugging Face GPT-2 or Llama (safetensors + config.json):
-                       the exporter, the importer, and the one mapping both read
-  resolve.py           what a path given to a converter names (what --load takes), and what is
-                       missing when it names nothing usable
+  save/        the save path: `LazyCheckpointer` (engine, agreement across ranks, commit marker,
+               tracker), megatron-core dist_checkpointing strategies, cached save plans, payload
+  levels/      the levels beyond the shared file system, each at its own pace: node-local
+               storage (--lazy-save-local-dir), node-local versions, a peer node's copy
+               (--lazy-save-peer-replica) and the restore from it
+  merge/       Megatron checkpoints -> universal checkpoints, by hand or in a low-priority
+               background process (``python -m datastates.megatron_adapter.merge``)
+  hf/          universal <-> Hugging Face GPT-2 or Llama (safetensors + config.json)
+
+and three modules every part uses:
+
+  paths.py     Megatron checkpoint paths: iter_XXXXXXX naming, tracker, format detection,
+               run_config.json, complete iterations (no megatron import)
+  resolve.py   what a path given to a converter names (what --load takes), and what is missing
+               when it names nothing usable
+  inspect.py   what a checkpoint holds
 
 Names are resolved lazily (PEP 562), so `paths`, the merge process and the tools do not pay for
 importing megatron-core unless they use a strategy.
@@ -38,34 +29,34 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    # checkpointer
-    "COMMIT_RESERVE_BYTES": "checkpointer", "FailurePolicy": "checkpointer",
-    "LazyCheckpointer": "checkpointer", "LazySaveConfig": "checkpointer",
-    "TELEMETRY_FILENAME": "checkpointer", "append_telemetry": "checkpointer",
-    "prepare_and_probe_root": "checkpointer",
-    # strategies
-    "BACKEND": "strategies", "DataStatesLoadStrategy": "strategies",
-    "DataStatesSaveStrategy": "strategies", "DurableCommonSaveStrategy": "strategies",
-    "SafeCommonLoadStrategy": "strategies", "SafeTorchDistLoadStrategy": "strategies",
-    "durable_common_save": "strategies", "engine_payload": "payload",
-    "load_strategies": "strategies", "read_sharded_tensor": "strategies",
-    "save_strategy": "strategies",
-    # save_plan
-    "SavePlanCache": "save_plan", "StructurePolicy": "save_plan",
+    # save/
+    "COMMIT_RESERVE_BYTES": "save.checkpointer", "FailurePolicy": "save.checkpointer",
+    "LazyCheckpointer": "save.checkpointer", "LazySaveConfig": "save.checkpointer",
+    "TELEMETRY_FILENAME": "save.checkpointer", "append_telemetry": "save.checkpointer",
+    "prepare_and_probe_root": "save.checkpointer",
+    "BACKEND": "save.strategies", "DataStatesLoadStrategy": "save.strategies",
+    "DataStatesSaveStrategy": "save.strategies", "DurableCommonSaveStrategy": "save.strategies",
+    "SafeCommonLoadStrategy": "save.strategies", "SafeTorchDistLoadStrategy": "save.strategies",
+    "durable_common_save": "save.strategies", "engine_payload": "save.payload",
+    "load_strategies": "save.strategies", "read_sharded_tensor": "save.strategies",
+    "save_strategy": "save.strategies",
+    # save plan
+    "SavePlanCache": "save.plan", "StructurePolicy": "save.plan",
     # merge
-    "DataStatesSource": "merge_sources", "Source": "merge_sources",
-    "TorchDistSource": "merge_sources", "open_source": "merge_sources",
-    "OptimizerFlavor": "merge_plan", "advance_tracker": "merge", "run_merge": "merge",
-    "UNIVERSAL_TELEMETRY_FILE": "merge",
-    "BackgroundMerger": "background_merge", "MergeQueue": "background_merge",
-    "MergerConfig": "background_merge", "die_with_parent": "background_merge",
-    "merge_with_workers": "merge_parallel",
-    "describe": "inspect", "render": "inspect", "export_hf": "hf_export",
+    "DataStatesSource": "merge.sources", "Source": "merge.sources",
+    "TorchDistSource": "merge.sources", "open_source": "merge.sources",
+    "OptimizerFlavor": "merge.plan", "advance_tracker": "merge.run", "run_merge": "merge.run",
+    "UNIVERSAL_TELEMETRY_FILE": "merge.run",
+    "BackgroundMerger": "merge.background", "MergeQueue": "merge.background",
+    "MergerConfig": "merge.background", "die_with_parent": "merge.background",
+    "merge_with_workers": "merge.parallel",
+    "describe": "inspect", "render": "inspect", "export_hf": "hf.exporter",
     "Located": "resolve", "locate": "resolve", "locate_universal": "resolve",
     "UNIVERSAL_KIND": "resolve",
-    "expand_local_dir": "local_tier", "newest_on_every_node": "node_local",
-    "PeerReplicator": "peer_replica", "RestoreStats": "peer_replica", "Ring": "peer_replica",
-    "restore_before_load": "peer_replica", "needed_saved_ranks": "peer_replica",
+    "expand_local_dir": "levels.local_tier", "newest_on_every_node": "levels.node_local",
+    "PeerReplicator": "levels.peer_replica", "RestoreStats": "levels.peer_replica",
+    "Ring": "levels.peer_replica",
+    "restore_before_load": "levels.peer_replica", "needed_saved_ranks": "levels.peer_replica",
 }
 _RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand"}
 

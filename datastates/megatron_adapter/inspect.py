@@ -7,7 +7,7 @@ from typing import Any, Dict
 
 from ..universal import DTYPE_NAMES, UniversalCheckpoint
 from .resolve import UNIVERSAL_KIND, locate
-from .merge_sources import open_source
+from .merge.sources import open_source
 
 
 def describe(path: str, allow_unsafe_pickle: bool = False) -> Dict[str, Any]:

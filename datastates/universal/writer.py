@@ -1,7 +1,7 @@
 """Writing a universal checkpoint atomically, from any `MergeSource`.
 
 The writer knows the universal format only; what a source's keys mean (e.g. megatron's optimizer
-spelling, common.pt) is the source's business (`datastates.megatron_adapter.merge_sources`).
+spelling, common.pt) is the source's business (`datastates.megatron_adapter.merge.sources`).
 
 Order (one process):
   1) plan the tensors and group them into files of at most `max_file_bytes` (a tensor larger than

@@ -624,7 +624,7 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
                  "asynchronous savers; pass one of them")
         _require(a.ckpt_format == "torch_dist", "--async-lazy-save writes megatron's "
                  f"dist_checkpointing layout; it needs --ckpt-format torch_dist, got {a.ckpt_format}")
-        if a.lazy_save_cache_mb is not None:  # None: sized at start-up (lazy_checkpointing)
+        if a.lazy_save_cache_mb is not None:  # None: sized at start-up (checkpointing/lazy.py)
             _require(a.lazy_save_cache_mb > 0,
                      f"--lazy-save-cache-mb must be > 0, got {a.lazy_save_cache_mb}")
             _check_host_cache_fits(a.lazy_save_cache_mb)
@@ -666,7 +666,7 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     _require(not a.async_lazy_save or a.save is not None, "--async-lazy-save writes checkpoints "
              "under --save, which is not given: add --save DIR, or drop --async-lazy-save")
     # A --load directory that does not exist yet is not an error: as Megatron-LM, the run starts
-    # from scratch with a warning (checkpoint_loading), so `--save D --load D` restarts.
+    # from scratch with a warning (checkpointing/loading.py), so `--save D --load D` restarts.
 
 
 #: Flags that only configure the TensorBoard/wandb scalars (parsed as None when not given), their

@@ -275,7 +275,7 @@ class CheckpointConfig:
     by background threads, and committed once every rank's shards are durable."""
     lazy_save_cache_mb: Optional[int] = None
     """Size of the DataStates host cache per rank, MiB (bounded; larger tensors stream through).
-    None: sized at start-up from this rank's checkpoint (`lazy_checkpointing.size_host_cache`)."""
+    None: sized at start-up from this rank's checkpoint (`checkpointing.lazy.size_host_cache`)."""
     lazy_save_checksum: str = "crc32c"
     """Per-chunk checksum of DataStates shards: "crc32c" (CPU instruction, ~5x cheaper than
     zlib's crc32 here), "crc32" (zlib) or "none" (reads cannot detect corruption)."""

@@ -10,10 +10,10 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.training.checkpoint_loading import timed_load_checkpoint
-from megatron.training.checkpoint_contents import TrainState
-from megatron.training.checkpoint_formats import make_checkpoint_manager
-from megatron.training.checkpoint_manager import CheckpointManager
+from megatron.training.checkpointing.loading import timed_load_checkpoint
+from megatron.training.checkpointing.contents import TrainState
+from megatron.training.checkpointing.formats import make_checkpoint_manager
+from megatron.training.checkpointing.manager import CheckpointManager
 from megatron.training.config import RunConfig, SchedulerOnResume
 from megatron.training.mcore_fixes import apply_torch_adam_patches
 from megatron.training.data import Datasets, MicroBatchIterator, build_datasets, get_batch
@@ -21,7 +21,7 @@ from megatron.training.flops import num_floating_point_operations, shape_of, \
     throughput_tflops_per_gpu
 from megatron.training.initialize import backend_name, control_timeout, \
     initialize_distributed, set_random_seeds
-from megatron.training.lazy_checkpointing import size_host_cache, size_peer_replica
+from megatron.training.checkpointing.lazy import size_host_cache, size_peer_replica
 from megatron.training.log import print_rank_0, print_rank_last, training_log_line, validation_lines
 from megatron.training.metrics import Metrics
 from megatron.training.model import (
@@ -96,7 +96,7 @@ def _build_optimizer(config: RunConfig, model):
         lr_decay_style=o.lr_decay_style.value, start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=max(1, t.train_iters * gbs), wd_incr_style="constant",
         # Megatron-LM's defaults: neither, so a checkpoint with another schedule is refused
-        # (checked with a clear message in checkpoint_contents before megatron's assert).
+        # (checked with a clear message in checkpointing/contents.py before megatron's assert).
         use_checkpoint_opt_param_scheduler=o.scheduler_on_resume is SchedulerOnResume.CHECKPOINT,
         override_opt_param_scheduler=o.scheduler_on_resume is SchedulerOnResume.OVERRIDE)
     return optimizer, scheduler

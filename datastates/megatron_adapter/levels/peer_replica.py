@@ -1,0 +1,470 @@
+"""Peer replicas (`--lazy-save-peer-replica`): every rank's shards of the newest committed
+checkpoint live on its own node and on the next node of a fixed ring, outside the training process.
+
+Where: the node-local level (`--lazy-save-local-dir`; with peer replicas its default is a directory
+under /dev/shm, which outlives the training processes but not the node). The engine writes each
+rank's files there first (level 3), as for any local dir; after the version commits, a background
+thread on every rank sends them to its ring successor, which stores them in its own node-local
+directory under the sender's rank number (files are named by rank, so one directory holds the
+node's own ranks and the previous node's).
+
+The ring: nodes in the order of their index (torchrun's GROUP_RANK, else SLURM_NODEID); the rank
+at position i of node n (ranks of a node in increasing order) sends to position i of node n+1,
+and the last node to the first. Every node must run the same number of ranks.
+
+Restore (`restore_before_load`, every rank, before the reader is built): each saved rank s has two
+holders, its own rank on its node and its successor. A holder whose copy is missing or does not
+match the committed rank marker in --save (step, index name, index checksum) receives it from the
+other holder over the control plane. Then every node receives, once, the saved ranks its ranks
+will read (`needed_saved_ranks`: the shards overlapping what each rank loads) and lacks. The
+reader reads every saved rank it finds intact in the node-local directory from there (chunk
+checksums verified, as always) and the rest from --save.
+A copy that fails verification is never used: the reader falls back to --save for that rank.
+
+Budget: `budget_bytes` bounds what a rank holds of one version (its own files plus the replica
+it receives); a replica that would exceed it is skipped for that version, with a warning.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ... import control_plane
+
+from ... import layout
+from ...errors import CheckpointError
+from ...fileio import atomic_write, fsync_dir, fsync_file
+from . import local_tier
+from ..paths import checkpoint_dir
+
+__all__ = ["PeerReplicator", "RestoreStats", "Ring", "restore_before_load"]
+
+FLAG = "--lazy-save-peer-replica"
+_CHUNK = 64 << 20  # bytes per point-to-point round (bounds the memory a transfer holds)
+_FILES = (layout.shard_file, layout.index_file, layout.rank_marker_file)  # marker written last
+
+
+def node_index(env: Optional[Dict[str, str]] = None) -> int:
+    env = os.environ if env is None else env
+    return int(env.get("GROUP_RANK", env.get("SLURM_NODEID", "0")))
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The ranks of each node, nodes in index order (see module doc)."""
+
+    nodes: Tuple[Tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, node_of_rank: List[int]) -> "Ring":
+        """From every rank's node index; raises CheckpointError when the ring cannot be built."""
+        by_node: Dict[int, List[int]] = {}
+        for rank, node in enumerate(node_of_rank):
+            by_node.setdefault(node, []).append(rank)
+        nodes = tuple(tuple(by_node[n]) for n in sorted(by_node))
+        if len(nodes) < 2:
+            raise CheckpointError(f"{FLAG} sends each rank's shards to another node, but all "
+                                  f"{len(node_of_rank)} rank(s) run on one node (node index "
+                                  f"{node_of_rank[0]}): run on two or more nodes, or drop {FLAG}")
+        sizes = sorted({len(r) for r in nodes})
+        if len(sizes) > 1:
+            raise CheckpointError(f"{FLAG} pairs ranks across nodes and needs the same number "
+                                  f"of ranks on every node; found " + ", ".join(
+                                      f"node {n}: {len(by_node[n])}" for n in sorted(by_node)))
+        return cls(nodes)
+
+    @classmethod
+    def discover(cls) -> "Ring":
+        """Collective (control plane): every rank's node index."""
+        return cls.of(control_plane.all_gather_ints(node_index()))
+
+    def _where(self, rank: int) -> Tuple[int, int]:
+        for n, ranks in enumerate(self.nodes):
+            if rank in ranks:
+                return n, ranks.index(rank)
+        raise ValueError(f"rank {rank} is not in the ring")
+
+    def successor(self, rank: int) -> int:
+        n, i = self._where(rank)
+        return self.nodes[(n + 1) % len(self.nodes)][i]
+
+    def predecessor(self, rank: int) -> int:
+        n, i = self._where(rank)
+        return self.nodes[(n - 1) % len(self.nodes)][i]
+
+    def node_of(self, rank: int) -> int:
+        return self._where(rank)[0]
+
+    @property
+    def world(self) -> int:
+        return sum(len(r) for r in self.nodes)
+
+
+# -- files of one saved rank in one version directory ---------------------------------------------
+
+class _Outgoing:
+    """The files of one saved rank in a version directory, read chunk by chunk as one stream."""
+
+    def __init__(self, directory: str, rank: int):
+        self.paths = [os.path.join(directory, name(rank)) for name in _FILES]
+        self.sizes = [os.path.getsize(p) for p in self.paths]  # OSError: not all there
+        self.failed = False
+
+    def read(self, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of the stream. Once a read fails (a file vanished), the
+        rest of the stream is zeros: the receiver's copy then has no valid marker, is never
+        trusted, and the transfer still completes on both sides."""
+        out, pos = [], 0
+        for path, size in zip(self.paths, self.sizes):
+            lo, hi = max(offset, pos), min(offset + n, pos + size)
+            if lo < hi:
+                data = b""
+                if not self.failed:
+                    try:
+                        with open(path, "rb") as f:
+                            f.seek(lo - pos)
+                            data = f.read(hi - lo)
+                    except OSError:
+                        pass
+                    self.failed = len(data) != hi - lo
+                out.append(data if not self.failed else bytes(hi - lo))
+            pos += size
+        return b"".join(out)
+
+
+def _outgoing(directory: str, rank: int) -> Optional[_Outgoing]:
+    try:
+        return _Outgoing(directory, rank)
+    except OSError:
+        return None
+
+
+class _Incoming:
+    """One saved rank's files arriving as one stream: written to temporary files, then moved
+    into place shard, index, marker last, after this rank's old marker is removed (a reader
+    never sees a marker before the files it describes). A local write failure (a full /dev/shm)
+    does not stop the stream: the sender is mid-transfer, so the rest is received and dropped,
+    and `commit` raises the failure."""
+
+    def __init__(self, directory: str, rank: int, sizes: List[int]):
+        self.directory, self.rank, self.sizes = directory, rank, sizes
+        self.tmp = [os.path.join(directory, f".{name(rank)}.peer.tmp") for name in _FILES]
+        self.failed: Optional[OSError] = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            for path in self.tmp:
+                open(path, "wb").close()
+        except OSError as err:
+            self.failed = err
+
+    def write(self, offset: int, data: bytes) -> None:
+        pos = 0
+        for path, size in zip(self.tmp, self.sizes):
+            lo, hi = max(offset, pos), min(offset + len(data), pos + size)
+            if lo < hi and self.failed is None:
+                try:
+                    with open(path, "r+b") as f:
+                        f.seek(lo - pos)
+                        f.write(data[lo - offset:hi - offset])
+                except OSError as err:
+                    self.failed = err
+            pos += size
+
+    def commit(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+        fmt = os.path.join(self.directory, layout.FORMAT_FILE)
+        if not os.path.exists(fmt):
+            atomic_write(fmt, layout.dumps(layout.format_header()))
+        try:
+            os.unlink(os.path.join(self.directory, layout.rank_marker_file(self.rank)))
+        except FileNotFoundError:
+            pass
+        for tmp, name in zip(self.tmp, _FILES):
+            fsync_file(tmp)
+            os.replace(tmp, os.path.join(self.directory, name(self.rank)))
+        fsync_dir(self.directory)
+
+    def abort(self) -> None:
+        for path in self.tmp:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _write_files(directory: str, rank: int, files: List[bytes]) -> None:
+    """`rank`'s files (shard, index, marker) into `directory`, marker last."""
+    incoming = _Incoming(directory, rank, [len(b) for b in files])
+    incoming.write(0, b"".join(files))
+    incoming.commit()
+
+
+def _matches(copy_dir: str, shared_dir: str, rank: int) -> bool:
+    """True when `copy_dir` holds a marker of `rank` naming the same index (name, checksum, step)
+    as the committed one in `shared_dir`, and the files it names are there."""
+    try:
+        mine = layout.read_json(os.path.join(copy_dir, layout.rank_marker_file(rank)), rank=rank)
+        ref = layout.read_json(os.path.join(shared_dir, layout.rank_marker_file(rank)), rank=rank)
+        layout.check_format(mine, copy_dir, rank)
+    except CheckpointError:
+        return False
+    same = all(mine.get(k) == ref.get(k) for k in ("index", "index_crc32", "step"))
+    return same and all(os.path.isfile(os.path.join(copy_dir, n(rank))) for n in _FILES[:2])
+
+
+def _transfer(sends: Dict[Tuple[int, int], _Outgoing], recvs: Dict[Tuple[int, int], _Incoming],
+              group=None) -> None:
+    """Streams keyed by (peer rank, saved rank): send each to its peer and receive each into its
+    files, in rounds of at most _CHUNK bytes per stream (the saved rank is the message tag, so
+    two streams between one pair never mix), then move what arrived into place. Both ends know
+    every size beforehand."""
+    total = max([sum(x.sizes) for x in list(sends.values()) + list(recvs.values())] + [0])
+    try:  # every round runs to the end on both sides, whatever fails locally (see _Incoming)
+        for offset in range(0, total, _CHUNK):
+            out = {key: torch.frombuffer(bytearray(x.read(offset, _CHUNK)), dtype=torch.uint8)
+                   for key, x in sends.items() if offset < sum(x.sizes)}
+            into = {key: torch.empty(min(_CHUNK, sum(x.sizes) - offset), dtype=torch.uint8)
+                    for key, x in recvs.items() if offset < sum(x.sizes)}
+            control_plane.exchange(out, into, group=group)
+            for key, t in into.items():
+                recvs[key].write(offset, t.numpy().tobytes())
+        for incoming in recvs.values():
+            incoming.commit()
+    finally:
+        for incoming in recvs.values():
+            incoming.abort()  # what was not committed (none once all were)
+
+
+# -- save side ---------------------------------------------------------------------------------
+
+class PeerReplicator:
+    """Every rank: after each commit, a background thread sends this rank's files of that version
+    to its ring successor and stores its predecessor's, then drops older replicas it holds.
+
+    Call order, every rank: 1) `PeerReplicator(...)` (collective: creates its group);
+    2) `on_commit(iteration)` after each commit, before old local copies are pruned;
+    3) `unfinished()` whenever pruning: versions whose own files the thread still needs;
+    4) `close(timeout)` at exit. The threads of all ranks handle the same versions in the same
+    order: each round they agree (MIN) on the newest version every rank has queued, so a slow
+    rank makes the others skip versions, never diverge.
+    """
+
+    def __init__(self, local_dir: str, ring: Ring, rank: int, budget_bytes: int,
+                 log: Callable[[str], None] = print):
+        self.local_dir, self.ring, self.rank = local_dir, ring, rank
+        self.budget_bytes = budget_bytes
+        self.log = log
+        self.successor, self.predecessor = ring.successor(rank), ring.predecessor(rank)
+        self._group = control_plane.new_side_group()
+        self._queue: "queue.Queue[Optional[int]]" = queue.Queue()
+        self._unfinished: Set[int] = set()
+        self._lock = threading.Lock()
+        self.replicated: List[Tuple[int, int, float]] = []  # (iteration, bytes sent, seconds)
+        self._thread = threading.Thread(target=self._run, name="datastates-peer-replica",
+                                        daemon=True)
+        self._thread.start()
+
+    def on_commit(self, iteration: int) -> None:
+        with self._lock:
+            self._unfinished.add(iteration)
+        self._queue.put(iteration)
+
+    def unfinished(self) -> List[int]:
+        with self._lock:
+            return sorted(self._unfinished)
+
+    def close(self, timeout: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.log(f"[rank {self.rank}] WARNING: the peer replica of the newest checkpoint did "
+                     f"not finish within {timeout:.0f} s; it is incomplete (the checkpoint in "
+                     "--save is not affected)")
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        queued: List[int] = []
+        stopping = False
+        while True:
+            while not stopping and (not queued or not self._queue.empty()):
+                item = self._queue.get()
+                if item is None:
+                    stopping = True
+                else:
+                    queued.append(item)
+            newest = queued[-1] if queued else -1
+            (agreed,) = control_plane.all_reduce([newest], op=torch.distributed.ReduceOp.MIN,
+                                                 group=self._group)
+            if agreed < 0:
+                return  # some rank has nothing left to replicate and is stopping: all stop
+            skipped = [it for it in queued if it < agreed]
+            queued = [it for it in queued if it > agreed]
+            try:
+                self._replicate(agreed)
+            except Exception as err:  # noqa: BLE001 - reported; the next version tries again
+                self.log(f"[rank {self.rank}] WARNING: peer replica of iteration {agreed} "
+                         f"failed: {err}; --save holds the checkpoint, and the next one is "
+                         "replicated again")
+            with self._lock:
+                self._unfinished.difference_update(skipped + [agreed])
+
+    def _replicate(self, iteration: int) -> None:
+        t0 = time.perf_counter()
+        directory = checkpoint_dir(self.local_dir, iteration)
+        own = _outgoing(directory, self.rank)
+        own_size = sum(own.sizes) if own else -1
+        sizes = control_plane.all_gather_ints(own.sizes if own else [-1, -1, -1],
+                                              group=self._group)
+        incoming = sizes[self.predecessor]
+        succ_own = sum(sizes[self.successor]) if min(sizes[self.successor]) >= 0 else 0
+        # Both ends decide alike from the gathered sizes: send only what the receiver may keep.
+        send_ok = own is not None and own_size + succ_own <= self.budget_bytes
+        recv_ok = min(incoming) >= 0 and sum(incoming) + max(own_size, 0) <= self.budget_bytes
+        if own is not None and not send_ok:
+            self.log(f"[rank {self.rank}] WARNING: no peer replica of iteration {iteration}: "
+                     f"rank {self.successor} would hold {(own_size + succ_own) / 2**20:.1f} MiB, "
+                     f"over the {self.budget_bytes / 2**20:.0f} MiB of "
+                     f"{FLAG}-mb")
+        _transfer({(self.successor, self.rank): own} if send_ok else {},
+                  {(self.predecessor, self.predecessor):
+                   _Incoming(directory, self.predecessor, incoming)} if recv_ok else {},
+                  group=self._group)
+        self._drop_older(iteration)
+        self.replicated.append((iteration, own_size if send_ok else 0,
+                                time.perf_counter() - t0))
+
+    def _drop_older(self, iteration: int) -> None:
+        """The replicas this rank holds (its predecessor's files) of versions before
+        `iteration`; this rank's own old files go with the local tier's pruning."""
+        for it in local_tier.local_iterations(self.local_dir):
+            if it < iteration:
+                local_tier.remove_rank_files(checkpoint_dir(self.local_dir, it), self.predecessor)
+
+
+# -- restore side ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RestoreStats:
+    """What one rank's node-local directory received from peers before the load."""
+
+    received: Dict[int, Tuple[int, int, float]]
+    """saved rank -> (from rank, bytes, seconds)."""
+    unavailable: List[int]
+    """Saved ranks with no intact copy on either holder (read from --save)."""
+
+
+def restore_before_load(shared_dir: str, local_dir: str, world_size: int,
+                        needed: Sequence[int] = ()) -> RestoreStats:
+    """Every rank, collective: make both holders of every saved rank hold an intact copy of
+    version `shared_dir` in their node-local directories, where one of them still does; then
+    bring every saved rank in `needed` (the files this rank will read, `needed_saved_ranks`) to
+    its node from a holder, once per node (see module doc). A saved world size other than this
+    run's: nothing is moved (the reader still uses intact copies it finds)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ring = Ring.discover()
+    if world_size != ring.world:
+        return RestoreStats({}, [])
+    copy_dir = layout.local_version_dir(local_dir, shared_dir)
+    pred = ring.predecessor(rank)
+    held = {s: _outgoing(copy_dir, s) if _matches(copy_dir, shared_dir, s) else None
+            for s in (rank, pred)}
+    # Per rank: sizes of its own saved files here, then of its predecessor's (-1: no intact copy).
+    mine: List[int] = []
+    for s in (rank, pred):
+        mine += held[s].sizes if held[s] else [-1] * 3
+    sizes = control_plane.all_gather_ints(mine)
+    own = {r: sizes[r][:3] for r in range(world_size)}
+    replica = {ring.predecessor(r): sizes[r][3:] for r in range(world_size)}
+    plan = []  # (saved rank, from, to, sizes)
+    for s in range(world_size):
+        succ = ring.successor(s)
+        if own[s][0] >= 0 and replica[s][0] < 0:
+            plan.append((s, s, succ, own[s]))
+        elif replica[s][0] >= 0 and own[s][0] < 0:
+            plan.append((s, succ, s, replica[s]))
+    # Phase 2, what this rank reads from other nodes' ranks (e.g. replicated tensors written by
+    # one data-parallel rank): from the holder that had it, to the lowest needing rank of each
+    # node that lacks it, after phase 1's files are all in place.
+    holder = {s: s if own[s][0] >= 0 else ring.successor(s) for s in range(world_size)
+              if own[s][0] >= 0 or replica[s][0] >= 0}
+    t0 = time.perf_counter()
+    _transfer({(to, s): held[s] for s, frm, to, _ in plan if frm == rank},
+              {(frm, s): _Incoming(copy_dir, s, n) for s, frm, to, n in plan if to == rank})
+    seconds = time.perf_counter() - t0
+    received = {s: (frm, sum(n), seconds) for s, frm, to, n in plan if to == rank}
+    control_plane.barrier()
+    lacking = [s for s in needed if s in holder and not _matches(copy_dir, shared_dir, s)]
+    wants = control_plane.all_gather_ints(_bitmap(lacking, world_size))
+    plan2 = []  # (saved rank, from, to, sizes)
+    for s, frm in sorted(holder.items()):
+        sizes_s = own[s] if frm == s else replica[s]
+        receivers: Dict[int, int] = {}  # node -> lowest rank of it that lacks s
+        for r in range(world_size):
+            if _bit(wants[r], s) and ring.node_of(r) not in receivers:
+                receivers[ring.node_of(r)] = r
+        plan2 += [(s, frm, to, sizes_s) for to in receivers.values() if to != frm]
+    t0 = time.perf_counter()
+    _transfer({(to, s): held[s] for s, frm, to, _ in plan2 if frm == rank},
+              {(frm, s): _Incoming(copy_dir, s, n) for s, frm, to, n in plan2 if to == rank})
+    seconds = time.perf_counter() - t0
+    received.update({s: (frm, sum(n), seconds) for s, frm, to, n in plan2 if to == rank})
+    lost = [s for s in range(world_size) if s not in holder]
+    return RestoreStats(received, lost)
+
+
+def _bitmap(ranks: Sequence[int], world_size: int) -> List[int]:
+    words = [0] * (-(-world_size // 62))
+    for r in ranks:
+        words[r // 62] |= 1 << (r % 62)
+    return words
+
+
+def _bit(words: Sequence[int], rank: int) -> bool:
+    return bool(words[rank // 62] >> (rank % 62) & 1)
+
+
+def needed_saved_ranks(shared_dir: str, sharded_state_dict) -> List[int]:
+    """The saved ranks whose shard files a load of `sharded_state_dict` (megatron-core's, this
+    rank's) reads: every saved shard overlapping a box it asks for. Leaves that are not plain
+    ShardedTensors (factories, flattened ranges) count every shard of their key: a superset."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from ...reader import CheckpointReader
+
+    reader = CheckpointReader(shared_dir, verify=False)
+    try:
+        keys = set(reader.tensor_keys(shards_only=True))
+        ranks = set()
+        for leaf in nested_values(sharded_state_dict):
+            key = getattr(leaf, "key", None)
+            if key is None:
+                continue
+            exact = isinstance(leaf, ShardedTensor) and leaf.flattened_range is None
+            for k in ([key] if exact else [k for k in keys if k.startswith(key)]):
+                if k not in keys:
+                    continue
+                for saved, offset, shape in reader.tensor_meta(k).shards:
+                    if not exact or _overlaps(leaf, offset, shape):
+                        ranks.add(saved)
+        return sorted(ranks)
+    finally:
+        reader.close()
+
+
+def _overlaps(sh, offset: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether ShardedTensor `sh`'s global box meets the box at `offset` with `shape`."""
+    lo = tuple(sh.global_offset)
+    hi = tuple(o + n for o, n in zip(sh.global_offset[:sh.prepend_axis_num],
+                                     (1,) * sh.prepend_axis_num)) + tuple(
+        o + n for o, n in zip(sh.global_offset[sh.prepend_axis_num:], sh.local_shape))
+    return all(a < o + n and o < b for a, b, o, n in zip(lo, hi, offset, shape))

@@ -1,0 +1,842 @@
+"""`LazyCheckpointer`: everything DataStates does inside a Megatron training run, behind four calls.
+
+It owns the engine, the dist_checkpointing save strategy, the agreement across ranks, the space set
+aside for small files, the commit marker, the tracker move, the fault points, the telemetry and
+the background universal merge. The trainer hands it megatron-core sharded state dicts.
+
+Call order, every rank (a collective call on all ranks unless said otherwise):
+  0) `LazyCheckpointer(config, log=...)` after the process group exists; rank 0 prepares the root.
+  1) `save(iteration, sharded_state_dict, extra_shards, content_metadata, root)` right after
+     optimizer step i (`root`: the config's root, or its `non_persistent_root`): megatron-core's
+     `dist_checkpointing.save` with our strategy. It returns without copying a tensor (small
+     objects are serialized at once; rank 0's common.pt is written and fsync'd by a background
+     thread); megatron's validation runs only when the sharded structure changed
+     (`plan.py`); not collective beyond megatron's own and one flag while checking.
+  2) forward/backward of iteration i+1 run while the engine copies the snapshot to its host cache
+     and its writers drain the cache to storage.
+  3) `before_optimizer_step()` before step i+1 waits for the snapshot only if it is not done.
+  4) `poll(iteration)` at the end of every iteration: a non-blocking local poll plus one
+     all-reduce (MIN of "durable here": shards, index, marker and, on rank 0, common.pt) while a
+     save is pending. Once every rank is durable:
+     rank 0's commit thread, off the training loop (its unlink and fsyncs cost ~30 ms per save
+     on our VMs), writes metadata.json (what megatron's finalize would write there; its barrier
+     is replaced by the agreements), fsyncs it, writes the commit marker (`try_commit`) and
+     moves the tracker of the save's root (`paths.write_tracker`). At a later poll, once every rank agrees that this is done
+     (one all-reduce; one commit in flight at a time), rank 0 calls
+     `after_commit(iteration, root)` (e.g. retention), logs, and starts the background merge (of
+     the config's root only); on several nodes the first rank of every other node then joins
+     that merge with its own workers (merge/nodes.py).
+  5) `finish()` before the process exits: drain and commit everything, close the engine, wait for
+     the merge. A version is reported and loadable only after step 4; a crash before leaves the
+     previous one as "latest".
+A failure on any rank is agreed on at the next step 4 and raised as the same `CheckpointError` on
+every rank (`FailurePolicy.STOP`), or switches saving off for the rest of the run (`CONTINUE`).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ... import control_plane
+from ...config import Checksum, CommitPolicy, EngineConfig
+from ...engine import CheckpointEngine
+from ...errors import CheckpointError
+from ...faults import fail_point, fault_point
+from ...storage_errors import advice, explain, kind, root_os_error
+from ...fileio import atomic_write, fsync_file, make_spare, naming, release_spare
+from ...flatten import TensorShard
+from ...layout import COMMIT_FILE, is_committed, try_commit
+from ..levels import local_tier
+from .payload import PayloadPlan
+from .plan import SavePlanCache, StructurePolicy
+from ..paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
+    probe_writable, set_aside, tracked_iteration, write_tracker
+
+__all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySaveConfig",
+           "TELEMETRY_FILENAME", "append_telemetry", "prepare_and_probe_root"]
+
+TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
+_ITER_IN_PATH = re.compile(r"iter_(\d{7,})(?:/|$)")
+#: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.
+COMMIT_RESERVE_BYTES = 64 * 1024
+
+
+class FailurePolicy(str, enum.Enum):
+    """What a failed save (full disk, I/O error, hung writer) does to the run."""
+
+    STOP = "stop"          # raise the agreed error on every rank
+    CONTINUE = "continue"  # warn, and train on without further checkpoints
+
+
+@dataclass(frozen=True)
+class LazySaveConfig:
+    root: str
+    """The --save directory (Megatron layout: iter_XXXXXXX/ and the tracker)."""
+    cache_bytes: int = 1 << 30
+    """Host cache per rank (the engine's bounded buffer)."""
+    checksum: Checksum = Checksum.CRC32C
+    """Per-chunk checksum, verified on every load."""
+    drain_timeout_s: float = 1800.0
+    """Longest single wait on the writers before it is reported as a hung writer."""
+    failure_policy: FailurePolicy = FailurePolicy.STOP
+    """What an agreed save failure does (see FailurePolicy)."""
+    run_config_json: Optional[str] = None
+    """Written to ROOT/run_config.json beside the tracker when it changed (None: not written)."""
+    universal_every_n: Optional[int] = None
+    """Merge every N-th committed checkpoint into a universal one, in the background (None: off)."""
+    universal_root: Optional[str] = None
+    """Root of the universal checkpoints (None: ROOT/universal)."""
+    universal_workers: int = 1
+    """Merge worker processes (`merge.background.MergerConfig.workers`)."""
+    background_nice: int = 5
+    """Niceness of the engine's copy/flush threads."""
+    local_dir: Optional[str] = None
+    """Node-local directory of this rank (e.g. NVMe): shards become durable there first, then
+    migrate in the background to ROOT; a version commits only once every rank's shards are
+    durable in ROOT. None: written to ROOT directly."""
+    fully_parallel_save: bool = True
+    """Spread the writes of replicated shards over the data-parallel group (megatron's
+    FullyParallelSaveStrategyWrapper); False: the first data-parallel rank writes them."""
+    local_keep: int = 2
+    """With `local_dir`: local copies kept (newest first); older ones are removed after each
+    commit, never one still migrating nor the newest committed one."""
+    structure_policy: StructurePolicy = StructurePolicy.CHECK
+    """When megatron-core's validation and shard distribution are reused (`plan.py`): CHECK
+    compares a structural fingerprint every save; ASSUME_CONSTANT
+    (--ckpt-assume-constant-structure) validates the first save only."""
+    peer_replica_bytes: Optional[int] = None
+    """With `local_dir`: after each commit, send this rank's files to the next node of a ring,
+    holding at most this many bytes of one version per rank (`peer_replica`); None: off."""
+    non_persistent_root: Optional[str] = None
+    """A second root that saves may name (Megatron-LM's non-persistent checkpoints): prepared at
+    start-up, committed and tracked like `root`, never merged to universal."""
+    non_persistent_node_local: bool = False
+    """`non_persistent_root` is this rank's node-local directory (Megatron-LM's `local` type):
+    its versions stay on each node, each rank writes all it holds, each node's leader commits
+    its node (`node_local`)."""
+
+    def __post_init__(self) -> None:
+        if self.cache_bytes <= 0:
+            raise ValueError(f"cache_bytes must be positive, found {self.cache_bytes}")
+        if self.local_keep < 1:
+            raise ValueError(f"local_keep must be >= 1, found {self.local_keep}")
+        if self.peer_replica_bytes is not None and self.local_dir is None:
+            raise ValueError("peer replicas are held in the node-local directory: set local_dir")
+        if self.non_persistent_node_local and self.non_persistent_root is None:
+            raise ValueError("non_persistent_node_local needs non_persistent_root")
+        if self.universal_every_n is not None and self.universal_every_n <= 0:
+            raise ValueError(f"universal_every_n must be positive, found {self.universal_every_n}")
+
+
+@dataclass
+class _Pending:
+    iteration: int
+    root: str  # whose tracker names it once committed
+    node_local: bool  # a node-local version (`node_local`): each node's leader commits its node
+    directory: str
+    request: object  # megatron AsyncRequest: its finalize functions write metadata.json
+    handle: object  # datastates SaveHandle
+    stall_s: float  # time the training loop was blocked by this save
+    t_start: float  # wall clock at the save call (for the timeline)
+    t_returned: float  # wall clock when the save call returned
+    files: List[Future] = field(default_factory=list)  # rank 0: common.pt written durably
+    errors: List[BaseException] = field(default_factory=list)  # this save's own, on this rank
+
+
+@dataclass
+class _Publishing:
+    """A save every rank agreed is durable, whose commit marker and tracker the publishing rank's
+    commit thread is writing (`future`; None on the other ranks)."""
+
+    pending: _Pending
+    stats: Dict[str, float]
+    future: Optional[Future]
+
+
+class LazyCheckpointer:
+    """Keeps a deque of saves in flight, oldest first; commits them in order (see module doc)."""
+
+    def __init__(self, config: LazySaveConfig, log: Callable[[str], None] = print,
+                 after_commit: Optional[Callable[[int, str], None]] = None,
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None):
+        self.config = config
+        self.log = log
+        self.after_commit = after_commit
+        self.on_record = on_record  # rank 0: each committed checkpoint's record (as logged)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        control_plane.control_group()  # collective when it creates the group: every rank, here
+        if config.local_dir is not None:
+            self._agree_local_dir_usable(config.local_dir)
+        self.engine = CheckpointEngine(EngineConfig(
+            rank=self.rank, world_size=self.world, host_cache_bytes=config.cache_bytes,
+            commit_policy=CommitPolicy.MANUAL,  # committed in poll(), after every rank agrees
+            checksum=config.checksum, background_nice=config.background_nice,
+            local_dir=config.local_dir))
+        self.replicator = None
+        self._last_committed: Optional[int] = None
+        if config.peer_replica_bytes is not None:
+            from ..levels.peer_replica import PeerReplicator, Ring
+
+            self.replicator = PeerReplicator(config.local_dir, Ring.discover(), self.rank,
+                                             config.peer_replica_bytes, log=self._warn)
+        self.pending: Deque[_Pending] = deque()
+        # Version directory -> this rank's SaveRecord (one iteration may be saved into two
+        # roots: e.g. the end-of-training save right after a non-persistent one).
+        self.durable: Dict[str, object] = {}
+        self._wrapper = None
+        self._dp_group = None
+        self.plans = SavePlanCache(config.structure_policy)
+        self.payloads = PayloadPlan()  # the engine's flattened payload, refilled while it matches
+        self.node = None  # this rank's node, for node-local versions
+        self.node_plans = SavePlanCache(config.structure_policy)  # node-local versions' plans
+        self.node_payloads = PayloadPlan()
+        if config.non_persistent_node_local:
+            from ..levels.node_local import discover
+
+            self.node = discover(config.non_persistent_root, self.rank)
+        self._prepare_roots()
+        #: Per root, iterations whose directory held an unfinished save when the run started
+        #: (set by the caller, e.g. the trainer's manager, which lists them once): their next
+        #: save is agreed on before any rank writes, so the leftovers are set aside first.
+        self.leftovers: Dict[str, set] = {}
+        # common.pt is serialized in the save call and written (temp, fsync, rename) here, off the
+        # training thread; a version commits only once its write is done (`_files_durable`).
+        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-common")
+        # Rank 0 (and node leaders for node-local versions): metadata.json's fsync, the commit
+        # marker and the tracker, off the training thread; at most one commit in flight.
+        self._publisher = ThreadPoolExecutor(max_workers=1,
+                                             thread_name_prefix="datastates-commit")
+        self.publishing: Optional[_Publishing] = None
+        # Errors this rank hit since the last agreement, in order (a full disk can fail both
+        # common.pt of the next save and the flush of the previous one: all are reported).
+        self._local_errors: List[BaseException] = []
+        self._telemetry_off = False
+        self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
+        self.disabled = False  # FailurePolicy.CONTINUE after a failure: no more saves
+        self.universal = None  # rank 0: the background universal merges, when asked for
+        self._merge_follower = None  # the first rank of each other node: its share of them
+        if self.rank == 0:
+            self._event({"event": "start", "time": time.time()})  # the timeline splits runs here
+        if config.universal_every_n:
+            self._start_mergers(log)
+
+    def _start_mergers(self, log: Callable[[str], None]) -> None:
+        """Collective: the first rank of every node runs a merger and its workers; rank 0's
+        decides and commits (merge/nodes.py). Nodes as the peer replicas know them (torchrun's
+        GROUP_RANK, else SLURM_NODEID), rank 0's node first; the run id is rank 0's draw. A
+        node whose first rank does not see rank 0's universal root takes no part: then only
+        rank 0's node merges, as the warning says."""
+        from ..merge import nodes as merge_nodes
+        from ..merge.background import BackgroundMerger, MergerConfig
+        from ..levels.peer_replica import node_index
+
+        c = self.config
+        root = c.universal_root or os.path.join(c.root, "universal")
+        run = int.from_bytes(os.urandom(4), "little") if self.rank == 0 else 0
+        unmarked = None  # rank 0 cannot write there: said in the warning, after the collectives
+        if self.rank == 0:
+            try:
+                merge_nodes.mark_start(root, f"{run:08x}")
+            except OSError as err:
+                unmarked = err
+        gathered = control_plane.all_gather_ints([node_index(), run])
+        run_id = f"{gathered[0][1]:08x}"
+        of_rank = [n for n, _ in gathered]
+        first = of_rank.index(of_rank[self.rank]) == self.rank  # the first rank of its node
+        sees = control_plane.all_gather_ints(
+            int(self.rank == 0 or not first
+                or os.path.exists(merge_nodes.start_marker(root, run_id))))
+        blind = sorted({of_rank[r] for r, ok in enumerate(sees) if not ok})
+        nodes = [of_rank[0]] + sorted(set(of_rank) - {of_rank[0]} - set(blind))
+        if blind and self.rank == 0:
+            log(f"WARNING: universal merges run on node {of_rank[0]} only: the first rank of "
+                f"node(s) {blind} does not see {merge_nodes.start_marker(root, run_id)} "
+                f"(put --universal-save on a file system every node shares)"
+                + (f"; writing it failed: {unmarked}" if unmarked else ""))
+        if not first or of_rank[self.rank] in blind:
+            return
+        merger = BackgroundMerger(MergerConfig(
+            root=root, every_n=c.universal_every_n, workers=c.universal_workers,
+            nodes=len(nodes), node=nodes.index(of_rank[self.rank]), run_id=run_id,
+            remote_timeout_s=c.drain_timeout_s), log=log if self.rank == 0 else self._warn)
+        if self.rank == 0:
+            self.universal = merger
+        else:
+            self._merge_follower = merger
+
+    def in_flight(self, iteration: int, root: Optional[str] = None) -> bool:
+        """True when the newest save in flight is of `iteration` into `root` (None: the
+        config's), e.g. the end-of-training save right after an interval save."""
+        newest = (self.pending[-1] if self.pending else
+                  self.publishing.pending if self.publishing is not None else None)
+        return (newest is not None and newest.iteration == iteration
+                and newest.root == (root or self.config.root))
+
+    # -- 1) after optimizer step i ------------------------------------------------------------
+    def save(self, iteration: int, sharded_state_dict: Any,
+             extra_shards: Sequence[TensorShard] = (),
+             content_metadata: Optional[dict] = None, root: Optional[str] = None) -> None:
+        from megatron.core import dist_checkpointing, parallel_state
+
+        from .strategies import durable_common_save, quiet_overwrite_warning, save_strategy
+
+        t0, wall0 = time.perf_counter(), time.time()
+        root = root or self.config.root
+        if root not in (self.config.root, self.config.non_persistent_root):
+            raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
+                             f"non-persistent root {self.config.non_persistent_root}")
+        if any(q.iteration == iteration for q in self._uncommitted()):
+            # The same iteration into the other root (e.g. the end-of-training save right after
+            # a non-persistent one): both would name the same node-local copy
+            # (`layout.local_version_dir`), so the first is committed before the second starts.
+            self._apply_policy(lambda: self._commit_ready(blocking=True))
+            if self.disabled:
+                return
+        directory = checkpoint_dir(root, iteration)
+        node_local = root == self.config.non_persistent_root and self.node is not None
+        if self._dp_group is None:
+            self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        writer = self.rank == (self.node.leader if node_local else 0)  # common.pt, spares
+        errors: List[BaseException] = []  # this save's (agreed on when its turn comes)
+        if writer:
+            errors += self._prepare_directory(directory, iteration)
+        prepare_failed = bool(errors)
+        payloads = self.node_payloads if node_local else self.payloads
+        if node_local:  # every rank writes all it holds, its node's leader the small files
+            from ..levels.node_local import claim_every_replica
+
+            claim_every_replica(sharded_state_dict)
+            plan = self.node_plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
+                                           agree=iteration in self.leftovers.get(root, ()))
+            if not plan.reuse_distribution:
+                payloads.forget()
+            strategy, base = save_strategy(self.engine, iteration, None, None,
+                                           extra_shards=extra_shards, payload_plan=payloads,
+                                           defer_copies=True)
+            validate = False  # replicas are written on purpose, once per node at least
+        else:
+            # After rank 0's spares: when the plan is reused, the plan check's all-reduce is
+            # what orders them before any rank's shard bytes (ASSUME_CONSTANT has none).
+            plan = self.plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
+                                      agree=iteration in self.leftovers.get(root, ()))
+            if not plan.reuse_distribution:
+                self._wrapper = None  # its cached distribution belongs to the previous structure
+                payloads.forget()
+            strategy, base = save_strategy(
+                self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
+                self._wrapper, extra_shards=extra_shards, payload_plan=payloads,
+                defer_copies=True)
+            if strategy is not base:
+                self._wrapper = strategy
+            validate = plan.validate
+        plans = self.node_plans if node_local else self.plans
+        request = None
+        serialized: List[tuple] = []  # (path, bytes) of common.pt, written once the call is done
+
+        def defer(path: str, data: bytes) -> None:
+            serialized.append((path, data))
+
+        if plan.failed or prepare_failed:
+            # Rank 0's directory could not be prepared: no rank enters megatron's collectives
+            # for this save; its failure is agreed on at the next poll.
+            plans.forget()
+            payloads.forget()
+            self.pending.append(_Pending(iteration, root, node_local, directory, None, None,
+                                         time.perf_counter() - t0, wall0, time.time(), [],
+                                         errors))
+            return
+        try:
+            # After megatron's collectives, rank 0 hands common.pt to its writer thread and every
+            # rank opens its shard: a full disk fails here (or in that write) on some ranks only,
+            # so the failure is recorded and agreed on in poll() instead of raised (the others
+            # would wait for us). common.pt is fsync'd (a full disk is an ENOSPC OSError);
+            # megatron's overwrite warning is replaced by the check above.
+            with durable_common_save(defer, writes=writer), quiet_overwrite_warning():
+                request = dist_checkpointing.save(sharded_state_dict, directory,
+                                                  sharded_strategy=strategy,
+                                                  async_sharded_save=True,
+                                                  validate_access_integrity=validate,
+                                                  content_metadata=content_metadata)
+            plans.confirm()
+        except (OSError, RuntimeError, CheckpointError) as err:
+            errors.append(err)
+            plans.forget()
+            payloads.forget()
+        except BaseException:
+            plans.forget()
+            payloads.forget()
+            raise
+        # Started last: background threads' wake-ups would take the GIL from the rest of this
+        # call (the tensors are not mutated before `before_optimizer_step` either way).
+        files = [self._files.submit(self._write_file, iteration, path, data)
+                 for path, data in serialized]
+        self.engine.start_copies()
+        self.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
+                                     time.perf_counter() - t0, wall0, time.time(), files,
+                                     errors))
+
+    def _write_file(self, iteration: int, path: str, data: bytes) -> None:
+        """The common.pt writer thread: durable and atomic."""
+        fail_point("common", iteration, self.rank, path)
+        atomic_write(path, data)
+
+    def _prepare_directory(self, directory: str, iteration: int) -> List[BaseException]:
+        """Rank 0, at a save call: an earlier unfinished save's leftovers set aside
+        (`paths.set_aside`; removed in the background), the version directory, and the room set
+        aside for COMMIT.json and metadata.json. Returns the failure, if any: every rank learns
+        of it before megatron's collectives (see `save`), it is agreed on at a later poll."""
+        try:
+            fail_point("prepare", iteration, self.rank, directory)
+            aside = set_aside(directory)
+            if aside is not None:
+                self.log(f"moved the leftovers of an earlier, unfinished save of iteration "
+                         f"{iteration} aside ({aside}); removing them in the background")
+                threading.Thread(target=shutil.rmtree, args=(aside, True), daemon=True,
+                                 name="datastates-leftovers").start()
+            os.makedirs(directory, exist_ok=True)  # megatron's save lists it on rank 0
+            # Room for COMMIT.json (written into it) and metadata.json (megatron writes it:
+            # released right before), taken before any shard byte of this save or a later
+            # one, so a disk that the next save fills up rarely keeps this save, once
+            # durable, from committing.
+            make_spare(os.path.join(directory, COMMIT_FILE), COMMIT_RESERVE_BYTES)
+            make_spare(os.path.join(directory, METADATA_FILENAME), COMMIT_RESERVE_BYTES)
+        except (OSError, RuntimeError, CheckpointError) as err:
+            return [err]
+        return []
+
+    # -- 3) before optimizer step i+1 --------------------------------------------------------
+    def before_optimizer_step(self) -> None:
+        if not self.pending:
+            return
+        t0 = time.perf_counter()
+        self._guard(lambda: self.engine.wait_for_snapshot(timeout=self.config.drain_timeout_s))
+        self.pending[-1].stall_s += time.perf_counter() - t0
+
+    # -- 4) every iteration ------------------------------------------------------------------
+    def poll(self, iteration: int) -> None:
+        if self.rank == 0:
+            self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
+        if self.pending or self.publishing is not None:
+            self._apply_policy(lambda: self._commit_ready(blocking=False))
+        for merger in (self.universal, self._merge_follower):
+            if merger is not None:
+                merger.poll()
+
+    # -- 5) at exit --------------------------------------------------------------------------
+    def finish(self) -> None:
+        try:
+            if self._failed is None:
+                self._apply_policy(lambda: self._commit_ready(blocking=True))
+        finally:
+            try:
+                if self.replicator is not None:  # every rank: its thread agrees with the others'
+                    self.replicator.close(timeout=self.config.drain_timeout_s)
+                    if self._last_committed is not None:  # what the thread held back, if any
+                        self._prune_local(self._last_committed)
+                self._close_engine()
+            finally:
+                self._files.shutdown(wait=False, cancel_futures=True)
+                self._publisher.shutdown(wait=False, cancel_futures=True)
+                for merger in (self.universal, self._merge_follower):
+                    if merger is not None:
+                        merger.wait()  # no merge process outlives the run
+
+    # -- internals -----------------------------------------------------------------------------
+    def _prepare_roots(self) -> None:
+        """Every rank (collective): rank 0 creates the roots and the trackers' spares (each node's
+        leader its node-local root), every rank checks it can write there; one agreement per
+        root, so a read-only, full or missing --save stops every rank with one error."""
+        c = self.config
+        roots = [("--save", c.root, self.rank == 0)]
+        if c.non_persistent_root is not None:
+            leader = self.node.leader if self.node is not None else 0
+            roots.append(("the non-persistent checkpoint directory", c.non_persistent_root,
+                          self.rank == leader))
+        for flag, root, prepares in roots:
+            prepare_and_probe_root(root, flag, prepares)
+
+    def _agree_local_dir_usable(self, local_dir: str) -> None:
+        """Every rank probes its node-local directory; one that cannot write there stops every
+        rank with the same error, printed once, naming the ranks (no rank waits in a collective
+        the others skipped)."""
+        def check() -> None:
+            problem = local_tier.check_usable(local_dir, self.rank)
+            if problem is not None:
+                raise CheckpointError(problem, rank=self.rank, file=local_dir)
+
+        try:
+            control_plane.agree(check, f"checking that every rank can write its "
+                                       f"{local_tier.FLAG}",
+                                describe=lambda e: getattr(e, "reason", None) or str(e))
+        except CheckpointError as err:
+            raise CheckpointError(err.reason + ". Nothing was saved or removed", rank=self.rank,
+                                  file=local_dir, ranks=err.ranks) from err.__cause__
+
+    def _prune_local(self, committed: int) -> None:
+        """After a commit, every rank: its files of local copies beyond the newest `local_keep`
+        (never one still migrating, nor the one just committed). A failure only warns: the
+        shared copies are what --load trusts."""
+        local_dir = self.config.local_dir
+        protected = [committed] + [q.iteration for q in self._uncommitted()] + (
+            self.replicator.unfinished() if self.replicator is not None else [])
+        try:
+            local_tier.prune(local_dir, self.rank, self.config.local_keep, protected)
+        except OSError as err:
+            print(f"[rank {self.rank}] WARNING: could not remove old local checkpoint copies "
+                  f"under {local_dir}: {err}", flush=True)
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        print(message, flush=True)  # every rank's own warning (the log callback is rank 0's)
+
+    def _apply_policy(self, fn) -> None:
+        """Run `fn`; an agreed save failure either propagates (STOP) or switches checkpointing
+        off for the rest of the run (CONTINUE). Every rank decides the same way because the
+        failure was agreed on collectively."""
+        try:
+            fn()
+        except CheckpointError as err:
+            if self.config.failure_policy is not FailurePolicy.CONTINUE:
+                self._failed = err
+                raise
+            self.disabled = True
+            self._local_errors.clear()
+            self.pending.clear()  # never committed: they stay partial and unloadable
+            self.publishing = None
+            self.log(f"WARNING: {err}. Continuing WITHOUT checkpointing for the rest of this "
+                     "run (--ckpt-failure-policy continue): no further saves, no retry.")
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close(timeout=self.config.drain_timeout_s)
+        except CheckpointError as err:
+            if self._failed is None and not self.disabled:
+                raise
+            # A failure was already reported (or tolerated by policy); the saves still in flight
+            # at that point fail the same way. Say so, do not hide the first error behind them.
+            self.log(f"WARNING: while closing the checkpoint engine after an earlier failure: "
+                     f"{err}")
+
+    def _guard(self, fn):
+        """Run an engine call; a failure on any rank becomes a CheckpointError on every rank at
+        the next agreement, so no rank hangs in a collective the others skipped."""
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - recorded and re-raised below
+            self._record(err)
+            return None
+
+    def _record(self, err: BaseException) -> None:
+        """An engine error goes with the save not yet agreed durable whose version directory it
+        names (so an earlier save that is durable everywhere still commits, and this one fails
+        on its turn); any other (one that names no such save, or a late one of a save already
+        agreed on, e.g. its node-local copy) fails the oldest save in flight."""
+        match = _ITER_IN_PATH.search(str(getattr(err, "file", None) or ""))
+        if match:
+            for p in self.pending:
+                if p.iteration == int(match.group(1)):
+                    p.errors.append(err)
+                    return
+        self._local_errors.append(err)
+
+    def _files_durable(self, p: _Pending, blocking: bool) -> bool:
+        """Whether `p`'s common.pt write is done (waiting for it if `blocking`); its failure is
+        recorded for the next agreement, like the engine's."""
+        while p.files:
+            if not blocking and not p.files[0].done():
+                return False
+            try:
+                err = p.files[0].exception(timeout=self.config.drain_timeout_s)
+            except FutureTimeout:
+                err = CheckpointError(f"writing common.pt took longer than "
+                                      f"{self.config.drain_timeout_s:g} s (storage not "
+                                      "responding?)", rank=self.rank, file=p.directory)
+            p.files.pop(0)
+            if err is not None:
+                p.errors.append(err)
+        return True
+
+    def _agree(self, p: _Pending, local_done: bool) -> bool:
+        """All ranks: True when every rank has `p` durable (or committed); raises the same
+        CheckpointError on every rank if any rank recorded an error."""
+        errors = self._local_errors + p.errors  # a later save's own errors wait for its turn
+        err = errors[0] if errors else None
+        code = -1 if err is not None else int(local_done)
+        (agreed,) = control_plane.all_reduce([code], op=dist.ReduceOp.MIN)
+        if agreed >= 0:
+            return bool(agreed)
+        root = p.root
+        where = "--save" if root == self.config.root else f"non-persistent root {root}"
+        failure = control_plane.agreed_failure(
+            err, f"DataStates save of iteration {p.iteration}",
+            describe=lambda _: self._describe_errors(errors, root, where))
+        if failure is None or failure.ranks is None:  # a rank died, or stopped answering
+            raise (failure or CheckpointError("the save failed", rank=self.rank)) from err
+        msg = (failure.reason + f"; {_state_of(p, root)}; --ckpt-failure-policy continue keeps "
+               "training without checkpoints")
+        raise CheckpointError(msg, rank=self.rank, file=p.directory, ranks=failure.ranks) from err
+
+    def _describe_errors(self, errors: List[BaseException], root: str, where: str) -> str:
+        """This rank's errors, in order, each with what it means and what to do (a full disk:
+        the free space of --save and of the node-local directory)."""
+        local = self.config.local_dir
+        parts = []
+        for e in errors:
+            os_err = root_os_error(e)
+            path = (os_err.filename if os_err is not None else None) or getattr(e, "file", None)
+            in_local = bool(local and isinstance(path, str) and os.path.abspath(path).startswith(
+                os.path.abspath(local) + os.sep))
+            flag, base = ("--lazy-save-local-dir", local) if in_local else (where, root)
+            text = str(e)
+            if kind(os_err or e) == "full":
+                free = _free_space(root, local, where)  # ' (free space under ...)' or ''
+                text += f" (the file system is full{'; ' + free[2:] if free else ')'}"
+            else:
+                text += advice(e, flag, base)
+            parts.append(text)
+        return "; then: ".join(dict.fromkeys(parts))
+
+    def _uncommitted(self) -> List[_Pending]:
+        """Saves not yet committed: the one being published, then those in flight."""
+        head = [self.publishing.pending] if self.publishing is not None else []
+        return head + list(self.pending)
+
+    def _commit_ready(self, blocking: bool) -> None:
+        for record in self._guard(self.engine.poll) or []:
+            self.durable[os.path.normpath(record.directory)] = record
+        while True:
+            if self.publishing is not None and not self._settle(blocking):
+                return
+            if not self.pending:
+                return
+            head = self.pending[0]
+            key = os.path.normpath(head.directory)
+            if (blocking and key not in self.durable and head.handle is not None
+                    and not self._local_errors and not head.errors):
+                wait = lambda: self.engine.wait_for_durable(  # noqa: E731
+                    head.handle, timeout=self.config.drain_timeout_s)
+                for record in self._guard(wait) or []:
+                    self.durable[os.path.normpath(record.directory)] = record
+            if not self._agree(head, key in self.durable
+                               and self._files_durable(head, blocking)):
+                return
+            self.pending.popleft()
+            self._commit(head, self.durable.pop(key))
+            if not blocking:
+                return  # its commit thread has just started: agreed on at the next poll
+
+    def _commit(self, p: _Pending, record) -> None:
+        publishes = self.rank == 0 or (p.node_local and self.rank == self.node.leader)
+        # megatron's only finalize function writes metadata.json on rank 0, then meets the others
+        # in a barrier. The commit thread writes the same file instead, off the training loop
+        # (releasing its spare waits for the journal behind the writers' fsyncs: 6-20 ms here),
+        # and the agreement that follows orders the ranks. Any other finalize function (a future
+        # megatron's) still runs here, as megatron would run it.
+        own_metadata = all(getattr(fn, "__name__", None) == "metadata_finalize_fn"
+                           for fn in p.request.finalize_fns)
+        if not own_metadata:
+            if publishes:
+                release_spare(os.path.join(p.directory, METADATA_FILENAME))
+            try:
+                for fn in p.request.finalize_fns:
+                    fn()
+            except OSError as err:  # failed before megatron's barrier: meet the others there
+                # megatron's json.dump into metadata.json names no file
+                self._local_errors.append(naming(err, os.path.join(p.directory,
+                                                                   METADATA_FILENAME)))
+                dist.barrier()  # the one megatron's finalize would have reached (its group)
+        stats = self._gather_stats(p, record)
+        future = None
+        if publishes and not self._local_errors:
+            future = self._publisher.submit(self._publish, p, own_metadata or self.rank != 0)
+        self.publishing = _Publishing(p, stats, future)
+
+    def _settle(self, blocking: bool) -> bool:
+        """All ranks: whether the commit in flight is done everywhere (waiting for it if
+        `blocking`); then what follows a commit. A failed commit raises the agreed error on every
+        rank, like a failed flush."""
+        pub = self.publishing
+        done, err = True, None
+        if pub.future is not None:
+            try:
+                if blocking:
+                    pub.future.exception(timeout=self.config.drain_timeout_s)  # waits for it
+                # Read once: a commit that ends between two looks must not pass as done without
+                # its failure being seen.
+                done = pub.future.done()
+                err = pub.future.exception() if done else None
+            except FutureTimeout:
+                err = CheckpointError(f"writing the commit marker and tracker took longer than "
+                                      f"{self.config.drain_timeout_s:g} s (storage not "
+                                      "responding?)", rank=self.rank, file=pub.pending.directory)
+        # Only this commit's own failure is agreed on here: an error a later save hit meanwhile
+        # is that save's, agreed on (and named) when its turn comes.
+        (agreed,) = control_plane.all_reduce([-1 if err is not None else int(done)],
+                                             op=dist.ReduceOp.MIN)
+        if agreed < 0:
+            if err is not None:
+                self._local_errors.insert(0, err)
+            self._agree(pub.pending, True)  # raises, naming the ranks whose commit failed
+        if agreed == 0:
+            return False
+        self.publishing = None
+        self._after_publish(pub)
+        return True
+
+    def _after_publish(self, pub: _Publishing) -> None:
+        """All ranks, once `pub`'s version is committed: retention and the log line (publishing
+        rank), the universal merge, local copies and replicas. Their failures are agreed on at
+        the next poll."""
+        p = pub.pending
+        if pub.future is not None:
+            try:
+                if self.after_commit is not None:
+                    self.after_commit(p.iteration, p.root)
+                if self.rank == 0:
+                    self._log(p, pub.stats)
+                    if self.universal is not None and p.root == self.config.root:
+                        fail_point("merge", p.iteration, self.rank, p.directory)
+                        self.universal.on_commit(p.iteration, p.directory)
+            except (OSError, RuntimeError, CheckpointError) as err:
+                self._local_errors.append(err)
+        if p.node_local:
+            return  # the shared versions' local copies and replicas are not touched
+        self._last_committed = p.iteration
+        if self._merge_follower is not None and p.root == self.config.root:  # as rank 0's
+            self._merge_follower.on_commit(p.iteration, p.directory)
+        if self.replicator is not None:  # before pruning: the thread reads this version's files
+            self.replicator.on_commit(p.iteration)
+        if self.config.local_dir is not None:
+            self._prune_local(p.iteration)
+
+    def _publish(self, p: _Pending, write_metadata_json: bool) -> None:
+        """The commit thread of rank 0 (and, for a node-local version, of every node's leader for
+        its node): metadata.json (unless megatron's finalize wrote it) made durable, commit
+        marker, then tracker."""
+        metadata = os.path.join(p.directory, METADATA_FILENAME)
+        if write_metadata_json:  # what megatron's finalize writes, on rank 0 only
+            from .strategies import write_metadata
+
+            release_spare(metadata)
+            try:
+                write_metadata(p.directory)
+            except OSError as err:  # json.dump into metadata.json names no file
+                raise naming(err, metadata)
+        fault_point("commit", p.iteration, self.rank)
+        fail_point("commit", p.iteration, self.rank, os.path.join(p.directory, COMMIT_FILE))
+        # metadata.json is written without fsync (common.pt is written durably by
+        # `durable_common_save`); the commit marker must not reach the disk before it.
+        if os.path.exists(metadata):
+            fsync_file(metadata)
+        if not try_commit(p.directory, self.world, self.node.ranks if p.node_local else None):
+            raise CheckpointError("every rank reported its shards durable but the rank markers "
+                                  "are not all valid", rank=self.rank, file=p.directory)
+        fault_point("tracker", p.iteration, self.rank)
+        fail_point("tracker", p.iteration, self.rank, os.path.join(p.root, TRACKER_FILENAME))
+        write_tracker(p.root, p.iteration, self.config.run_config_json)
+
+    def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
+        (total,) = control_plane.all_reduce([float(record.bytes)], dtype=torch.float64)
+        stall, copy, durable, local = control_plane.all_reduce(
+            [p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0],
+            op=dist.ReduceOp.MAX, dtype=torch.float64)
+        stats = {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
+                 "stall_ms": stall * 1e3, "copy_ms": copy * 1e3, "durable_s": durable,
+                 "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,
+                 "t_start": p.t_start, "t_returned": p.t_returned, "time": time.time()}
+        if self.config.local_dir is not None:  # durable_s is then the shared (ROOT) time
+            stats["local_durable_s"] = local
+        return stats
+
+    def _log(self, p: _Pending, s: Dict[str, float]) -> None:
+        self.log(f" checkpoint iteration {s['iteration']:8d} | bytes: {s['bytes']} | "
+                 f"stall (ms): {s['stall_ms']:.1f} | copy (ms): {s['copy_ms']:.1f} | "
+                 f"durable (s): {s['durable_s']:.3f} | throughput (GB/s): {s['gbps']:.3f} | "
+                 + (f"local durable (s): {s['local_durable_s']:.3f} | "
+                    if "local_durable_s" in s else "")
+                 + f"committed: {p.directory}")
+        self._event(s)
+        if self.on_record is not None:
+            self.on_record(dict(s))
+
+    def _event(self, record: Dict[str, float]) -> None:
+        """Rank 0: one JSON line per iteration end and per committed checkpoint (the timeline
+        tool draws both)."""
+        if self._telemetry_off:
+            return
+        try:
+            append_telemetry(self.config.root, record)
+        except OSError as err:  # e.g. the disk that just filled up: telemetry never stops training
+            self._telemetry_off = True
+            path = os.path.join(self.config.root, TELEMETRY_FILENAME)
+            self.log(f"WARNING: cannot append to {path} ({err}); checkpoint telemetry is off for "
+                     "the rest of this run")
+
+
+def prepare_and_probe_root(root: str, flag: str, prepares: bool) -> None:
+    """Every rank (collective), at start-up: the rank that `prepares` creates `root` and the
+    tracker's spare, every rank checks it can write there (`paths.probe_writable`); a failure on
+    any rank stops every rank with the same error naming the ranks and the cause (read-only,
+    full, missing, permission denied), before anything is saved. `flag` names the setting that
+    chose `root` in that error."""
+    rank = dist.get_rank()
+
+    def check() -> None:
+        if prepares:
+            prepare_root(root)
+        probe_writable(root, rank)
+
+    control_plane.agree(check, f"checking that {flag} {root} can be written",
+                        describe=lambda err: explain(err, flag, root))
+
+
+def append_telemetry(root: str, record: Dict[str, Any]) -> None:
+    """Append one event (a JSON line) to ROOT's telemetry file, which the timeline tool and the
+    benchmarks read; raises OSError (the caller decides whether that stops anything)."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, TELEMETRY_FILENAME), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _state_of(p: _Pending, root: str) -> str:
+    """What a failed save left behind, for the agreed error message."""
+    latest = tracked_iteration(root)
+    committed = is_committed(p.directory)
+    if committed and latest == p.iteration:  # failed after the tracker moved
+        return f"this one is complete and {TRACKER_FILENAME} names it"
+    if committed:  # the marker was written, then the tracker failed
+        return (f"this one is complete ({p.directory} has its commit marker) but "
+                f"{TRACKER_FILENAME} could not be moved to it: it still names "
+                f"{'no iteration' if latest is None else f'iteration {latest}'}, which --load "
+                "will use")
+    intact = ("no earlier checkpoint was completed" if latest is None else
+              f"earlier checkpoints are intact (newest complete: iteration {latest})")
+    return (f"{intact}, and this one is not marked complete: {p.directory} is never loaded, and "
+            "a later save of that iteration moves it aside (it can also be deleted by hand)")
+
+
+def _free_space(root: Optional[str], local_dir: Optional[str] = None,
+                root_label: str = "--save") -> str:
+    """' (free space under --save: N MiB[; under --lazy-save-local-dir D: M MiB])' for error
+    messages (`root_label` names `root`, e.g. a non-persistent root); parts that cannot be
+    measured are left out."""
+    parts = []
+    for label, path in ((root_label, root), (f"--lazy-save-local-dir {local_dir}", local_dir)):
+        try:
+            parts.append(f"under {label}: {shutil.disk_usage(path).free / 2**20:.1f} MiB")
+        except (OSError, TypeError):
+            pass
+    return f" (free space {'; '.join(parts)})" if parts else ""

@@ -1,0 +1,417 @@
+"""Resume from ``--load``: find the newest complete checkpoint, check it fits, restore it.
+
+Format is detected from the directory (torch_dist writes ``metadata.json``; torch writes
+``mp_rank_*``), so a run may save in one format and resume from the other.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable, Optional
+
+# Importing datastates registers its dist_checkpointing load strategy, so megatron-core reads
+# --async-lazy-save checkpoints (metadata.json names the "datastates" backend) like any other.
+import torch.distributed as dist
+
+import datastates
+from datastates import control_plane
+from datastates.fileio import safe_join
+from datastates.megatron_adapter import load_strategies, newest_on_every_node, paths
+from datastates.safe_load import UnsafePickleError
+from datastates.universal import is_universal
+
+from megatron.training.checkpointing import distopt_shards, upstream_compat
+from megatron.training.checkpointing.contents import (
+    CheckpointError,
+    RngLayout,
+    TrainState,
+    apply_loaded_state_dict,
+    build_sharded_state_dict,
+    check_model_shape,
+    init_distributed_optimizer_state,
+    parallel_layout,
+    rng_layout_of,
+    safe_torch_load,
+    saved_run_config,
+    torch_rank_dir,
+)
+from megatron.training.checkpointing.manager import non_persistent_root_of_this_rank
+from megatron.training.checkpointing.verify import damage_hint, newest_intact
+from megatron.training.config import CkptFormat, RunConfig
+from megatron.training.checkpointing.from_universal import load_universal
+from megatron.training.checkpointing.lazy import local_dir_of_this_rank, restore_peer_copies
+from megatron.training.log import print_rank_0
+from megatron.training.metrics import Metrics
+from megatron.training.timers import process_bytes_read, report_times_across_ranks
+
+
+def _saved_config(directory: str, kind: paths.Format, allow_unsafe_pickle: bool) -> str:
+    """`saved_run_config`, with what to do about a damaged or forged common state."""
+    try:
+        return saved_run_config(directory, kind, allow_unsafe_pickle)
+    except UnsafePickleError as err:
+        # Forged, or written by code we do not trust: an older checkpoint may still be good.
+        raise UnsafePickleError(err.args[0] + _hint(directory)) from None
+    except CheckpointError:
+        raise
+    except datastates.CheckpointError as err:
+        raise CheckpointError(f"cannot read common.pt (the checkpoint's common state): "
+                              f"{err.reason}" + _hint(directory),
+                              path=err.file or directory) from err
+
+
+def _load_distrib_optim(optimizer, path: str, allow_unsafe_pickle: bool) -> None:
+    """megatron's `load_parameter_state` without its bare `torch.load`: data-parallel rank 0 of
+    each optimizer reads the file safely and scatters it (`load_parameter_state_from_dp_zero`)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        state_dict = None
+        if opt.data_parallel_group.rank() == 0:
+            state_dict = safe_torch_load(path, allow_unsafe_pickle)
+        opt.load_parameter_state_from_dp_zero(state_dict)
+
+
+def load_checkpoint(state: TrainState, config: RunConfig,
+                    loader: Optional[Callable[[dict, str], dict]] = None) -> bool:
+    """Restore ``state`` from ``config.checkpoint.load``; False when there is nothing to load.
+
+    ``loader(sharded_state_dict, directory) -> state_dict`` replaces megatron-core's
+    ``dist_checkpointing.load`` for a custom strategy (torch_dist layout assumed).
+    """
+    ckpt = config.checkpoint
+    root = resume_root(config)
+    if root is None:
+        return False
+    if not os.path.isdir(root):
+        # Megatron-LM's behaviour: nothing to load is a warning, not an error.
+        print_rank_0(f"WARNING: --load directory {root} does not exist: no checkpoint to "
+                     "load, starting from scratch")
+        return False
+    if _load_if_universal(state, config, root):  # --load names a universal checkpoint
+        return True
+    if not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
+        # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
+        print_rank_0(f"no {paths.TRACKER_FILENAME} in {root}: no complete checkpoint there "
+                     "yet, starting from scratch")
+        return False
+    release = paths.tracker_names_release(root)
+    if release:  # Megatron-LM's released weights: iteration 0, no optimizer or RNG state
+        iteration = 0
+        directory = safe_join(root, paths.RELEASE_DIRNAME, what=paths.TRACKER_FILENAME)
+    else:
+        iteration = _read_tracker(root)
+        if ckpt.ckpt_fallback_to_previous:  # universal roots too: their checksums are verified
+            root, iteration = _newest_intact(root, iteration, config)
+        directory = paths.checkpoint_dir(root, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"tracker names {os.path.basename(directory)} but {directory} is "
+                              "missing" + _hint(directory), path=root)
+    if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
+        return True
+    # DataStates checkpoints load through dist_checkpointing like torch_dist ones.
+    kind = paths.detect_format(directory)
+    fmt = CkptFormat.TORCH if kind is paths.Format.TORCH else CkptFormat.TORCH_DIST
+    unsafe = ckpt.allow_unsafe_pickle
+    saved_json = _saved_config(directory, kind, unsafe)
+    check_model_shape(saved_json, config, directory)
+    saved = json.loads(saved_json)
+    saved_layout = _layout_of(saved)
+    run_layout = parallel_layout(config)
+    same_layout = saved_layout == run_layout
+    load_optim = (ckpt.load_optim and not ckpt.finetune and not release
+                  and saved["checkpoint"]["save_optim"])
+    load_rng = (ckpt.load_rng and not ckpt.finetune and not release
+                and saved["checkpoint"]["save_rng"])
+    # torch files were read by saved_run_config, which requires ours
+    common = None if kind is paths.Format.TORCH else paths.saved_common(directory, unsafe)
+    megatron_lm = common if common is not None and upstream_compat.is_upstream(common) else None
+    rng_layout = (RngLayout.MEGATRON_LM if megatron_lm is not None else
+                  rng_layout_of(common) if common is not None else RngLayout.PER_RANK)
+    # Ours is per rank; Megatron-LM's per (PP, TP) rank, restored on every DP rank as it does.
+    rng_fits = same_layout if megatron_lm is None else _same_tp_pp(saved_layout, run_layout)
+    if load_rng and not rng_fits:
+        print_rank_0(f"checkpoint layout {saved_layout} differs from this run's {run_layout}: "
+                     "RNG states are per rank and are not restored")
+        load_rng = False
+    if fmt is CkptFormat.TORCH and not same_layout:
+        raise CheckpointError(f"torch-format checkpoint saved at layout {saved_layout} cannot be "
+                              f"loaded at {run_layout}; use --ckpt-format torch_dist to "
+                              "change TP/PP/DP", path=directory)
+    if load_optim and config.parallel.use_distributed_optimizer != \
+            saved["parallel"]["use_distributed_optimizer"]:
+        raise CheckpointError("optimizer state was saved with use_distributed_optimizer="
+                              f"{saved['parallel']['use_distributed_optimizer']}; load it with the "
+                              "same setting or pass --no-load-optim", path=directory)
+    optimizer_metadata = None
+    if megatron_lm is not None and load_optim and config.parallel.use_distributed_optimizer:
+        optimizer_metadata = _megatron_lm_optimizer_metadata(megatron_lm, saved_layout,
+                                                             run_layout, directory)
+    if load_optim and config.parallel.use_distributed_optimizer:
+        init_distributed_optimizer_state(state.optimizer)
+    # A node-local version holds only its node's ranks' pieces of the distributed optimizer's
+    # state: each rank reads back its own boxes instead of megatron's whole TP-local tensors.
+    node_local = root != ckpt.load and ckpt.non_persistent_ckpt_type == "local"
+    own_boxes = (node_local and load_optim and config.parallel.use_distributed_optimizer
+                 and distopt_shards.supported(state.optimizer))
+    if fmt is CkptFormat.TORCH_DIST:
+        sd = build_sharded_state_dict(state, config, is_loading=True,
+                                      include_optim=load_optim and not own_boxes,
+                                      include_rng=load_rng, optimizer_metadata=optimizer_metadata,
+                                      rng_layout=rng_layout)
+        # A node-local version is read from this node's directory alone; the peer replicas and
+        # --lazy-save-local-dir copies are of --save's versions.
+        peers = None if node_local else restore_peer_copies(config, directory, sd)
+        loaded = _load_torch_dist(sd, directory, loader, unsafe,
+                                  None if node_local else local_dir_of_this_rank(config),
+                                  ckpt.ckpt_fully_parallel_load,
+                                  on_read=None if peers is None else peers.report)
+        if megatron_lm is not None:
+            loaded = upstream_compat.normalize_loaded(loaded, directory)
+    else:
+        loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
+                                 unsafe)
+    if own_boxes:  # param groups, step, scaler here; the parameter state from the boxes below
+        for key in ("param_state", "param_state_sharding_type"):
+            loaded["optimizer"].pop(key, None)
+    note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
+                                   finetune=ckpt.finetune,
+                                   schedule=config.optimizer.scheduler_on_resume, path=directory,
+                                   allow_unsafe_pickle=unsafe)
+    if own_boxes:
+        model_sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=False,
+                                            include_rng=False)
+        try:
+            with datastates.CheckpointReader(directory) as reader:
+                distopt_shards.load_own_boxes(state.optimizer, model_sd, reader.read)
+        except datastates.CheckpointError as err:
+            raise CheckpointError(f"could not load the distributed optimizer's state: {err}"
+                                  + _hint(directory), path=directory) from err
+    if release:
+        state.iteration = 0
+    if note:
+        print_rank_0(note)
+    if fmt is CkptFormat.TORCH and load_optim and config.parallel.use_distributed_optimizer:
+        # After load_state_dict (param groups, step), as Megatron does: the sharded Adam state.
+        _load_distrib_optim(state.optimizer, os.path.join(torch_rank_dir(directory),
+                                                          paths.DISTRIB_OPTIM_FILENAME), unsafe)
+    origin = "" if megatron_lm is None else ", written by Megatron-LM"
+    print_rank_0(f"loaded checkpoint {directory} (format {kind.value}{origin}, "
+                 f"iteration {iteration}; "
+                 f"optimizer {'restored' if load_optim else 'not restored'}, rng "
+                 f"{'restored' if load_rng else 'not restored'})")
+    return True
+
+
+def timed_load_checkpoint(state: TrainState, config: RunConfig,
+                          metrics: Optional[Metrics] = None) -> bool:
+    """`load_checkpoint`, then (after a resume) Megatron's `load-checkpoint` timers report and one
+    line with the bytes every rank read, the slowest rank's time and their ratio."""
+    start, read_before = time.perf_counter(), process_bytes_read()
+    loaded = load_checkpoint(state, config)
+    seconds = time.perf_counter() - start
+    read_after = process_bytes_read()
+    if not loaded:
+        return False
+    slowest = report_times_across_ranks("load-checkpoint", seconds)
+    metrics = metrics or Metrics.off(config)
+    metrics.timer("load-checkpoint", slowest, state.iteration)
+    unknown = read_before is None or read_after is None
+    nbytes, ranks_unknown = control_plane.all_reduce(
+        [0 if unknown else read_after - read_before, int(unknown)])
+    if ranks_unknown:
+        print_rank_0(f" checkpoint load | iteration {state.iteration:8d} | time (s): "
+                     f"{slowest:.3f} | bytes read: unknown on {ranks_unknown} rank(s) (no "
+                     "/proc/self/io)")
+        return True
+    print_rank_0(f" checkpoint load | iteration {state.iteration:8d} | bytes read: {nbytes} | "
+                 f"time (s): {slowest:.3f} | throughput (GB/s): "
+                 f"{nbytes / slowest / 1e9 if slowest > 0 else 0.0:.3f}")
+    metrics.load(state.iteration, slowest, nbytes)
+    return True
+
+
+def resume_root(config: RunConfig) -> Optional[str]:
+    """--load, or the non-persistent root when its tracker names an iteration at least as new as
+    --load's, as Megatron-LM decides; None: no root. Every rank (collective for the local type,
+    whose root is this rank's node's, taken only when every node holds the same version)."""
+    ckpt = config.checkpoint
+    non_persistent = non_persistent_root_of_this_rank(config, ckpt.load, saving=False)
+    if non_persistent and ckpt.non_persistent_ckpt_type == "local":
+        newer, lacking = newest_on_every_node(
+            non_persistent, dist.get_rank(), accept=lambda root: _same_layout_at(root, config))
+        if lacking and len(lacking) < dist.get_world_size():
+            print_rank_0(f"node-local non-persistent checkpoints: rank(s) {lacking} do not hold "
+                         "the newest one on their node (or hold it for another parallel "
+                         "layout): not loading them")
+    else:
+        newer = paths.tracked_iteration(non_persistent) if non_persistent else None
+    if newer is None:
+        return ckpt.load
+    persistent = paths.tracked_iteration(ckpt.load) if ckpt.load else None
+    if persistent is not None and newer < persistent:
+        print_rank_0(f"non-persistent checkpoint (iteration {newer} in {non_persistent}) is older "
+                     f"than the persistent one (iteration {persistent}): loading {ckpt.load}")
+        return ckpt.load
+    print_rank_0(f"loading the non-persistent checkpoint of iteration {newer} from "
+                 f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
+                                          else f"persistent: iteration {persistent}") + ")")
+    return non_persistent
+
+
+def _same_layout_at(root: str, config: RunConfig) -> bool:
+    """Whether the run config beside `root`'s tracker was saved at this run's parallel layout (a
+    node-local version loads only there: each rank reads its own files)."""
+    try:
+        with open(os.path.join(root, paths.RUN_CONFIG_FILENAME)) as f:
+            return _layout_of(json.load(f)) == parallel_layout(config)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _newest_intact(root: str, iteration: int, config: RunConfig):
+    """--ckpt-fallback-to-previous: (root, newest intact iteration <= `iteration` there); a
+    non-persistent root with none intact falls back to --load's newest intact checkpoint."""
+    ckpt = config.checkpoint
+    try:
+        return root, newest_intact(root, iteration, config)
+    except CheckpointError as err:
+        persistent = paths.tracked_iteration(ckpt.load) if ckpt.load else None
+        if root == ckpt.load or persistent is None:
+            raise
+        print_rank_0(f"WARNING: {err}; --ckpt-fallback-to-previous: trying {ckpt.load} instead")
+        return ckpt.load, newest_intact(ckpt.load, persistent, config)
+
+
+def _read_tracker(root: str) -> int:
+    try:
+        return paths.read_tracker(root)
+    except CheckpointError:
+        raise
+    except datastates.CheckpointError as err:
+        raise CheckpointError(err.reason, path=err.file) from err
+
+
+def _load_if_universal(state: TrainState, config: RunConfig, directory: str) -> bool:
+    if not is_universal(directory):
+        return False
+    load_universal(state, config, directory, damage_hint=lambda: _universal_hint(directory))
+    return True
+
+
+def _universal_hint(directory: str) -> str:
+    """`damage_hint` for an iteration of a universal root (nothing for a lone directory)."""
+    try:
+        root, iteration = _split(directory)
+    except datastates.CheckpointError:
+        return ""
+    if not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
+        return ""
+    return damage_hint(root, iteration)
+
+
+def _same_tp_pp(saved_layout: dict, run_layout: dict) -> bool:
+    return (saved_layout["tp"], saved_layout["pp"]) == (run_layout["tp"], run_layout["pp"])
+
+
+def _megatron_lm_optimizer_metadata(common: dict, saved_layout: dict, run_layout: dict,
+                                    directory: str) -> dict:
+    """The content metadata to load a Megatron-LM distributed optimizer with; its default
+    ``dp_reshardable`` state reshards over DP only, so another TP/PP is refused (as Megatron-LM
+    refuses it) with the ways forward."""
+    sharding = upstream_compat.optimizer_sharding(common, directory)
+    if sharding is None:
+        raise CheckpointError("the checkpoint's content metadata names no distributed-optimizer "
+                              "sharding type (Megatron-LM core_v0.16.1 writes "
+                              "distrib_optim_sharding_type); pass --no-load-optim", path=directory)
+    if sharding == upstream_compat.DP_RESHARDABLE and not _same_tp_pp(saved_layout, run_layout):
+        raise CheckpointError(
+            f"the distributed-optimizer state is {sharding} (Megatron-LM's default), which loads "
+            f"only at the TP/PP it was saved with (TP={saved_layout['tp']}, "
+            f"PP={saved_layout['pp']}; this run has TP={run_layout['tp']}, "
+            f"PP={run_layout['pp']}). Convert it first: resume it once at TP="
+            f"{saved_layout['tp']} PP={saved_layout['pp']} with this trainer (its checkpoints are "
+            "fully_reshardable), or re-save it with Megatron-LM's "
+            "--dist-ckpt-optim-fully-reshardable; or pass --no-load-optim", path=directory)
+    return upstream_compat.optimizer_metadata(common)
+
+
+def _layout_of(saved: dict) -> dict:
+    p = saved["parallel"]
+    tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
+    return {"tp": tp, "pp": pp, "vpp": p["virtual_pipeline_model_parallel_size"],
+            "dp": p["world_size"] // (tp * pp)}
+
+
+def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool = False,
+                     local_dir: Optional[str] = None, fully_parallel: bool = False,
+                     on_read: Optional[Callable[[dict], None]] = None) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException as DcpException
+
+    try:
+        if loader is not None:
+            return loader(sd, directory)
+        sharded, common = load_strategies(directory, allow_unsafe_pickle, local_dir)
+        strategy = sharded
+        if fully_parallel:  # --ckpt-fully-parallel-load (CUDA only, checked with the flags)
+            from megatron.core import parallel_state as ps
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import \
+                FullyParallelLoadStrategyWrapper
+
+            strategy = FullyParallelLoadStrategyWrapper(
+                sharded, ps.get_data_parallel_group(with_context_parallel=True))
+        loaded = dist_checkpointing.load(sd, directory, sharded_strategy=strategy,
+                                         common_strategy=common)
+        if local_dir is not None and getattr(sharded, "last_read", None) is not None:
+            _report_sources(directory, sharded.last_read)
+            if on_read is not None:
+                on_read(sharded.last_read)
+        return loaded
+    except UnsafePickleError:
+        raise  # already names the file and the offending global
+    except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
+        raise CheckpointError(f"could not load the checkpoint: {err}"
+                              + _hint(directory), path=directory) from err
+    except DcpException as err:  # a BaseException: PyTorch DCP's per-rank failure report
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        raise CheckpointError(f"could not load the checkpoint (torch_dist reader): "
+                              f"{lines[-1] if lines else err}" + _backend_note(directory)
+                              + _hint(directory), path=directory) from None
+
+
+def _report_sources(directory: str, read: dict) -> None:
+    """Every rank: where its shards came from (--lazy-save-local-dir), bytes and read seconds."""
+    rank = dist.get_rank()
+    for saved_rank, why in sorted(read["fallbacks"].items()):
+        print(f"[rank {rank}] WARNING: the local copy of saved rank {saved_rank}'s shards failed "
+              f"verification ({why}); read from {directory} instead", flush=True)
+    parts = []
+    for kind, where in (("local", read["local_copy"]), ("shared", directory)):
+        if kind in read["sources"]:
+            nbytes, seconds = read["sources"][kind]
+            parts.append(f"{kind} {where}: {nbytes / 2**20:.2f} MiB in {seconds:.3f} s")
+    if not parts:
+        parts.append("no shard bytes read")
+    print(f"[rank {rank}] restored shards from " + "; ".join(parts), flush=True)
+
+
+def _backend_note(directory: str) -> str:
+    """A DataStates directory whose metadata.json names another backend was edited."""
+    if os.path.isfile(os.path.join(directory, paths.DATASTATES_COMMIT_FILENAME)):
+        return (". The directory holds a DataStates checkpoint (COMMIT.json) but metadata.json "
+                "names another backend: metadata.json was edited or replaced")
+    return ""
+
+def _hint(directory: str) -> str:
+    """`damage_hint` for ROOT/iter_NNNNNNN; nothing for a release directory."""
+    if os.path.basename(os.path.normpath(directory)) == paths.RELEASE_DIRNAME:
+        return ". Restore its files from a copy"
+    return damage_hint(*_split(directory))
+
+
+def _split(directory: str):
+    """(root, iteration) of ROOT/iter_NNNNNNN."""
+    return os.path.dirname(os.path.normpath(directory)), paths.iteration_of(directory)
