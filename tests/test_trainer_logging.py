@@ -298,7 +298,11 @@ def test_timers_reports_after_each_save_and_the_load(runs):
                                         float(gbps))
     files = [os.path.join(top, n) for top, _, names in os.walk(root / "ckpt" / "iter_0000004")
              for n in names]
-    assert int(nbytes) >= sum(os.path.getsize(f) for f in files if f.endswith(".bin"))
+    # PP=2 on 2 ranks: the ranks read the tensors of the shard files once (their bytes less
+    # alignment padding), plus the tied word embeddings the last stage reads again (saved once),
+    # and nothing else the processes read meanwhile (before, /proc's rchar: 10x too much).
+    shards = sum(os.path.getsize(f) for f in files if f.endswith(".bin"))
+    assert 0.97 * shards <= int(nbytes) <= 1.1 * shards, (nbytes, shards)
     assert tb["load-checkpoint/bytes"][4] == pytest.approx(int(nbytes), rel=1e-7)
     assert f"{tb['load-checkpoint/seconds'][4]:.3f}" == seconds
 

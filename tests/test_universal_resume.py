@@ -7,7 +7,9 @@ torch_dist before any step), converted back to universal, and compared bit for b
 checkpoint; the probe then trains one iteration, whose loss must match the uninterrupted run.
 """
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,6 +89,17 @@ def test_load_at_another_layout_bit_exact_then_same_loss(saved, tmp_path, layout
     assert probe.returncode == 0, probe.describe()
     assert "loaded universal checkpoint" in probe.stdout and "optimizer restored" in probe.stdout
     assert_close({4: probe.losses()[4]}, {4: run.losses()[4]})
+    if layout == "tp2pp1dp1_plain":
+        # The resume line's bytes: what the two TP ranks read out of the memory-mapped files,
+        # every tensor this run needs once (a plain fp32 optimizer has no fp32 copies to read)
+        # plus the few TP replicates (layer norms, row-parallel biases) both read; before,
+        # /proc's rchar saw none of the mapped reads (61 KB of 17.5 MB).
+        (nbytes,) = re.findall(r" checkpoint load \| iteration\s+3 \| bytes read: (\d+) \|",
+                               probe.stdout)
+        with UniversalCheckpoint(str(merged)) as u:
+            total = sum(math.prod(u.info(n).shape) * u.info(n).dtype.itemsize for n in u.names()
+                        if ".fp32_param." not in n)
+        assert total <= int(nbytes) <= 1.05 * total, (nbytes, total)
     restored = write_universal(open_source(str(dump / "iter_0000003")), str(tmp_path / "u2"))
     with UniversalCheckpoint(str(merged)) as a, UniversalCheckpoint(restored.directory) as b:
         assert a.names() == b.names()

@@ -7,7 +7,7 @@ slowest rank from the last rank. The min and max are one all-reduce on the check
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from datastates import control_plane
 
 from megatron.training.log import min_max_time_lines, print_rank_last
 
-__all__ = ["process_bytes_read", "report_times_across_ranks"]
+__all__ = ["count_loaded", "loaded_bytes", "report_times_across_ranks"]
 
 
 def report_times_across_ranks(name: str, seconds: float) -> float:
@@ -28,14 +28,30 @@ def report_times_across_ranks(name: str, seconds: float) -> float:
     return high
 
 
-def process_bytes_read() -> Optional[int]:
-    """Bytes this process (all its threads) has read through read-type system calls so far
-    (Linux `/proc/self/io` rchar, page-cache hits included); None where unavailable."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("rchar:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
+def count_loaded(obj: Any) -> Any:
+    """Add the bytes of every tensor in `obj` (a loaded state dict, a box) to what this process
+    has read into its state; returns `obj`. The resume line reports the sum over ranks: what
+    they read out of the checkpoint, whatever the format or the read path (memory-mapped
+    universal boxes, DCP byte ranges, torch.load), and nothing else the process read meanwhile
+    (modules imported, metadata)."""
+    global _loaded_bytes
+    _loaded_bytes += _tensor_bytes(obj)
+    return obj
+
+
+def loaded_bytes() -> int:
+    """Tensor bytes `count_loaded` has counted in this process so far."""
+    return _loaded_bytes
+
+
+_loaded_bytes = 0
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0

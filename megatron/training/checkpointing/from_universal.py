@@ -43,6 +43,7 @@ from megatron.training.checkpointing.contents import (
 )
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
+from megatron.training.timers import count_loaded
 
 _DISTOPT_MAIN = "optimizer.state.param."
 
@@ -57,9 +58,9 @@ def universal_name(sharded_key: str) -> str:
 def _read_box(u: UniversalCheckpoint, sh) -> torch.Tensor:
     name = universal_name(sh.key)
     info = u.info(name)
-    return read_sharded_tensor(sh, info.shape, info.dtype,
-                               lambda off, shape: u.read(name, off, shape),
-                               where=u.directory, name=name)
+    return count_loaded(read_sharded_tensor(sh, info.shape, info.dtype,
+                                            lambda off, shape: u.read(name, off, shape),
+                                            where=u.directory, name=name))
 
 
 def _fill(sd: Any, u: UniversalCheckpoint) -> Any:

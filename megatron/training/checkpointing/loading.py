@@ -43,7 +43,7 @@ from megatron.training.checkpointing.from_universal import load_universal
 from megatron.training.checkpointing.lazy import local_dir_of_this_rank, restore_peer_copies
 from megatron.training.log import print_rank_0
 from megatron.training.metrics import Metrics
-from megatron.training.timers import process_bytes_read, report_times_across_ranks
+from megatron.training.timers import count_loaded, loaded_bytes, report_times_across_ranks
 
 
 def _saved_config(directory: str, kind: paths.Format, allow_unsafe_pickle: bool) -> str:
@@ -69,7 +69,7 @@ def _load_distrib_optim(optimizer, path: str, allow_unsafe_pickle: bool) -> None
             continue
         state_dict = None
         if opt.data_parallel_group.rank() == 0:
-            state_dict = safe_torch_load(path, allow_unsafe_pickle)
+            state_dict = count_loaded(safe_torch_load(path, allow_unsafe_pickle))
         opt.load_parameter_state_from_dp_zero(state_dict)
 
 
@@ -175,6 +175,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     if own_boxes:  # param groups, step, scaler here; the parameter state from the boxes below
         for key in ("param_state", "param_state_sharding_type"):
             loaded["optimizer"].pop(key, None)
+    count_loaded(loaded)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                                    finetune=ckpt.finetune,
                                    schedule=config.optimizer.scheduler_on_resume, path=directory,
@@ -184,7 +185,8 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                                             include_rng=False)
         try:
             with datastates.CheckpointReader(directory) as reader:
-                distopt_shards.load_own_boxes(state.optimizer, model_sd, reader.read)
+                distopt_shards.load_own_boxes(state.optimizer, model_sd,
+                                              lambda *box: count_loaded(reader.read(*box)))
         except datastates.CheckpointError as err:
             raise CheckpointError(f"could not load the distributed optimizer's state: {err}"
                                   + _hint(directory), path=directory) from err
@@ -207,24 +209,17 @@ def load_checkpoint(state: TrainState, config: RunConfig,
 def timed_load_checkpoint(state: TrainState, config: RunConfig,
                           metrics: Optional[Metrics] = None) -> bool:
     """`load_checkpoint`, then (after a resume) Megatron's `load-checkpoint` timers report and one
-    line with the bytes every rank read, the slowest rank's time and their ratio."""
-    start, read_before = time.perf_counter(), process_bytes_read()
+    line with the tensor bytes the ranks read into their state (summed; `timers.count_loaded`),
+    the slowest rank's time and their ratio."""
+    start, read_before = time.perf_counter(), loaded_bytes()
     loaded = load_checkpoint(state, config)
     seconds = time.perf_counter() - start
-    read_after = process_bytes_read()
     if not loaded:
         return False
     slowest = report_times_across_ranks("load-checkpoint", seconds)
     metrics = metrics or Metrics.off(config)
     metrics.timer("load-checkpoint", slowest, state.iteration)
-    unknown = read_before is None or read_after is None
-    nbytes, ranks_unknown = control_plane.all_reduce(
-        [0 if unknown else read_after - read_before, int(unknown)])
-    if ranks_unknown:
-        print_rank_0(f" checkpoint load | iteration {state.iteration:8d} | time (s): "
-                     f"{slowest:.3f} | bytes read: unknown on {ranks_unknown} rank(s) (no "
-                     "/proc/self/io)")
-        return True
+    (nbytes,) = control_plane.all_reduce([loaded_bytes() - read_before])
     print_rank_0(f" checkpoint load | iteration {state.iteration:8d} | bytes read: {nbytes} | "
                  f"time (s): {slowest:.3f} | throughput (GB/s): "
                  f"{nbytes / slowest / 1e9 if slowest > 0 else 0.0:.3f}")
