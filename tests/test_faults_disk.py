@@ -7,6 +7,7 @@ Skipped where mounting is not permitted (CI and sessions run as root, see docs/T
 """
 import errno
 import os
+import re
 
 import pytest
 
@@ -65,6 +66,14 @@ def test_full_disk_continue_policy_trains_to_the_end_without_saving(small_fs):
     tracked = _check_nothing_partial_is_complete(root)
     # No saves after the failure was agreed on: the last iterations have no directory at all.
     assert 8 not in _iter_dirs(root) and tracked < 8
+    # The summary counts what was started and what became complete, as on disk.
+    (summary,) = [ln for ln in run.stdout.splitlines() if ln.startswith(" training summary |")]
+    m = re.search(r"checkpoints: (\d+) \(complete: (\d+)\) \|.*"
+                  r"newest complete checkpoint: (\S+)$", summary)
+    committed = [it for it in _iter_dirs(root)
+                 if (root / f"iter_{it:07d}" / "COMMIT.json").exists()]
+    assert m and int(m.group(2)) == len(committed) < int(m.group(1)), summary
+    assert m.group(3) == str(root / f"iter_{tracked:07d}"), summary
 
 
 def _fill(mnt):

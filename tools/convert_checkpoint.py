@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron.training import warning_filters
+
+    warning_filters.install()  # before megatron-core is imported (its import-time warnings)
     from datastates import CheckpointError
 
     try:

@@ -47,6 +47,9 @@ def _print_progress(progress: Progress) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron.training import warning_filters
+
+    warning_filters.install()  # before megatron-core is imported (its import-time warnings)
     config = PreprocessConfig(
         input_path=args.input,
         output_prefix=args.output_prefix,

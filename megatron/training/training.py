@@ -212,10 +212,13 @@ def train_step(trainer: Trainer, iterators):
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, prefix: str = "validation") -> Optional[float]:
+def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False) -> Optional[float]:
     state, t = trainer.state, trainer.config.training
     if trainer.datasets.valid is None or t.eval_iters == 0:
         return None
+    # Announced, as it may take a while (Megatron-LM's default is 100 iterations).
+    print_rank_0(f"{'final ' if final else ''}validation: running {t.eval_iters} iterations "
+                 f"({t.eval_iters * t.global_batch_size} samples; --eval-iters {t.eval_iters})")
     for chunk in state.model:
         chunk.eval()
     iterators = _data_iterators(trainer, trainer.datasets.valid, state.consumed_valid_samples)
@@ -251,7 +254,7 @@ class _SigtermFlag:
 
 class _Summary:
     """What the end-of-training line reports: iterations, wall time, tokens/s, checkpoints
-    started, and the time the loop spent blocked in checkpoint calls (save calls, the lazy
+    started and how many of them became complete (a full disk: 1 started, 0 complete), and the time the loop spent blocked in checkpoint calls (save calls, the lazy
     snapshot wait, commit polls, the final drain)."""
 
     def __init__(self, trainer: Trainer):
@@ -261,6 +264,7 @@ class _Summary:
         self.wait_at_start_s = trainer.checkpoint_wait_s
         self.blocked_s = 0.0  # in the loop's own checkpoint calls (train_step's waits apart)
         self.saves_at_start = trainer.checkpoints.saves_started
+        self.committed_at_start = trainer.checkpoints.saves_committed
 
     def blocked(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
@@ -283,10 +287,13 @@ class _Summary:
         newest = paths.tracked_iteration(root) if root else None
         newest_dir = "none" if newest is None else paths.checkpoint_dir(root, newest)
         blocked = self.blocked_s + self.trainer.checkpoint_wait_s - self.wait_at_start_s
+        ckpts = self.trainer.checkpoints
+        started = ckpts.saves_started - self.saves_at_start
+        complete = ckpts.saves_committed - self.committed_at_start
         print_rank_0(f" training summary | iterations: {self.start_iteration} -> "
                      f"{state.iteration} | time (s): {wall:.1f} | tokens/s: "
-                     f"{tokens / wall if wall > 0 else 0.0:.1f} | checkpoints: "
-                     f"{self.trainer.checkpoints.saves_started - self.saves_at_start} | "
+                     f"{tokens / wall if wall > 0 else 0.0:.1f} | checkpoints: {started} "
+                     f"(complete: {complete}) | "
                      f"blocked by checkpointing (s): {blocked:.3f} | newest complete "
                      f"checkpoint: {newest_dir}")
 
@@ -406,7 +413,7 @@ def _train_loop(trainer: Trainer) -> int:
             summary.saving(trainer.checkpoints.maybe_save, state, force=True)
         if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval and \
                 state.iteration > summary.start_iteration:
-            evaluate(trainer)  # as Megatron-LM: the end of training is validated too
+            evaluate(trainer, final=True)  # as Megatron-LM: the end is validated too
         return state.iteration
     finally:
         summary.blocked(trainer.checkpoints.finalize)

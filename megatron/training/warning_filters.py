@@ -22,6 +22,10 @@ _ALWAYS = (
      "megatron-core's optimizer reads .grad of its own parameter views"),
     (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
      FutureWarning, "megatron-core's distributed optimizer and DDP call these collectives"),
+    (r"`load_state_dict` is deprecated and will be removed", FutureWarning,
+     "megatron-core's torch_dist load strategy calls torch.distributed.checkpoint's old name"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
+     "megatron-core's torch_dist format is built on ShardedTensor; every torch_dist load warns"),
 )
 #: The same, only where CUDA is absent: Apex and Transformer Engine are GPU libraries, so on a
 #: CPU machine there is nothing to install (on a GPU node the warnings stay: installing them is
@@ -29,6 +33,8 @@ _ALWAYS = (
 _CPU_ONLY = (
     (r"Transformer Engine and Apex are not installed", UserWarning, "GPU-only libraries"),
     (r"Apex is not installed\. Falling back to Torch Norm", UserWarning, "GPU-only library"),
+    (r"recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning,
+     "a CUDA scheduling knob (TP with sequence parallel or async all-reduce); no CUDA here"),
 )
 
 

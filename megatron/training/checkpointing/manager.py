@@ -90,6 +90,8 @@ class CheckpointManager:
         self._iteration_t0: Optional[float] = None
         #: Saves started by `maybe_save` (the summary's count; skipped and in-flight saves apart).
         self.saves_started = 0
+        #: Rank 0: saves that became complete (their tracker moved), counted in `_after_commit`.
+        self.saves_committed = 0
         #: Per root, as rank 0 found it at `start()`: iterations with a complete version
         #: (never saved again) and with an unfinished save's leftovers (set aside first).
         self.complete_at_start: Dict[str, List[int]] = {}
@@ -320,6 +322,7 @@ class CheckpointManager:
         non-persistent root keeps its newest checkpoint only, as Megatron-LM). Saves still in
         flight are newer than `iteration`, so retention never reaches them; checkpoints that
         `_in_use` names or another process reads are kept for now."""
+        self.saves_committed += 1
         persistent = root == self.ckpt.save
         fail_point("retention", iteration, dist.get_rank(), root)
         keep = self.ckpt.keep_last_n_checkpoints if persistent else 1
