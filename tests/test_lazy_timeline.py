@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from tools.plot_checkpoint_timeline import main, phases, read_events, split_runs
+from tools.plot_checkpoint_timeline import (_spaced, main, phases, read_events, run_starts,
+                                            split_runs, unlogged_commits)
 
 EVENTS = [
     {"event": "iteration", "iteration": 1, "time": 100.0},
@@ -75,6 +76,40 @@ def test_start_events_split_runs_that_continue_the_iteration_count(tmp_path):
                                           + second)))
     assert [[r["iteration"] for r in its] for its, _ in runs] == [[1, 2], [3, 4]]
     assert [len(cks) for _, cks in runs] == [1, 0]
+
+
+def test_killed_run_gets_its_unlogged_commit_and_validation_has_a_row(tmp_path):
+    """Run 1 is killed after committing iteration 3 and before logging it (between its commit
+    marker and its tracker move: the tracker still names 2); run 2 resumes from 2, validates at
+    4. The plot takes 3 from run 2's start event and draws run 2's validation."""
+    ck = EVENTS[1]
+    events = [{"event": "start", "time": 99.0, "committed": None, "newest_complete": None},
+              {"event": "iteration", "iteration": 1, "time": 100.0},
+              dict(ck, iteration=1), {"event": "iteration", "iteration": 2, "time": 101.0},
+              dict(ck, iteration=2, t_start=101.0, time=101.5),
+              {"event": "iteration", "iteration": 3, "time": 102.0},
+              {"event": "start", "time": 150.0, "committed": 2, "newest_complete": 3},
+              {"event": "iteration", "iteration": 3, "time": 152.0},
+              {"event": "validation", "iteration": 3, "t_start": 152.0, "time": 152.5},
+              {"event": "iteration", "iteration": 4, "time": 153.0}]
+    iterations, checkpoints = read_events(_write(tmp_path, events))
+    runs = split_runs(iterations, checkpoints)
+    assert [[r["iteration"] for r in its if r["event"] == "iteration"] for its, _ in runs] == \
+        [[1, 2, 3], [3, 4]]
+    starts = run_starts(iterations, runs)
+    assert [s.get("committed") for s in starts] == [None, 2]
+    assert unlogged_commits(runs, starts) == [3, None]
+    rows = phases(*runs[1])
+    assert rows["validation"] == [(0.0, 0.5)] and rows["iterations"] == [(0.0, 1.0)]
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "killed.png"
+    assert main([_write(tmp_path, events), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_labels_are_thinned_to_fit_the_last_one_kept():
+    assert _spaced([0.0, 0.1, 0.2, 1.0, 1.05, 2.0], 0.5) == [2, 4, 5]
+    assert _spaced([0.0, 1.0, 2.0], 0.5) == [0, 1, 2]
 
 
 def test_bad_input_names_the_line(tmp_path):

@@ -219,6 +219,7 @@ def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False) 
     # Announced, as it may take a while (Megatron-LM's default is 100 iterations).
     print_rank_0(f"{'final ' if final else ''}validation: running {t.eval_iters} iterations "
                  f"({t.eval_iters * t.global_batch_size} samples; --eval-iters {t.eval_iters})")
+    t_start = time.time()
     for chunk in state.model:
         chunk.eval()
     iterators = _data_iterators(trainer, trainer.datasets.valid, state.consumed_valid_samples)
@@ -227,6 +228,7 @@ def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False) 
         losses += _run_schedule(trainer, iterators, forward_only=True)
         state.consumed_valid_samples += t.global_batch_size
     loss = _reduce_loss(losses)
+    trainer.checkpoints.validation_done(state.iteration, t_start, time.time())
     if loss is not None:
         print_rank_last(validation_lines(state.iteration, loss, prefix))
         trainer.metrics.validation(state.iteration, state.consumed_train_samples, loss)

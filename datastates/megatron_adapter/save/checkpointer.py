@@ -63,7 +63,7 @@ from ..levels import local_tier
 from .payload import PayloadPlan
 from .plan import SavePlanCache, StructurePolicy
 from ..paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
-    probe_writable, set_aside, tracked_iteration, write_tracker
+    probe_writable, set_aside, tracked_iteration, write_tracker, complete_iterations
 
 __all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySaveConfig",
            "TELEMETRY_FILENAME", "append_telemetry", "prepare_and_probe_root"]
@@ -228,8 +228,11 @@ class LazyCheckpointer:
         self.disabled = False  # FailurePolicy.CONTINUE after a failure: no more saves
         self.universal = None  # rank 0: the background universal merges, when asked for
         self._merge_follower = None  # the first rank of each other node: its share of them
-        if self.rank == 0:
-            self._event({"event": "start", "time": time.time()})  # the timeline splits runs here
+        if self.rank == 0:  # the timeline splits runs here, and shows what the run starts from
+            complete = complete_iterations(config.root)
+            self._event({"event": "start", "time": time.time(),
+                         "committed": tracked_iteration(config.root),
+                         "newest_complete": complete[-1] if complete else None})
         if config.universal_every_n:
             self._start_mergers(log)
 
@@ -424,6 +427,12 @@ class LazyCheckpointer:
         t0 = time.perf_counter()
         self._guard(lambda: self.engine.wait_for_snapshot(timeout=self.config.drain_timeout_s))
         self.pending[-1].stall_s += time.perf_counter() - t0
+
+    def record(self, event: Dict[str, Any]) -> None:
+        """Rank 0: one more event (a JSON object with "event" and "time") in the telemetry the
+        timeline tool reads, e.g. the trainer's validation; other ranks ignore it."""
+        if self.rank == 0:
+            self._event(dict(event))
 
     # -- 4) every iteration ------------------------------------------------------------------
     def poll(self, iteration: int) -> None:

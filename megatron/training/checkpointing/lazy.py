@@ -272,6 +272,10 @@ class LazyCheckpointManager(CheckpointManager):
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
         return sd, boxes
 
+    def validation_done(self, iteration: int, t_start: float, t_end: float) -> None:
+        self.checkpointer.record({"event": "validation", "iteration": iteration,
+                                  "t_start": t_start, "time": t_end})
+
     def before_optimizer_step(self) -> None:
         self.checkpointer.before_optimizer_step()
 

@@ -267,6 +267,10 @@ class CheckpointManager:
             self.auto.iteration_done(now - self._iteration_t0)
             self._iteration_t0 = now
 
+    def validation_done(self, iteration: int, t_start: float, t_end: float) -> None:
+        """Every rank, after a validation run at `iteration` (wall-clock `t_start`..`t_end`): the
+        lazy format adds it to the timeline's telemetry; the stock formats keep none."""
+
     # 4) every rank, once
     def finalize(self) -> None:
         pass
