@@ -11,9 +11,9 @@ import sys
 
 
 def main(argv=None) -> int:
-    from megatron.training import warning_filters
+    from megatron.training.startup import import_megatron_core
 
-    warning_filters.install()  # before megatron-core is imported: its import-time warnings
+    import_megatron_core()  # quietly, without compiling what it may never call
     from megatron.training.arguments import ArgumentError, build_run_config, parse_args
 
     from datastates import CheckpointError  # the trainer's checkpoint errors subclass it

@@ -107,6 +107,9 @@ def _merge(args, kind):
 
 
 def _to_torch_dist(args):
+    from megatron.training.startup import import_megatron_core
+
+    import_megatron_core()  # its dist_checkpointing writes the output
     from datastates import CheckpointError
     from datastates.megatron_adapter import locate
     from datastates.megatron_adapter.merge.run import advance_tracker
@@ -262,7 +265,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron.training import warning_filters
 
-    warning_filters.install()  # before megatron-core is imported (its import-time warnings)
+    warning_filters.install()  # megatron-core, if a subcommand imports it, stays quiet
     from datastates import CheckpointError
 
     try:

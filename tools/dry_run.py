@@ -198,9 +198,9 @@ def _paper(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron.training import warning_filters
+    from megatron.training.startup import import_megatron_core
 
-    warning_filters.install()  # before megatron-core is imported (its import-time warnings)
+    import_megatron_core()  # quietly, without compiling what it may never call
     if args.paper_models == bool(args.launch_args):
         print("error: give either --paper-models or -- <pretrain_gpt.py flags>", file=sys.stderr)
         return 2

@@ -47,9 +47,9 @@ def _print_progress(progress: Progress) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron.training import warning_filters
+    from megatron.training.startup import import_megatron_core
 
-    warning_filters.install()  # before megatron-core is imported (its import-time warnings)
+    import_megatron_core()  # quietly, without compiling what it may never call
     config = PreprocessConfig(
         input_path=args.input,
         output_prefix=args.output_prefix,
