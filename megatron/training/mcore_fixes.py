@@ -99,28 +99,22 @@ def apply_torch_adam_patches() -> bool:
 _MANAGERS: list = []  # the Manager of the results queue, alive as long as this process
 
 
-def _serve_until_the_rank_dies() -> None:
-    """In the results-queue Manager process: ignore SIGTERM and SIGINT (a launcher signals the
-    whole process tree, and the rank may still save on SIGTERM, --exit-signal-handler) and die
-    with the rank instead (PR_SET_PDEATHSIG)."""
-    import signal
-
-    from datastates.megatron_adapter import die_with_parent
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
-
-
 def results_queue_dies_with_rank() -> None:
-    """At the first torch_dist save: start the Manager process behind megatron-core's write
-    results queue (`filesystem_async._get_write_results_queue`, a spawned
-    `multiprocessing.Manager()`) ourselves, with PR_SET_PDEATHSIG, so it dies with the rank.
+    """Start the Manager process behind megatron-core's torch_dist write-results queue
+    (`filesystem_async._get_write_results_queue`) ourselves: one that dies with the rank, and
+    that answers at once. Call it before the model is built (`training.setup` does; the first
+    torch_dist save calls it too, then it does nothing).
 
-    megatron-core starts it on the first save and shuts it down only at a normal interpreter
-    exit. A rank ended by a signal (torchrun sends SIGTERM to the others once one rank failed)
-    leaves it running, re-parented to init: it keeps the job's stdout open, so a launcher or a
-    test that reads the job's output never sees it end (seen in the fault matrix)."""
+    megatron-core spawns a `multiprocessing.Manager()` at the first save and shuts it down only
+    at a normal interpreter exit. Two problems follow:
+    - a rank ended by a signal (torchrun sends SIGTERM to the others once one rank failed) leaves
+      it running, re-parented to init: it keeps the job's stdout open, so a launcher or a test
+      that reads the job's output never sees it end (seen in the fault matrix). Ours ignores
+      SIGTERM/SIGINT and gets SIGKILL when the rank dies (PR_SET_PDEATHSIG);
+    - a spawned server imports torch to unpickle the first results the writers put (DCP's
+      WriteResult): the rank's first save call waited 1.6 s for it, in every run. Ours is
+      forked (megatron-core forks its writer processes the same way), so torch is already
+      there; forked before the model exists, it shares little memory with the rank."""
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
 
@@ -128,7 +122,9 @@ def results_queue_dies_with_rank() -> None:
 
     if getattr(fa, "_results_queue", None) is not None or not hasattr(fa, "_results_queue"):
         return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_serve_until_the_rank_dies)
+    from megatron.training.child_processes import serve_until_the_rank_dies
+
+    manager = SyncManager(ctx=mp.get_context("fork"))
+    manager.start(initializer=serve_until_the_rank_dies)
     _MANAGERS.append(manager)
     fa._results_queue = manager.Queue()

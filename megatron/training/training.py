@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from megatron.training.checkpointing.loading import timed_load_checkpoint
 from megatron.training.checkpointing.contents import TrainState
-from megatron.training.checkpointing.formats import make_checkpoint_manager
+from megatron.training.checkpointing.formats import format_name, make_checkpoint_manager
 from megatron.training.checkpointing.manager import CheckpointManager
 from megatron.training.config import RunConfig, SchedulerOnResume
-from megatron.training.mcore_fixes import apply_torch_adam_patches
+from megatron.training.mcore_fixes import apply_torch_adam_patches, results_queue_dies_with_rank
 from megatron.training.data import Datasets, MicroBatchIterator, build_datasets, get_batch
 from megatron.training.flops import num_floating_point_operations, shape_of, \
     throughput_tflops_per_gpu
@@ -111,6 +111,9 @@ def setup(config: RunConfig) -> Trainer:
     initialize_distributed(config.parallel, control_timeout_s=control_timeout(
         config.checkpoint.ckpt_drain_timeout))
     apply_torch_adam_patches()
+    if format_name(config) == "torch_dist" and (config.checkpoint.save or
+                                                config.checkpoint.non_persistent_save_interval):
+        results_queue_dies_with_rank()  # forked now, while the process is small
     t = config.training
     init_num_microbatches_calculator(dist.get_rank(), None, t.global_batch_size,
                                      t.micro_batch_size, config.parallel.data_parallel_size)
