@@ -53,17 +53,7 @@ def _report(err: BaseException) -> None:
     print(f"pretrain_gpt.py: error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
 
-def _exit(code: int) -> None:
-    """Exit with `code`, without the interpreter's final garbage collection over every object
-    torch and megatron-core created (about 1 s per process on our CPU machines, after the last
-    line is printed): they are frozen out of it (`gc.freeze`). Everything else of a normal exit
-    still runs (atexit handlers, joins, flushes); checkpoint files are closed and made durable
-    before this, never by a finalizer."""
-    import gc
-
-    gc.freeze()
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    _exit(main())
+    from megatron.training.startup import exit_without_final_gc
+
+    exit_without_final_gc(main())  # ~1 s sooner: no final collection over torch's objects

@@ -264,30 +264,38 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron.training import warning_filters
+    from megatron.training.startup import compile_deferred
 
     warning_filters.install()  # megatron-core, if a subcommand imports it, stays quiet
     from datastates import CheckpointError
 
     try:
-        if args.command == "merge":
-            _merge(args, "datastates")
-        elif args.command == "from-torch-dist":
-            _merge(args, "torch_dist")
-        elif args.command == "to-torch-dist":
-            _to_torch_dist(args)
-        elif args.command == "to-hf":
-            _to_hf(args)
-        elif args.command == "from-hf":
-            _from_hf(args)
-        elif args.command == "upgrade-universal":
-            _upgrade(args)
-        else:
-            _inspect(args)
+        with compile_deferred():  # reading a saved `args` imports megatron-core
+            return _run(args)
     except CheckpointError as err:
         print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
         return 2
+
+
+def _run(args) -> int:
+    if args.command == "merge":
+        _merge(args, "datastates")
+    elif args.command == "from-torch-dist":
+        _merge(args, "torch_dist")
+    elif args.command == "to-torch-dist":
+        _to_torch_dist(args)
+    elif args.command == "to-hf":
+        _to_hf(args)
+    elif args.command == "from-hf":
+        _from_hf(args)
+    elif args.command == "upgrade-universal":
+        _upgrade(args)
+    else:
+        _inspect(args)
     return 0
 
 
 if __name__ == "__main__":  # the torch_dist writer's spawn-context Manager re-imports __main__
-    sys.exit(main())
+    from megatron.training.startup import exit_without_final_gc
+
+    exit_without_final_gc(main())

@@ -216,4 +216,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.training.startup import exit_without_final_gc
+
+    exit_without_final_gc(main())
