@@ -68,7 +68,19 @@ def test_readme_commands_run_as_written(tmp_path):
     resume = ("torch_dist load", train_block.replace("--save runs/demo --load runs/demo",
                                                      "--load runs/demo_torch_dist "
                                                      "--save runs/demo_resumed").split("\n"))
-    for heading, commands in blocks[1:] + [resume]:
+    # The other user paths, from what the README's commands made: the ways in, the dry run of a
+    # launch line, data preparation. The same checks: rc 0, no warning left.
+    launch_flags = train_block.split("pretrain_gpt.py", 1)[1].split("--save", 1)[0]
+    others = ("other tools", [
+        "source .venv/bin/activate",
+        "python tools/convert_checkpoint.py from-hf runs/demo_hf runs/demo_from_hf",
+        "python tools/convert_checkpoint.py from-torch-dist runs/demo_torch_dist runs/demo_u2",
+        "python tools/convert_checkpoint.py upgrade-universal runs/demo_u2",
+        f"python tools/dry_run.py --world-size 2 -- {launch_flags}",
+        "printf '{\"text\": \"1 2 3 4 5\"}\\n{\"text\": \"6 7 8\"}\\n' > runs/docs.jsonl",
+        "python tools/preprocess_data.py --input runs/docs.jsonl --output-prefix runs/docs "
+        "--tokenizer-type NullTokenizer --vocab-size 16 --append-eod"])
+    for heading, commands in blocks[1:] + [resume, others]:
         script = "\n".join(commands)
         script = script.replace("--train-iters 40", f"--train-iters {ITERS}")
         script = script.replace("iter_0000040", f"iter_{ITERS:07d}")
@@ -105,3 +117,6 @@ def test_readme_commands_run_as_written(tmp_path):
     assert "sbatch" in next(t for h, t in outputs.items() if "Slurm" in h)
     assert f"(format torch_dist, iteration {ITERS};" in outputs["torch_dist load"], \
         outputs["torch_dist load"][-3000:]
+    assert (runs / "demo_from_hf" / "manifest.json").is_file()
+    assert (runs / "demo_u2").is_dir() and (runs / "docs_text_document.idx").is_file(), \
+        outputs["other tools"][-3000:]

@@ -26,6 +26,9 @@ _ALWAYS = (
      "megatron-core's torch_dist load strategy calls torch.distributed.checkpoint's old name"),
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
      "megatron-core's torch_dist format is built on ShardedTensor; every torch_dist load warns"),
+    (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+     r"load in a single process", UserWarning,
+     "the converters read a torch_dist checkpoint in one process on purpose (from-torch-dist)"),
 )
 #: The same, only where CUDA is absent: Apex and Transformer Engine are GPU libraries, so on a
 #: CPU machine there is nothing to install (on a GPU node the warnings stay: installing them is
