@@ -96,6 +96,19 @@ def apply_torch_adam_patches() -> bool:
     return True
 
 
+def _serve_until_the_rank_dies() -> None:
+    """In the results-queue Manager process: ignore SIGTERM and SIGINT (a launcher signals the
+    whole process tree, and the rank may still save on SIGTERM, --exit-signal-handler) and die
+    with the rank instead (PR_SET_PDEATHSIG)."""
+    import signal
+
+    from datastates.megatron_adapter import die_with_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
 _MANAGERS: list = []  # the Manager of the results queue, alive as long as this process
 
 
@@ -122,9 +135,7 @@ def results_queue_dies_with_rank() -> None:
 
     if getattr(fa, "_results_queue", None) is not None or not hasattr(fa, "_results_queue"):
         return
-    from megatron.training.child_processes import serve_until_the_rank_dies
-
     manager = SyncManager(ctx=mp.get_context("fork"))
-    manager.start(initializer=serve_until_the_rank_dies)
+    manager.start(initializer=_serve_until_the_rank_dies)
     _MANAGERS.append(manager)
     fa._results_queue = manager.Queue()
