@@ -88,15 +88,6 @@ def _fill(mnt):
         os.close(fd)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_common_pt_on_a_full_disk_is_an_enospc_oserror_naming_the_file(tmp_path, one_rank_group):
     """Stock torch.save reports a full disk as "[enforce fail at inline_container.cc] unexpected
     pos"; our common.pt writer must say ENOSPC and name the file, and leave no partial file."""

@@ -58,10 +58,10 @@ def config(extra="", world_size=1):
      1, "--non-persistent-local-ckpt-dir '/n{nod}': unknown or malformed placeholder"),
     ("--non-persistent-local-ckpt-dir /nvme", 1,
      "--non-persistent-local-ckpt-dir needs --non-persistent-ckpt-type local"),
-    ("--non-persistent-ckpt-type in_memory", 1, "--non-persistent-ckpt-type in_memory is not "
-     "supported"),
+    ("--non-persistent-ckpt-type in_memory", 1, "--non-persistent-ckpt-type in_memory keeps "
+     "DataStates versions in each node's shared memory: add --async-lazy-save"),
     ("--non-persistent-save-interval 5", 1,
-     "--non-persistent-save-interval needs --non-persistent-ckpt-type global or local"),
+     "--non-persistent-save-interval needs --non-persistent-ckpt-type global, local or in_memory"),
     ("--non-persistent-save-interval 0 --non-persistent-ckpt-type global", 1,
      "--non-persistent-save-interval must be >= 1, got 0"),
     ("--non-persistent-global-ckpt-dir /np", 1,
@@ -100,6 +100,15 @@ def test_non_persistent_roots_follow_megatron_lm():
                    "--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /nvme/{node} "
                    "--non-persistent-local-ckpt-algo atomic").checkpoint
     assert local.non_persistent_save_root() == local.non_persistent_root("/l") == "/nvme/{node}"
+    memory = config("--save /s --load /l --async-lazy-save --non-persistent-save-interval 1 "
+                    "--non-persistent-ckpt-type in_memory").checkpoint
+    # One shared-memory root per --save (loading: per --load), never another root's.
+    saving, loading = memory.non_persistent_save_root(), memory.non_persistent_root("/l")
+    assert saving.startswith("/dev/shm/datastates-") and saving.endswith("/in_memory/node{node}")
+    assert loading != saving and loading == config(
+        "--save /l --async-lazy-save --non-persistent-save-interval 1 "
+        "--non-persistent-ckpt-type in_memory").checkpoint.non_persistent_save_root()
+    assert memory.non_persistent_node_local and local.non_persistent_node_local
 
 
 def test_megatron_checkpoint_flags_map_onto_ours(capsys):

@@ -6,8 +6,9 @@ public API, nothing else. One sub-package per concern:
   save/        the save path: `LazyCheckpointer` (engine, agreement across ranks, commit marker,
                tracker), megatron-core dist_checkpointing strategies, cached save plans, payload
   levels/      the levels beyond the shared file system, each at its own pace: node-local
-               storage (--lazy-save-local-dir), node-local versions, a peer node's copy
-               (--lazy-save-peer-replica) and the restore from it
+               storage (--lazy-save-local-dir), node-local versions, the in-memory level's room
+               in shared memory, a peer node's copy (--lazy-save-peer-replica) and the restore
+               from it
   merge/       Megatron checkpoints -> universal checkpoints, by hand or in a low-priority
                background process (``python -m datastates.megatron_adapter.merge``)
   hf/          universal <-> Hugging Face GPT-2 or Llama (safetensors + config.json)
@@ -55,10 +56,12 @@ _EXPORTS = {
     "UNIVERSAL_KIND": "resolve",
     "expand_local_dir": "levels.local_tier", "newest_on_every_node": "levels.node_local",
     "PeerReplicator": "levels.peer_replica", "RestoreStats": "levels.peer_replica",
-    "Ring": "levels.peer_replica",
+    "Ring": "levels.peer_replica", "node_index": "levels.peer_replica",
+    "check_memory_room": "levels.in_memory", "release_memory": "levels.in_memory",
     "restore_before_load": "levels.peer_replica", "needed_saved_ranks": "levels.peer_replica",
 }
-_RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand"}
+_RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand",
+            "check_memory_room": "check_room", "release_memory": "release"}
 
 __all__ = sorted(_EXPORTS) + ["paths"]
 

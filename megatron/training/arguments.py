@@ -26,6 +26,7 @@ from megatron.training.config import (
     RunConfig,
     SchedulerOnResume,
     TrainingConfig,
+    shared_memory_dir,
 )
 from megatron.training.tokenizer import TokenizerType, build_tokenizer
 
@@ -246,6 +247,13 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "own shards plus the replica it receives (default: twice this rank's "
                         "checkpoint bound); a replica that would exceed it is skipped, with a "
                         "warning")
+    g.add_argument("--lazy-save-wait-persistent", action="store_true", default=None,
+                   help="with a node-local non-persistent level (--non-persistent-ckpt-type "
+                        "in_memory or local), a persistent save that falls due while the previous "
+                        "one is still being written to --save waits in line for it (training may "
+                        "then wait for the disk) instead of the default, latest wins: it is "
+                        "deferred, and the first iteration after the previous one is complete is "
+                        "saved instead (each deferral is logged and counted)")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="keep only the newest N complete checkpoints under --save")
     g.add_argument("--ckpt-failure-policy", choices=[x.value for x in CkptFailurePolicy],
@@ -298,7 +306,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "node's own storage (--non-persistent-local-ckpt-dir), never copied to "
                         "the shared file system, with --async-lazy-save. --load resumes from it "
                         "when it is at least as new as --load's tracker (local: on every node). "
-                        "in_memory is not supported")
+                        "in_memory: each node's shared memory (/dev/shm), which outlives a crash "
+                        "of the training processes, with --async-lazy-save; a restart on the same "
+                        "nodes resumes from it when it is the newest")
     g.add_argument("--non-persistent-global-ckpt-dir", default=None,
                    help="root of global non-persistent checkpoints (default: <save>/"
                         "non_persistent when saving, <load>/non_persistent when loading)")
@@ -484,20 +494,13 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
 LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": None, "lazy_save_checksum": "crc32c",
                       "lazy_save_local_dir": None,
                       "lazy_save_local_keep": 2, "lazy_save_peer_replica": False,
-                      "lazy_save_peer_replica_mb": None}
+                      "lazy_save_peer_replica_mb": None, "lazy_save_wait_persistent": False}
 
 
 def default_memory_dir(save: str) -> str:
-    """--lazy-save-local-dir under --lazy-save-peer-replica when not given: a per-user directory
-    in /dev/shm (memory that outlives the training processes, not the node), one per --save root
-    so that a new launch with the same nodes and --save finds it, one subdirectory per node."""
-    import getpass
-    import hashlib
-    import tempfile
-
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    digest = hashlib.sha256(os.path.abspath(save).encode()).hexdigest()[:12]
-    return os.path.join(base, f"datastates-{getpass.getuser()}-{digest}", "node{node}")
+    """--lazy-save-local-dir under --lazy-save-peer-replica when not given: one subdirectory per
+    node of --save's shared-memory directory (`config.shared_memory_dir`)."""
+    return shared_memory_dir(save, "node{node}")
 
 
 def host_cache_budget_mb() -> Tuple[int, int, int]:
@@ -545,12 +548,12 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
 
 def _check_non_persistent_flags(a: argparse.Namespace) -> None:
     """Megatron-LM's non-persistent checkpoints: `global` is a second save root; `local` keeps
-    DataStates versions on each node's storage; `in_memory` (Megatron-LM's is a placeholder) has
-    no equivalent."""
+    DataStates versions on each node's storage; `in_memory` (a placeholder in Megatron-LM) in
+    each node's shared memory."""
     kind = a.non_persistent_ckpt_type
-    _require(kind != "in_memory", "--non-persistent-ckpt-type in_memory is not supported (nor "
-             "implemented by Megatron-LM); use local (each node's storage, with "
-             "--async-lazy-save) or global")
+    _require(kind != "in_memory" or a.async_lazy_save, "--non-persistent-ckpt-type in_memory keeps "
+             "DataStates versions in each node's shared memory: add --async-lazy-save (or use "
+             "--non-persistent-ckpt-type global with this format)")
     if kind == "local":
         _require(a.async_lazy_save, "--non-persistent-ckpt-type local keeps DataStates versions "
                  "on each node's storage: add --async-lazy-save (or use "
@@ -584,7 +587,7 @@ def _check_non_persistent_flags(a: argparse.Namespace) -> None:
     if interval is not None:
         _require(interval > 0, f"--non-persistent-save-interval must be >= 1, got {interval}")
         _require(kind is not None, "--non-persistent-save-interval needs "
-                 "--non-persistent-ckpt-type global or local (Megatron-LM fails at the first "
+                 "--non-persistent-ckpt-type global, local or in_memory (Megatron-LM fails at the first "
                  "non-persistent save without a type)")
         if a.save is None:
             _warn("--non-persistent-save-interval without --save: nothing is saved (as "
@@ -937,6 +940,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lazy_save_local_keep=a.lazy_save_local_keep,
         lazy_save_peer_replica=a.lazy_save_peer_replica,
         lazy_save_peer_replica_mb=a.lazy_save_peer_replica_mb,
+        lazy_save_wait_persistent=a.lazy_save_wait_persistent,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
         non_persistent_save_interval=a.non_persistent_save_interval,
         non_persistent_ckpt_type=a.non_persistent_ckpt_type,

@@ -16,6 +16,21 @@ from typing import Optional
 NON_PERSISTENT_SUBDIR = "non_persistent"
 
 
+def shared_memory_dir(root: str, level: str) -> str:
+    """A per-user directory in /dev/shm (memory that outlives the training processes, not the
+    node) for the memory levels of the checkpoints of `root` (--save, or --load when loading):
+    one per root, so that a new launch with the same nodes and root finds it and no other root's
+    memory is ever taken for its own; `level` names the subdirectory (one per level, each with a
+    {node} placeholder where the node's own directory differs)."""
+    import getpass
+    import hashlib
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    digest = hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:12]
+    return os.path.join(base, f"datastates-{getpass.getuser()}-{digest}", level)
+
+
 class SchedulerOnResume(str, enum.Enum):
     """Which learning-rate/weight-decay schedule a resumed run follows (Megatron-LM's flags)."""
 
@@ -292,6 +307,9 @@ class CheckpointConfig:
     lazy_save_peer_replica_mb: Optional[int] = None
     """MiB one rank may hold of one checkpoint (own shards + the replica it receives); None:
     twice this rank's checkpoint bound."""
+    lazy_save_wait_persistent: bool = False
+    """With a node-local non-persistent level: a persistent save that falls due while the
+    previous one is still in flight waits in line (False: it is deferred, latest wins)."""
     ckpt_fully_parallel_save: bool = True
     """Spread the writes of replicated shards over the data-parallel group (Megatron-LM's
     default); False: the first data-parallel rank writes them."""
@@ -309,8 +327,10 @@ class CheckpointConfig:
     persistent save is due) under `non_persistent_root`, which keeps only the newest one."""
     non_persistent_ckpt_type: Optional[str] = None
     """"global" (a second root on the shared file system), "local" (each node's own storage,
-    --async-lazy-save only) or None, as Megatron-LM's types; with it set, --load resumes from the
-    non-persistent root when it is at least as new."""
+    --async-lazy-save only), "in_memory" (each node's shared memory, /dev/shm: survives a crash
+    of the training processes, not of the node; --async-lazy-save only) or None, as Megatron-LM's
+    types; with it set, --load resumes from the non-persistent root when it is at least as
+    new."""
     non_persistent_global_ckpt_dir: Optional[str] = None
     """Root of the global non-persistent checkpoints (None: <save>/non_persistent, and
     <load>/non_persistent when loading, as Megatron-LM)."""
@@ -350,9 +370,19 @@ class CheckpointConfig:
             return None
         if self.non_persistent_ckpt_type == "local":
             return self.non_persistent_local_ckpt_dir
+        if self.non_persistent_ckpt_type == "in_memory":
+            # One directory per node (several "nodes" may share one machine's /dev/shm).
+            return None if base is None else shared_memory_dir(base, "in_memory/node{node}")
         if self.non_persistent_global_ckpt_dir or base is None:
             return self.non_persistent_global_ckpt_dir
         return os.path.join(base, NON_PERSISTENT_SUBDIR)
+
+    @property
+    def non_persistent_node_local(self) -> bool:
+        """Whether non-persistent versions stay on each node ("local" and "in_memory"): every
+        rank writes all it holds, each node's leader commits its node, and a resume takes them
+        only at the same layout, when every node holds the same newest one."""
+        return self.non_persistent_ckpt_type in ("local", "in_memory")
 
     def non_persistent_save_root(self) -> Optional[str]:
         """Where this run saves non-persistent checkpoints (None: it does not)."""

@@ -220,6 +220,13 @@ class Metrics:
                 values["checkpoint/cost-s"] = cost_s
             self._write(self._checkpoints, values, iteration, None)
 
+    def checkpoint_deferred(self, iteration: int, deferred_total: int) -> None:
+        """A persistent save due at `iteration` was not started there (its level still busy:
+        latest wins); `deferred_total`: how many so far in this run."""
+        if self._checkpoints:
+            self._write(self._checkpoints, {"checkpoint/persistent-deferred": deferred_total},
+                        iteration, None)
+
     # -- every rank ------------------------------------------------------------------------------
     def close(self, failed: bool = False) -> None:
         """Flush and close this rank's writers (once, at the end of training)."""

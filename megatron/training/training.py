@@ -21,7 +21,8 @@ from megatron.training.flops import num_floating_point_operations, shape_of, \
     throughput_tflops_per_gpu
 from megatron.training.initialize import backend_name, control_timeout, \
     initialize_distributed, set_random_seeds
-from megatron.training.checkpointing.lazy import size_host_cache, size_peer_replica
+from megatron.training.checkpointing.lazy import check_memory_level, size_host_cache, \
+    size_peer_replica
 from megatron.training.log import print_rank_0, print_rank_last, training_log_line, validation_lines
 from megatron.training.metrics import Metrics
 from megatron.training.model import (
@@ -139,6 +140,7 @@ def setup(config: RunConfig) -> Trainer:
     datasets = build_datasets(config.data, config.model, t)
     config = size_host_cache(config, model)  # --async-lazy-save without --lazy-save-cache-mb
     config = size_peer_replica(config, model)  # --lazy-save-peer-replica
+    check_memory_level(config, model)  # --non-persistent-ckpt-type in_memory
     return Trainer(config=config, state=state, datasets=datasets,
                    checkpoints=make_checkpoint_manager(config, metrics),
                    model_config=model_config, device=_device(), metrics=metrics)
@@ -295,10 +297,12 @@ class _Summary:
         ckpts = self.trainer.checkpoints
         started = ckpts.saves_started - self.saves_at_start
         complete = ckpts.saves_committed - self.committed_at_start
+        deferred = ckpts.saves_deferred
         print_rank_0(f" training summary | iterations: {self.start_iteration} -> "
                      f"{state.iteration} | time (s): {wall:.1f} | tokens/s: "
                      f"{tokens / wall if wall > 0 else 0.0:.1f} | checkpoints: {started} "
-                     f"(complete: {complete}) | "
+                     f"(complete: {complete}" + (f"; persistent deferred: {deferred}"
+                                                 if deferred else "") + ") | "
                      f"blocked by checkpointing (s): {blocked:.3f} | newest complete "
                      f"checkpoint: {newest_dir}")
 

@@ -31,6 +31,14 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
      previous one as "latest".
 A failure on any rank is agreed on at the next step 4 and raised as the same `CheckpointError` on
 every rank (`FailurePolicy.STOP`), or switches saving off for the rest of the run (`CONTINUE`).
+
+Levels at their own pace: saves go through one lane per level (`_Lane`): --save's (with a global
+non-persistent root's), and, with node-local versions (Megatron-LM's `local` and `in_memory`
+types), theirs. Each lane has its own engine (host cache, copy and writer threads), common.pt
+writer and commit thread, and commits its saves in order; step 4 runs the lanes one after the
+other, in the same order on every rank, so a version in memory commits while a persistent save
+still drains to a slow file system. `busy(root)` says whether a lane holds a save not yet
+committed (the trainer defers a persistent save then: latest wins).
 """
 from __future__ import annotations
 
@@ -157,6 +165,28 @@ class _Pending:
 
 
 @dataclass
+class _Lane:
+    """The saves of one level, committed in order at that level's own pace: --save's (and a
+    global non-persistent root's), and the node-local versions' (`node_local`: each node's own
+    storage or shared memory). Each lane has its own engine (host cache, copy and writer
+    threads) and commit thread, so a version in memory is copied, written and committed while
+    a persistent save still drains to a slow file system. Every rank holds the same lanes in the
+    same state: a save enters one on every rank, and leaves it only after an agreement."""
+
+    name: str
+    engine: CheckpointEngine
+    publisher: ThreadPoolExecutor  # its commit thread: metadata.json, commit marker, tracker
+    files: ThreadPoolExecutor  # its common.pt writer (temp, fsync, rename)
+    pending: Deque[_Pending] = field(default_factory=deque)
+    publishing: Optional["_Publishing"] = None
+
+    def uncommitted(self) -> List[_Pending]:
+        """Saves not yet committed: the one being published, then those in flight."""
+        head = [self.publishing.pending] if self.publishing is not None else []
+        return head + list(self.pending)
+
+
+@dataclass
 class _Publishing:
     """A save every rank agreed is durable, whose commit marker and tracker the publishing rank's
     commit thread is writing (`future`; None on the other ranks)."""
@@ -180,11 +210,7 @@ class LazyCheckpointer:
         control_plane.control_group()  # collective when it creates the group: every rank, here
         if config.local_dir is not None:
             self._agree_local_dir_usable(config.local_dir)
-        self.engine = CheckpointEngine(EngineConfig(
-            rank=self.rank, world_size=self.world, host_cache_bytes=config.cache_bytes,
-            commit_policy=CommitPolicy.MANUAL,  # committed in poll(), after every rank agrees
-            checksum=config.checksum, background_nice=config.background_nice,
-            local_dir=config.local_dir))
+        self.engine = self._new_engine(config.local_dir)
         self.replicator = None
         self._last_committed: Optional[int] = None
         if config.peer_replica_bytes is not None:
@@ -192,7 +218,6 @@ class LazyCheckpointer:
 
             self.replicator = PeerReplicator(config.local_dir, Ring.discover(), self.rank,
                                              config.peer_replica_bytes, log=self._warn)
-        self.pending: Deque[_Pending] = deque()
         # Version directory -> this rank's SaveRecord (one iteration may be saved into two
         # roots: e.g. the end-of-training save right after a non-persistent one).
         self.durable: Dict[str, object] = {}
@@ -212,14 +237,18 @@ class LazyCheckpointer:
         #: (set by the caller, e.g. the trainer's manager, which lists them once): their next
         #: save is agreed on before any rank writes, so the leftovers are set aside first.
         self.leftovers: Dict[str, set] = {}
-        # common.pt is serialized in the save call and written (temp, fsync, rename) here, off the
-        # training thread; a version commits only once its write is done (`_files_durable`).
-        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-common")
-        # Rank 0 (and node leaders for node-local versions): metadata.json's fsync, the commit
-        # marker and the tracker, off the training thread; at most one commit in flight.
-        self._publisher = ThreadPoolExecutor(max_workers=1,
-                                             thread_name_prefix="datastates-commit")
-        self.publishing: Optional[_Publishing] = None
+        # Per lane: common.pt is serialized in the save call and written (temp, fsync, rename)
+        # by its files thread, off the training thread (a version commits only once its write is
+        # done, `_files_durable`); rank 0 (and node leaders for node-local versions) write
+        # metadata.json's fsync, the commit marker and the tracker on its commit thread, at most
+        # one commit in flight per lane.
+        self.persistent = _Lane("--save", self.engine, *self._lane_threads(""))
+        self.lanes: List[_Lane] = [self.persistent]
+        self.node_lane: Optional[_Lane] = None
+        if self.node is not None:  # node-local versions: their own engine and threads
+            self.node_lane = _Lane("node-local", self._new_engine(None),
+                                   *self._lane_threads("-node"))
+            self.lanes.append(self.node_lane)
         # Errors this rank hit since the last agreement, in order (a full disk can fail both
         # common.pt of the next save and the flush of the previous one: all are reported).
         self._local_errors: List[BaseException] = []
@@ -235,6 +264,33 @@ class LazyCheckpointer:
                          "newest_complete": complete[-1] if complete else None})
         if config.universal_every_n:
             self._start_mergers(log)
+
+    def _new_engine(self, local_dir: Optional[str]) -> CheckpointEngine:
+        c = self.config
+        return CheckpointEngine(EngineConfig(
+            rank=self.rank, world_size=self.world, host_cache_bytes=c.cache_bytes,
+            commit_policy=CommitPolicy.MANUAL,  # committed in poll(), after every rank agrees
+            checksum=c.checksum, background_nice=c.background_nice, local_dir=local_dir))
+
+    @staticmethod
+    def _lane_threads(suffix: str):
+        return (ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-commit" + suffix),
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-common" + suffix))
+
+    def _lane_of(self, root: Optional[str]) -> _Lane:
+        if self.node_lane is not None and root == self.config.non_persistent_root:
+            return self.node_lane
+        return self.persistent
+
+    @property
+    def publishing(self) -> Optional[_Publishing]:
+        """The commit in flight of --save's lane (None: none)."""
+        return self.persistent.publishing
+
+    def busy(self, root: Optional[str] = None) -> bool:
+        """Whether `root`'s lane (None: --save's) holds a save not yet committed. The same on
+        every rank: saves leave a lane only after an agreement."""
+        return bool(self._lane_of(root or self.config.root).uncommitted())
 
     def _start_mergers(self, log: Callable[[str], None]) -> None:
         """Collective: the first rank of every node runs a merger and its workers; rank 0's
@@ -283,10 +339,10 @@ class LazyCheckpointer:
     def in_flight(self, iteration: int, root: Optional[str] = None) -> bool:
         """True when the newest save in flight is of `iteration` into `root` (None: the
         config's), e.g. the end-of-training save right after an interval save."""
-        newest = (self.pending[-1] if self.pending else
-                  self.publishing.pending if self.publishing is not None else None)
-        return (newest is not None and newest.iteration == iteration
-                and newest.root == (root or self.config.root))
+        root = root or self.config.root
+        lane = self._lane_of(root)
+        newest = lane.uncommitted()[-1] if lane.uncommitted() else None
+        return newest is not None and newest.iteration == iteration and newest.root == root
 
     # -- 1) after optimizer step i ------------------------------------------------------------
     def save(self, iteration: int, sharded_state_dict: Any,
@@ -301,11 +357,12 @@ class LazyCheckpointer:
         if root not in (self.config.root, self.config.non_persistent_root):
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
                              f"non-persistent root {self.config.non_persistent_root}")
-        if any(q.iteration == iteration for q in self._uncommitted()):
-            # The same iteration into the other root (e.g. the end-of-training save right after
-            # a non-persistent one): both would name the same node-local copy
-            # (`layout.local_version_dir`), so the first is committed before the second starts.
-            self._apply_policy(lambda: self._commit_ready(blocking=True))
+        lane = self._lane_of(root)
+        if any(q.iteration == iteration for q in lane.uncommitted()):
+            # The same iteration into the other root of this lane (e.g. the end-of-training save
+            # right after a global non-persistent one): both would name the same node-local
+            # copy (`layout.local_version_dir`), so the first is committed before the second.
+            self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
             if self.disabled:
                 return
         directory = checkpoint_dir(root, iteration)
@@ -326,7 +383,7 @@ class LazyCheckpointer:
                                            agree=iteration in self.leftovers.get(root, ()))
             if not plan.reuse_distribution:
                 payloads.forget()
-            strategy, base = save_strategy(self.engine, iteration, None, None,
+            strategy, base = save_strategy(lane.engine, iteration, None, None,
                                            extra_shards=extra_shards, payload_plan=payloads,
                                            defer_copies=True)
             validate = False  # replicas are written on purpose, once per node at least
@@ -339,7 +396,7 @@ class LazyCheckpointer:
                 self._wrapper = None  # its cached distribution belongs to the previous structure
                 payloads.forget()
             strategy, base = save_strategy(
-                self.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
+                lane.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
                 self._wrapper, extra_shards=extra_shards, payload_plan=payloads,
                 defer_copies=True)
             if strategy is not base:
@@ -357,7 +414,7 @@ class LazyCheckpointer:
             # for this save; its failure is agreed on at the next poll.
             plans.forget()
             payloads.forget()
-            self.pending.append(_Pending(iteration, root, node_local, directory, None, None,
+            lane.pending.append(_Pending(iteration, root, node_local, directory, None, None,
                                          time.perf_counter() - t0, wall0, time.time(), [],
                                          errors))
             return
@@ -384,10 +441,10 @@ class LazyCheckpointer:
             raise
         # Started last: background threads' wake-ups would take the GIL from the rest of this
         # call (the tensors are not mutated before `before_optimizer_step` either way).
-        files = [self._files.submit(self._write_file, iteration, path, data)
+        files = [lane.files.submit(self._write_file, iteration, path, data)
                  for path, data in serialized]
-        self.engine.start_copies()
-        self.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
+        lane.engine.start_copies()
+        lane.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files,
                                      errors))
 
@@ -422,11 +479,13 @@ class LazyCheckpointer:
 
     # -- 3) before optimizer step i+1 --------------------------------------------------------
     def before_optimizer_step(self) -> None:
-        if not self.pending:
-            return
-        t0 = time.perf_counter()
-        self._guard(lambda: self.engine.wait_for_snapshot(timeout=self.config.drain_timeout_s))
-        self.pending[-1].stall_s += time.perf_counter() - t0
+        for lane in self.lanes:
+            if not lane.pending:
+                continue
+            t0 = time.perf_counter()
+            self._guard(lambda: lane.engine.wait_for_snapshot(
+                timeout=self.config.drain_timeout_s))
+            lane.pending[-1].stall_s += time.perf_counter() - t0
 
     def record(self, event: Dict[str, Any]) -> None:
         """Rank 0: one more event (a JSON object with "event" and "time") in the telemetry the
@@ -438,7 +497,7 @@ class LazyCheckpointer:
     def poll(self, iteration: int) -> None:
         if self.rank == 0:
             self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
-        if self.pending or self.publishing is not None:
+        if self._uncommitted():
             self._apply_policy(lambda: self._commit_ready(blocking=False))
         for merger in (self.universal, self._merge_follower):
             if merger is not None:
@@ -457,8 +516,9 @@ class LazyCheckpointer:
                         self._prune_local(self._last_committed)
                 self._close_engine()
             finally:
-                self._files.shutdown(wait=False, cancel_futures=True)
-                self._publisher.shutdown(wait=False, cancel_futures=True)
+                for lane in self.lanes:
+                    lane.files.shutdown(wait=False, cancel_futures=True)
+                    lane.publisher.shutdown(wait=False, cancel_futures=True)
                 for merger in (self.universal, self._merge_follower):
                     if merger is not None:
                         merger.wait()  # no merge process outlives the run
@@ -499,7 +559,7 @@ class LazyCheckpointer:
         (never one still migrating, nor the one just committed). A failure only warns: the
         shared copies are what --load trusts."""
         local_dir = self.config.local_dir
-        protected = [committed] + [q.iteration for q in self._uncommitted()] + (
+        protected = [committed] + [q.iteration for q in self.persistent.uncommitted()] + (
             self.replicator.unfinished() if self.replicator is not None else [])
         try:
             local_tier.prune(local_dir, self.rank, self.config.local_keep, protected)
@@ -523,21 +583,27 @@ class LazyCheckpointer:
                 raise
             self.disabled = True
             self._local_errors.clear()
-            self.pending.clear()  # never committed: they stay partial and unloadable
-            self.publishing = None
+            for lane in self.lanes:  # never committed: they stay partial and unloadable
+                lane.pending.clear()
+                lane.publishing = None
             self.log(f"WARNING: {err}. Continuing WITHOUT checkpointing for the rest of this "
                      "run (--ckpt-failure-policy continue): no further saves, no retry.")
 
     def _close_engine(self) -> None:
-        try:
-            self.engine.close(timeout=self.config.drain_timeout_s)
-        except CheckpointError as err:
-            if self._failed is None and not self.disabled:
-                raise
-            # A failure was already reported (or tolerated by policy); the saves still in flight
-            # at that point fail the same way. Say so, do not hide the first error behind them.
-            self.log(f"WARNING: while closing the checkpoint engine after an earlier failure: "
-                     f"{err}")
+        first = None
+        for lane in self.lanes:  # every engine is closed, whatever the first one raised
+            try:
+                lane.engine.close(timeout=self.config.drain_timeout_s)
+            except CheckpointError as err:
+                if self._failed is None and not self.disabled:
+                    first = first or err
+                    continue
+                # A failure was already reported (or tolerated by policy); the saves still in
+                # flight then fail the same way. Say so, do not hide the first error behind them.
+                self.log(f"WARNING: while closing the checkpoint engine after an earlier "
+                         f"failure: {err}")
+        if first is not None:
+            raise first
 
     def _guard(self, fn):
         """Run an engine call; a failure on any rank becomes a CheckpointError on every rank at
@@ -553,12 +619,17 @@ class LazyCheckpointer:
         names (so an earlier save that is durable everywhere still commits, and this one fails
         on its turn); any other (one that names no such save, or a late one of a save already
         agreed on, e.g. its node-local copy) fails the oldest save in flight."""
-        match = _ITER_IN_PATH.search(str(getattr(err, "file", None) or ""))
+        path = str(getattr(err, "file", None) or "")
+        match = _ITER_IN_PATH.search(path)
         if match:
-            for p in self.pending:
-                if p.iteration == int(match.group(1)):
-                    p.errors.append(err)
-                    return
+            candidates = [p for lane in self.lanes for p in lane.pending
+                          if p.iteration == int(match.group(1))]
+            # The same iteration may be in flight into two roots: the one the file is under.
+            within = [p for p in candidates if path.startswith(p.directory + os.sep)
+                      or path == p.directory]
+            if within or candidates:
+                (within or candidates)[0].errors.append(err)
+                return
         self._local_errors.append(err)
 
     def _files_durable(self, p: _Pending, blocking: bool) -> bool:
@@ -620,34 +691,39 @@ class LazyCheckpointer:
 
     def _uncommitted(self) -> List[_Pending]:
         """Saves not yet committed: the one being published, then those in flight."""
-        head = [self.publishing.pending] if self.publishing is not None else []
-        return head + list(self.pending)
+        return [p for lane in self.lanes for p in lane.uncommitted()]
 
     def _commit_ready(self, blocking: bool) -> None:
-        for record in self._guard(self.engine.poll) or []:
+        """Every rank: each lane's saves, in the same lane order everywhere (their agreements are
+        collectives); a lane whose head is not durable yet never holds back the next one."""
+        for lane in self.lanes:
+            self._commit_lane(lane, blocking)
+
+    def _commit_lane(self, lane: _Lane, blocking: bool) -> None:
+        for record in self._guard(lane.engine.poll) or []:
             self.durable[os.path.normpath(record.directory)] = record
         while True:
-            if self.publishing is not None and not self._settle(blocking):
+            if lane.publishing is not None and not self._settle(lane, blocking):
                 return
-            if not self.pending:
+            if not lane.pending:
                 return
-            head = self.pending[0]
+            head = lane.pending[0]
             key = os.path.normpath(head.directory)
             if (blocking and key not in self.durable and head.handle is not None
                     and not self._local_errors and not head.errors):
-                wait = lambda: self.engine.wait_for_durable(  # noqa: E731
+                wait = lambda: lane.engine.wait_for_durable(  # noqa: E731
                     head.handle, timeout=self.config.drain_timeout_s)
                 for record in self._guard(wait) or []:
                     self.durable[os.path.normpath(record.directory)] = record
             if not self._agree(head, key in self.durable
                                and self._files_durable(head, blocking)):
                 return
-            self.pending.popleft()
-            self._commit(head, self.durable.pop(key))
+            lane.pending.popleft()
+            self._commit(lane, head, self.durable.pop(key))
             if not blocking:
                 return  # its commit thread has just started: agreed on at the next poll
 
-    def _commit(self, p: _Pending, record) -> None:
+    def _commit(self, lane: _Lane, p: _Pending, record) -> None:
         publishes = self.rank == 0 or (p.node_local and self.rank == self.node.leader)
         # megatron's only finalize function writes metadata.json on rank 0, then meets the others
         # in a barrier. The commit thread writes the same file instead, off the training loop
@@ -670,14 +746,14 @@ class LazyCheckpointer:
         stats = self._gather_stats(p, record)
         future = None
         if publishes and not self._local_errors:
-            future = self._publisher.submit(self._publish, p, own_metadata or self.rank != 0)
-        self.publishing = _Publishing(p, stats, future)
+            future = lane.publisher.submit(self._publish, p, own_metadata or self.rank != 0)
+        lane.publishing = _Publishing(p, stats, future)
 
-    def _settle(self, blocking: bool) -> bool:
+    def _settle(self, lane: _Lane, blocking: bool) -> bool:
         """All ranks: whether the commit in flight is done everywhere (waiting for it if
         `blocking`); then what follows a commit. A failed commit raises the agreed error on every
         rank, like a failed flush."""
-        pub = self.publishing
+        pub = lane.publishing
         done, err = True, None
         if pub.future is not None:
             try:
@@ -701,7 +777,7 @@ class LazyCheckpointer:
             self._agree(pub.pending, True)  # raises, naming the ranks whose commit failed
         if agreed == 0:
             return False
-        self.publishing = None
+        lane.publishing = None
         self._after_publish(pub)
         return True
 

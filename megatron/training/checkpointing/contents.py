@@ -78,6 +78,11 @@ def model_shape(config: RunConfig) -> dict:
     return _model_fields(json.loads(config.to_json())["model"])
 
 
+def model_shape_of(saved_run_config: dict) -> dict:
+    """`model_shape` of a saved run_config.json (parsed)."""
+    return _model_fields(saved_run_config["model"])
+
+
 def _model_fields(saved: dict) -> dict:
     """The SHAPE_FIELDS of a model config as JSON (missing ones: their defaults), with key/value
     heads counted as megatron-core builds them (one per query head without GQA)."""

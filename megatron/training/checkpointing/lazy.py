@@ -28,10 +28,11 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
+import datastates
 from datastates import Checksum, TensorShard, control_plane
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
-    StructurePolicy, append_telemetry, expand_local_dir, needed_saved_ranks, paths, \
-    restore_before_load
+    StructurePolicy, append_telemetry, check_memory_room, expand_local_dir, needed_saved_ranks, \
+    node_index, paths, release_memory, restore_before_load
 
 from megatron.training.checkpointing import distopt_shards
 from megatron.training.checkpointing.contents import (
@@ -117,6 +118,26 @@ def size_host_cache(config: RunConfig, model) -> RunConfig:
                      "waits before the next optimizer step until the writers have drained the "
                      "rest to storage. Free host memory or give --lazy-save-cache-mb")
     return dataclasses.replace(config, checkpoint=dataclasses.replace(ckpt, lazy_save_cache_mb=mb))
+
+
+def check_memory_level(config: RunConfig, model) -> None:
+    """--non-persistent-ckpt-type in_memory, every rank (collective), at start-up: each node's
+    shared memory must hold the versions it keeps (`check_memory_room`), else every rank stops
+    with one error naming the size needed and what is free; rank 0 says what the level holds."""
+    ckpt = config.checkpoint
+    if ckpt.non_persistent_ckpt_type != "in_memory" or ckpt.non_persistent_save_root() is None:
+        return
+    root = non_persistent_root_of_this_rank(config)
+    bound = checkpoint_bytes_bound(model, config.parallel.use_distributed_optimizer)
+    try:
+        room = check_memory_room(root, dist.get_rank(), node_index(), bound)
+    except datastates.CheckpointError as err:
+        raise CheckpointError(err.reason, path=root, ranks=err.ranks) from err  # printed once
+    print_rank_0(f"in-memory checkpoints: every {ckpt.non_persistent_save_interval} "
+                 f"iteration(s) into {root}; node {room.node} holds up to "
+                 f"{room.need_bytes / 2**20:.0f} MiB (2 versions of its {room.ranks} rank(s)' "
+                 f"checkpoints; {room.free_bytes / 2**20:.0f} MiB free); removed at a clean end "
+                 "once --save holds the newest iteration")
 
 
 def size_peer_replica(config: RunConfig, model) -> RunConfig:
@@ -206,7 +227,7 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
         structure_policy=(StructurePolicy.ASSUME_CONSTANT if ckpt.ckpt_assume_constant_structure
                           else StructurePolicy.CHECK),
         root=ckpt.save, non_persistent_root=non_persistent_root_of_this_rank(config),
-        non_persistent_node_local=(ckpt.non_persistent_ckpt_type == "local"
+        non_persistent_node_local=(ckpt.non_persistent_node_local
                                    and ckpt.non_persistent_save_root() is not None),
         cache_bytes=ckpt.lazy_save_cache_mb << 20,
         peer_replica_bytes=(ckpt.lazy_save_peer_replica_mb << 20
@@ -250,6 +271,13 @@ class LazyCheckpointManager(CheckpointManager):
             return True  # e.g. the end-of-training save right after an interval save
         return None
 
+    def _persistent_busy(self) -> bool:
+        """Latest wins for --save while a node-local level (in memory or on local storage)
+        holds every newer version; without one each persistent save is the newest copy a crash
+        can resume from, so none is deferred. The lane's state is agreed on every rank."""
+        return (self.ckpt.non_persistent_node_local and self.non_persistent_root is not None
+                and not self.ckpt.lazy_save_wait_persistent and self.checkpointer.busy())
+
     def _save(self, state: TrainState, root: str) -> None:
         sd, extra = self._state_dict(state)
         self.checkpointer.save(state.iteration, sd, extra_shards=extra,
@@ -287,8 +315,28 @@ class LazyCheckpointManager(CheckpointManager):
         try:
             self.checkpointer.finish()
             self._universal_retention()
+            self._release_memory_level()
         finally:
             self._trash.shutdown(wait=True)
+
+    def _release_memory_level(self) -> None:
+        """--non-persistent-ckpt-type in_memory, after everything was committed: each node's
+        leader gives its shared memory back when --save holds a version at least as new as the
+        newest in memory (otherwise it stays, for a restart on these nodes to resume from)."""
+        node = self.checkpointer.node
+        if (self.ckpt.non_persistent_ckpt_type != "in_memory" or node is None
+                or dist.get_rank() != node.leader or self.checkpointer.disabled):
+            return
+        root = self.non_persistent_root
+        try:
+            removed = release_memory(root, self.ckpt.save)
+        except OSError as err:
+            print(f"[rank {dist.get_rank()}] WARNING: could not remove the in-memory checkpoints "
+                  f"under {root}: {err}", flush=True)
+            return
+        if removed:
+            print_rank_0(f"in-memory checkpoints: removed iteration(s) {removed} from {root} "
+                         f"(--save holds iteration {paths.tracked_iteration(self.ckpt.save)})")
 
     def _remove(self, trash: str) -> None:
         self._trash.submit(shutil.rmtree, trash, ignore_errors=True)

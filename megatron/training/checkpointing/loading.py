@@ -30,6 +30,8 @@ from megatron.training.checkpointing.contents import (
     build_sharded_state_dict,
     check_model_shape,
     init_distributed_optimizer_state,
+    model_shape,
+    model_shape_of,
     parallel_layout,
     rng_layout_of,
     safe_torch_load,
@@ -152,7 +154,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         init_distributed_optimizer_state(state.optimizer)
     # A node-local version holds only its node's ranks' pieces of the distributed optimizer's
     # state: each rank reads back its own boxes instead of megatron's whole TP-local tensors.
-    node_local = root != ckpt.load and ckpt.non_persistent_ckpt_type == "local"
+    node_local = root != ckpt.load and ckpt.non_persistent_node_local
     own_boxes = (node_local and load_optim and config.parallel.use_distributed_optimizer
                  and distopt_shards.supported(state.optimizer))
     if fmt is CkptFormat.TORCH_DIST:
@@ -233,13 +235,17 @@ def resume_root(config: RunConfig) -> Optional[str]:
     whose root is this rank's node's, taken only when every node holds the same version)."""
     ckpt = config.checkpoint
     non_persistent = non_persistent_root_of_this_rank(config, ckpt.load, saving=False)
-    if non_persistent and ckpt.non_persistent_ckpt_type == "local":
-        newer, lacking = newest_on_every_node(
-            non_persistent, dist.get_rank(), accept=lambda root: _same_layout_at(root, config))
+    if non_persistent and ckpt.non_persistent_node_local:
+        level = _LEVEL_NAMES[ckpt.non_persistent_ckpt_type]
+        why = _foreign_reason(non_persistent, config)
+        if why is not None:
+            print_rank_0(f"not loading the {level} checkpoint in {non_persistent}: {why}")
+        newer, lacking = newest_on_every_node(non_persistent, dist.get_rank(),
+                                              accept=lambda root: why is None)
         if lacking and len(lacking) < dist.get_world_size():
-            print_rank_0(f"node-local non-persistent checkpoints: rank(s) {lacking} do not hold "
-                         "the newest one on their node (or hold it for another parallel "
-                         "layout): not loading them")
+            print_rank_0(f"{level} checkpoints: rank(s) {lacking} do not hold the newest one on "
+                         "their node (or hold it for another model or parallel layout): not "
+                         "loading them")
     else:
         newer = paths.tracked_iteration(non_persistent) if non_persistent else None
     if newer is None:
@@ -249,20 +255,38 @@ def resume_root(config: RunConfig) -> Optional[str]:
         print_rank_0(f"non-persistent checkpoint (iteration {newer} in {non_persistent}) is older "
                      f"than the persistent one (iteration {persistent}): loading {ckpt.load}")
         return ckpt.load
-    print_rank_0(f"loading the non-persistent checkpoint of iteration {newer} from "
+    level = _LEVEL_NAMES.get(ckpt.non_persistent_ckpt_type, "non-persistent")
+    print_rank_0(f"loading the {level} checkpoint of iteration {newer} from "
                  f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
                                           else f"persistent: iteration {persistent}") + ")")
     return non_persistent
 
 
-def _same_layout_at(root: str, config: RunConfig) -> bool:
-    """Whether the run config beside `root`'s tracker was saved at this run's parallel layout (a
-    node-local version loads only there: each rank reads its own files)."""
+#: How a resume names the level of the non-persistent checkpoint it takes or skips.
+_LEVEL_NAMES = {"global": "non-persistent", "local": "non-persistent", "in_memory": "in-memory"}
+
+
+def _foreign_reason(root: str, config: RunConfig) -> Optional[str]:
+    """Why the node-local versions under `root` (this rank's node's) are not this job's to load,
+    or None: none there, or saved by a run of this model at this parallel layout (each rank
+    reads its own files, so a node-local version loads only there). Another --save's memory is
+    in another root altogether (`config.shared_memory_dir`)."""
+    if paths.tracked_iteration(root) is None:
+        return None
     try:
         with open(os.path.join(root, paths.RUN_CONFIG_FILENAME)) as f:
-            return _layout_of(json.load(f)) == parallel_layout(config)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+            saved = json.load(f)
+        layout = _layout_of(saved)
+        shape = model_shape_of(saved)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"its {paths.RUN_CONFIG_FILENAME} is missing or unreadable ({err})"
+    if layout != parallel_layout(config):
+        return f"saved at parallel layout {layout}, this run is {parallel_layout(config)}"
+    differ = sorted(k for k, v in model_shape(config).items() if shape.get(k) != v)
+    if differ:
+        return "saved by another model (" + ", ".join(
+            f"{k}: {shape.get(k)} there, {model_shape(config)[k]} here" for k in differ) + ")"
+    return None
 
 
 def _newest_intact(root: str, iteration: int, config: RunConfig):

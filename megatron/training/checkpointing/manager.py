@@ -60,7 +60,7 @@ def non_persistent_root_of_this_rank(config: RunConfig, base: Optional[str] = No
     node-local root with the placeholders filled in."""
     ckpt = config.checkpoint
     root = ckpt.non_persistent_save_root() if saving else ckpt.non_persistent_root(base)
-    if root is not None and ckpt.non_persistent_ckpt_type == "local":
+    if root is not None and ckpt.non_persistent_node_local:
         root = expand_local_dir(root, dist.get_rank(), flag="--non-persistent-local-ckpt-dir")
     return root
 
@@ -97,6 +97,11 @@ class CheckpointManager:
         self.complete_at_start: Dict[str, List[int]] = {}
         self.leftovers_at_start: Dict[str, List[int]] = {}
         self._saved: Dict[str, set] = {}  # per root: iterations this run has saved
+        #: Persistent saves that fell due while the previous one was still in flight
+        #: (`_persistent_busy`) and were not started at their iteration (latest wins).
+        self.saves_deferred = 0
+        #: The oldest such iteration not yet followed by a persistent save (None: none).
+        self.deferred_since: Optional[int] = None
 
     def start_auto_interval(self, start_iteration: int) -> None:
         """Every rank, once the resumed iteration is known (before the first iteration)."""
@@ -123,8 +128,10 @@ class CheckpointManager:
     def _flag_of(self, root: str) -> str:
         if root == self.ckpt.save:
             return "--save"
-        local = self.ckpt.non_persistent_ckpt_type == "local"
-        return f"--non-persistent-{'local' if local else 'global'}-ckpt-dir"
+        kind = self.ckpt.non_persistent_ckpt_type
+        if kind == "in_memory":
+            return "--non-persistent-ckpt-type in_memory"
+        return f"--non-persistent-{kind}-ckpt-dir"
 
     def scan_existing(self) -> None:
         """Every rank (collective): which iterations each root already holds, as rank 0 sees
@@ -157,18 +164,34 @@ class CheckpointManager:
     def non_persistent_due(self, iteration: int) -> bool:
         """Megatron-LM's rule: a non-persistent save where its interval is due and the
         persistent one (`should_save`) is not."""
+        return self._non_persistent_interval_due(iteration) and not self.should_save(iteration)
+
+    def _non_persistent_interval_due(self, iteration: int) -> bool:
         interval = self.ckpt.non_persistent_save_interval
-        return bool(self.non_persistent_root and iteration % interval == 0
-                    and not self.should_save(iteration))
+        return bool(self.non_persistent_root and iteration % interval == 0)
+
+    def _persistent_busy(self) -> bool:
+        """Whether a persistent save that falls due now is deferred (latest wins) because the
+        previous one is still in flight; the same answer on every rank. Off by default: each
+        format that keeps levels at their own pace says when."""
+        return False
 
     # 2) every rank, after optimizer.step()
     def maybe_save(self, state: TrainState, force: bool = False) -> bool:
         iteration = state.iteration
         if not self.ckpt.save:
             return False
-        if force or self.should_save(iteration):
+        persistent = force or self.should_save(iteration) or self.deferred_since is not None
+        if persistent and not force and self._persistent_busy():
+            if self.deferred_since is None or self.should_save(iteration):
+                self._defer(iteration)
+            persistent = False
+        if persistent:
             root = self.ckpt.save
-        elif self.non_persistent_due(iteration):
+            self.deferred_since = None
+        elif self._non_persistent_interval_due(iteration):
+            # Also where a persistent save fell due but was deferred: the faster level keeps
+            # its pace.
             root = self.non_persistent_root
         else:
             return False
@@ -204,6 +227,20 @@ class CheckpointManager:
         if self.auto is not None and persistent:
             self.auto.saved(iteration)
         return True
+
+    def _defer(self, iteration: int) -> None:
+        """Every rank: the persistent save due at `iteration` waits for the level to free up,
+        which then takes the newest iteration (latest wins); one line, counted in the summary
+        and in TensorBoard."""
+        self.saves_deferred += 1
+        if self.deferred_since is None:
+            self.deferred_since = iteration
+        print_rank_0(f"deferred the persistent save of iteration {iteration}: the previous one is "
+                     f"still being written to {self.ckpt.save}; the first iteration after it is "
+                     "complete is saved instead (latest wins; --lazy-save-wait-persistent waits "
+                     "for every persistent save)")
+        if dist.get_rank() == 0:
+            self.metrics.checkpoint_deferred(iteration, self.saves_deferred)
 
     def _skip_complete(self, iteration: int, root: str) -> None:
         """Every rank: `iteration` is already a complete checkpoint under `root` (an earlier run

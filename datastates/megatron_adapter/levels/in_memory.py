@@ -1,0 +1,131 @@
+"""The in-memory level (--non-persistent-ckpt-type in_memory): node-local versions kept in each
+node's shared memory (/dev/shm), which outlives a crash of the training processes (a killed rank,
+an NCCL timeout, a preempted job step) but not of the node.
+
+The versions themselves are node-local versions (`node_local.py`): every rank writes all it
+holds, each node's leader commits its node, a resume takes them only when every node holds the
+same newest one. What this module adds is the memory they hold:
+  - `check_room` at start-up (collective): each node's shared memory must hold `VERSIONS_KEPT`
+    versions of all of its ranks (the one being written and the newest complete one), or every
+    rank stops with one error naming the node, the size needed and what is free;
+  - `release` after a clean end of training (the node's leader): the memory is given back once
+    --save holds a version at least as new as the newest one in memory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ... import control_plane
+from ...errors import CheckpointError
+from ..paths import TRACKER_FILENAME, checkpoint_dir, tracked_iteration
+from .local_tier import local_iterations
+
+__all__ = ["FLAG", "Room", "VERSIONS_KEPT", "check_room", "held_bytes", "release"]
+
+FLAG = "--non-persistent-ckpt-type in_memory"
+
+#: Versions a node's memory holds at once: the one being written and the newest complete one
+#: (the non-persistent root keeps only its newest complete version, as Megatron-LM's).
+VERSIONS_KEPT = 2
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Room:
+    """This node's shared memory as `check_room` found it."""
+
+    node: int
+    ranks: int           # ranks on this node
+    need_bytes: int      # VERSIONS_KEPT versions of all of them
+    free_bytes: int      # free in the file system of the root, plus what the root already holds
+
+
+def held_bytes(root: str) -> int:
+    """Bytes of the files under `root` (0 when it does not exist)."""
+    total = 0
+    for top, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(top, name)).st_size
+            except OSError:  # removed meanwhile
+                pass
+    return total
+
+
+def _free_bytes(root: str) -> int:
+    """Free bytes of the file system that holds (or will hold) `root`."""
+    path = root
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_room(root: str, rank: int, node: int, bytes_per_rank: int,
+               versions: int = VERSIONS_KEPT) -> Room:
+    """Collective (control plane), at start-up: whether the shared memory of every node holds
+    `versions` versions of its ranks' checkpoints (`bytes_per_rank` each, this rank's bound).
+    The versions an earlier run left in `root` count as free: they are replaced. Raises the same
+    CheckpointError on every rank, naming each node that is short, the size needed and the size
+    free, before anything is written."""
+    try:
+        free = _free_bytes(root) + held_bytes(root)
+    except OSError:
+        free = -1
+    rows = control_plane.all_gather_ints([node, bytes_per_rank, free])
+    mine = [r for r in rows if r[0] == node]
+    need = versions * sum(b for _, b, _ in mine)
+    short = {}
+    for n in sorted({r[0] for r in rows}):
+        members = [r for r in rows if r[0] == n]
+        n_need = versions * sum(b for _, b, _ in members)
+        n_free = min(f for _, _, f in members)
+        if n_free < n_need:
+            short[n] = (len(members), n_need, n_free)
+    if short:
+        parts = [f"node {n} needs {need_b / MiB:.0f} MiB for {versions} versions of its {k} "
+                 f"rank(s)' checkpoints but " + (f"{free_b / MiB:.0f} MiB is free"
+                                                 if free_b >= 0 else "it cannot be read")
+                 for n, (k, need_b, free_b) in short.items()]
+        raise CheckpointError(f"{FLAG}: the shared memory under {os.path.dirname(root)} is too "
+                              "small: " + "; ".join(parts) + ". Free memory there (e.g. old "
+                              "/dev/shm/datastates-* directories of finished jobs), use fewer "
+                              "ranks per node, or use --non-persistent-ckpt-type local. Nothing "
+                              "was saved or removed", rank=rank, file=root,
+                              ranks=[r for r, row in enumerate(rows) if row[0] in short])
+    return Room(node=node, ranks=len(mine), need_bytes=need,
+                free_bytes=min(f for _, _, f in mine))
+
+
+def release(root: str, persistent_root: Optional[str]) -> List[int]:
+    """A node's leader, after a clean end of training: remove `root` (this node's memory of the
+    level) when `persistent_root`'s tracker names an iteration at least as new as its newest
+    version; returns the iterations removed ([] and nothing removed when memory holds a newer
+    one: it stays, a restart resumes from it). The tracker goes first, so a version is never
+    named while it is being removed."""
+    newest = tracked_iteration(root)
+    persistent = tracked_iteration(persistent_root) if persistent_root else None
+    if newest is not None and (persistent is None or persistent < newest):
+        return []
+    iterations = local_iterations(root)
+    tracker = os.path.join(root, TRACKER_FILENAME)
+    if os.path.exists(tracker):
+        os.remove(tracker)
+    for it in iterations:
+        shutil.rmtree(checkpoint_dir(root, it), ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
+    parent = os.path.dirname(root)
+    for _ in range(2):  # the level's and the root's directories, unless another node or level
+        try:            # (a peer replica) still uses them
+            os.rmdir(parent)
+        except OSError:
+            break
+        parent = os.path.dirname(parent)
+    return iterations

@@ -1,0 +1,128 @@
+"""--non-persistent-ckpt-type in_memory: node-local versions in shared memory (/dev/shm) that
+survive a SIGKILL of the whole job, committed at their own pace while a persistent save still
+drains (latest wins for --save), resumed from when they are the newest, given back at a clean
+end; memory of another model or layout is never loaded, and too little of it is refused at
+start (~25 s: 2 launches of 2 ranks, and in-process units).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from datastates import CheckpointError
+from datastates.megatron_adapter import check_memory_room, paths, release_memory
+from megatron.training.config import shared_memory_dir
+
+from trainer_launch import TINY_MODEL, _kill_tree, after, launch
+
+
+def _memory_root(save: str) -> str:
+    return shared_memory_dir(save, "in_memory/node0")
+
+
+def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tmp_path):
+    """2 ranks, an in-memory version every iteration, --save every 4. Rank 0's writer of the
+    persistent save of iteration 8 is held (a disk that does not keep up): in-memory versions
+    are still committed every iteration, and the persistent save due at 12 is deferred, once,
+    with one line. The whole job is killed (SIGKILL) once in-memory iteration 13 is committed;
+    the restart resumes from memory (newer than --save's 4), says so, continues bit-exactly,
+    and at its clean end gives the memory back."""
+    save = str(tmp_path / "ckpt")
+    memory = _memory_root(save)
+    flags = TINY_MODEL + ["--save", save, "--save-interval", "4", "--async-lazy-save",
+                          "--lazy-save-cache-mb", "8", "--non-persistent-ckpt-type", "in_memory",
+                          "--non-persistent-save-interval", "1"]
+    seen = {"committed": False, "loss": False}
+
+    def kill_when_ahead(line, proc):
+        if line.rstrip().endswith(f"committed: {memory}/iter_0000013"):
+            seen["committed"] = True
+        if " iteration       15/" in line:
+            seen["loss"] = True
+        if seen["committed"] and seen["loss"]:
+            _kill_tree(proc)
+
+    try:
+        first = launch(2, flags + ["--train-iters", "40"], on_line=kill_when_ahead,
+                       extra_env={"DATASTATES_FAULT_DELAY_FLUSH": "600@8:0"})
+        assert seen["committed"] and "iteration       40/" not in first.stdout, first.describe()
+        assert "in-memory checkpoints: every 1 iteration(s) into " + memory in first.stdout
+        assert first.stdout.count("deferred the persistent save of iteration 12:") == 1
+        assert "deferred the persistent save of iteration 8" not in first.stdout
+        newest = paths.tracked_iteration(memory)
+        assert newest is not None and newest >= 13, first.describe()
+        assert paths.complete_iterations(memory) == [newest]  # it keeps only its newest
+        assert paths.tracked_iteration(save) == 4 and paths.complete_iterations(save) == [4]
+        assert {"COMMIT.json", "common.pt", "metadata.json", "done_r00000.json",
+                "done_r00001.json"} <= set(os.listdir(os.path.join(memory, f"iter_{newest:07d}")))
+
+        resumed = launch(2, flags + ["--load", save, "--train-iters", "40"])
+        assert resumed.returncode == 0, resumed.describe()
+        assert (f"loading the in-memory checkpoint of iteration {newest} from {memory} "
+                "(persistent: iteration 4)") in resumed.stdout
+        both = {it: v for it, v in after(resumed.losses(), newest).items()
+                if it in first.losses()}
+        assert both and both == {it: first.losses()[it] for it in both}, (first.losses(),
+                                                                         resumed.losses())
+        # Clean end: --save holds the last iteration, so the memory is given back.
+        assert paths.tracked_iteration(save) == 40
+        assert "in-memory checkpoints: removed iteration(s)" in resumed.stdout
+        assert not os.path.exists(memory) and not os.path.exists(os.path.dirname(memory))
+    finally:
+        shutil.rmtree(os.path.dirname(os.path.dirname(memory)), ignore_errors=True)
+
+
+def test_too_little_shared_memory_is_refused_naming_need_and_free(tmp_path, one_rank_group):
+    root = str(tmp_path / "mem" / "node0")
+    free = shutil.disk_usage(tmp_path).free
+    room = check_memory_room(root, 0, 0, 1 << 20)
+    assert room.need_bytes == 2 << 20 and room.ranks == 1 and room.free_bytes > 0
+    with pytest.raises(CheckpointError) as err:
+        check_memory_room(root, 0, 0, free)  # two versions of that cannot fit
+    text = str(err.value)
+    assert f"node 0 needs {2 * free / 2**20:.0f} MiB for 2 versions of its 1 rank(s)'" in text
+    assert "MiB is free" in text and "Nothing was saved or removed" in text
+    assert err.value.ranks == [0] and not os.path.exists(root)
+
+
+def _fake_version(root: str, iteration: int, run_config: dict) -> None:
+    os.makedirs(paths.checkpoint_dir(root, iteration))
+    with open(os.path.join(root, paths.RUN_CONFIG_FILENAME), "w") as f:
+        json.dump(run_config, f)
+    with open(os.path.join(root, paths.TRACKER_FILENAME), "w") as f:
+        f.write(str(iteration))
+
+
+def test_memory_of_another_model_or_layout_is_skipped_with_its_reason(tmp_path):
+    from megatron.training.checkpointing.loading import _foreign_reason
+    from test_trainer_units import config
+
+    ours = config("--save /s --async-lazy-save --non-persistent-save-interval 1 "
+                  "--non-persistent-ckpt-type in_memory")
+    root = str(tmp_path / "mem")
+    assert _foreign_reason(root, ours) is None  # nothing there
+    saved = json.loads(ours.to_json())
+    _fake_version(root, 7, saved)
+    assert _foreign_reason(root, ours) is None
+    saved["parallel"]["tensor_model_parallel_size"] = 2
+    saved["parallel"]["world_size"] = 2
+    _fake_version(str(tmp_path / "tp2"), 7, saved)
+    assert "saved at parallel layout {'tp': 2" in _foreign_reason(str(tmp_path / "tp2"), ours)
+    wider = json.loads(ours.to_json())
+    wider["model"]["hidden_size"] *= 2
+    _fake_version(str(tmp_path / "wider"), 7, wider)
+    why = _foreign_reason(str(tmp_path / "wider"), ours)
+    assert why.startswith("saved by another model (hidden_size: ") and " here" in why
+
+
+def test_memory_is_given_back_only_when_save_is_as_new(tmp_path):
+    memory, save = str(tmp_path / "m" / "in_memory" / "node0"), str(tmp_path / "save")
+    _fake_version(memory, 9, {})
+    _fake_version(save, 8, {})
+    assert release_memory(memory, save) == [] and paths.tracked_iteration(memory) == 9
+    _fake_version(save + "2", 9, {})
+    assert release_memory(memory, save + "2") == [9]
+    assert not os.path.exists(memory) and not os.path.exists(str(tmp_path / "m"))
