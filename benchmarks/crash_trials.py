@@ -8,6 +8,7 @@ moment after an iteration), then restarts it with --load. Prints one line per tr
 summary quoted in docs/FAULTS.md: trials, phases hit, corrupt or unloadable checkpoints (must be
 0), restarts bit-identical to an uninterrupted run, lost iterations per crash. Exit status 1 when
 any check fails. Uses 2 cores for ~30 s per trial; run nothing else multi-process meanwhile.
+`--memory` runs the trials with the in-memory level (issue 30's kill trials).
 """
 import argparse
 import os
@@ -30,13 +31,18 @@ def main(argv=None) -> int:
                    help="seconds each planned phase is paused so the kill lands inside it")
     p.add_argument("--phases", default=",".join(crash_harness.PHASES))
     p.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
+    p.add_argument("--memory", action="store_true",
+                   help="with the in-memory level (--non-persistent-ckpt-type in_memory) every "
+                        "iteration and --save every "
+                        f"{crash_harness.MEMORY_PERSISTENT_INTERVAL}: kills land in either "
+                        "level's saves, restarts resume from whichever is newest")
     a = p.parse_args(argv)
     workdir = a.workdir or tempfile.mkdtemp(prefix="crash_trials_")
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
     trials = crash_harness.run_trials(
         a.trials, workdir, seed=a.seed, nproc=a.nproc, train_iters=a.train_iters, delay=a.delay,
-        phases=tuple(a.phases.split(",")), log=lambda m: print(m, flush=True))
+        phases=tuple(a.phases.split(",")), log=lambda m: print(m, flush=True), memory=a.memory)
     print(crash_harness.summary(trials))
     print(f"wall time: {time.time() - t0:.0f} s, workdir {workdir}")
     failed = [t for t in trials if t.corrupt or t.resumed_from is None or not t.bit_identical]

@@ -6,7 +6,9 @@
 # in .whl/ into /tmp/site, then runs scripts/gpu_check.py: (a) tests/test_engine_cuda.py, (b) a
 # tiny GPT on NCCL with --bf16 and --async-lazy-save, iteration 3's copy delayed while iteration 4
 # runs, its checkpoint compared bit for bit with torch_dist sync's, (c) a bit-exact resume from it,
-# (d) the engine's device-to-host snapshot rate against pinned torch copies; 8 minutes at most.
+# (d) the engine's device-to-host snapshot rate against pinned torch copies, (e) the cost of a save
+# in the background, (f) the 117M GPT with an in-memory checkpoint every iteration against none;
+# 8 minutes at most.
 # Results: $OUT/gpu_check.json when $OUT is set, gpu_check_results.json otherwise (logs beside
 # them); exit status 1 if any step failed, 2 if there is no CUDA device.
 #

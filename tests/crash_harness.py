@@ -36,13 +36,27 @@ _LOADED = re.compile(r"loaded checkpoint \S+ \(format \S+, iteration (\d+);")
 _FAULT = re.compile(r"^DATASTATES_FAULT phase=(\w+) step=(\d+) rank=(\d+)")
 
 
-def trial_args(train_iters: int, universal: bool = False) -> List[str]:
+#: --memory: an in-memory version every iteration, --save every this many.
+MEMORY_PERSISTENT_INTERVAL = 4
+
+
+def trial_args(train_iters: int, universal: bool = False, memory: bool = False) -> List[str]:
     """DP2 with the distributed optimizer and dropout on (so RNG restore matters), a checkpoint
-    every iteration with --async-lazy-save (and a universal merge after each commit)."""
+    every iteration with --async-lazy-save (and a universal merge after each commit). With
+    `memory`: the in-memory level every iteration and --save every MEMORY_PERSISTENT_INTERVAL."""
+    every = (["--save-interval", str(MEMORY_PERSISTENT_INTERVAL), "--non-persistent-ckpt-type",
+              "in_memory", "--non-persistent-save-interval", "1"] if memory
+             else ["--save-interval", "1"])
     return TINY_MODEL + ["--train-iters", str(train_iters), "--eval-interval", "0",
-                         "--use-distributed-optimizer", "--async-lazy-save",
-                         "--save-interval", "1"] + (
+                         "--use-distributed-optimizer", "--async-lazy-save"] + every + (
                              ["--universal-checkpoint-interval", "1"] if universal else [])
+
+
+def memory_root(root: str) -> str:
+    """The in-memory level's directory of --save `root` on this machine's node 0."""
+    from megatron.training.config import shared_memory_dir
+
+    return shared_memory_dir(root, "in_memory/node0")
 
 
 @dataclass
@@ -300,9 +314,15 @@ def read_tracker(root: str) -> int:
     return int(open(path).read().strip()) if os.path.isfile(path) else 0
 
 
-def reference_losses(nproc: int, train_iters: int, workdir: str, timeout: float) -> Dict[int, str]:
-    run = run_launch(nproc, trial_args(train_iters) + ["--save", os.path.join(workdir, "ref")],
-                     {}, None, 0.0, timeout)
+def newest_complete(root: str, memory: bool) -> int:
+    """The newest iteration a restart may resume from: --save's, or the in-memory level's."""
+    return max(read_tracker(root), read_tracker(memory_root(root)) if memory else 0)
+
+
+def reference_losses(nproc: int, train_iters: int, workdir: str, timeout: float,
+                     memory: bool = False) -> Dict[int, str]:
+    run = run_launch(nproc, trial_args(train_iters, memory=memory)
+                     + ["--save", os.path.join(workdir, "ref")], {}, None, 0.0, timeout)
     losses = run.losses()
     assert run.returncode == 0 and sorted(losses) == list(range(1, train_iters + 1)), run.tail()
     return losses
@@ -317,12 +337,14 @@ def make_plan(rng: random.Random, phase: str, start: int, nproc: int,
 
 def run_trials(n_trials: int, workdir: str, seed: int = 0, nproc: int = 2, train_iters: int = 12,
                delay: float = 1.5, phases=PHASES, timeout: float = 300.0,
-               victims: Optional[List[str]] = None, log=lambda msg: None) -> List[Trial]:
+               victims: Optional[List[str]] = None, log=lambda msg: None,
+               memory: bool = False) -> List[Trial]:
     """`n_trials` crashes in chains of launches; phases cycle through `phases` in a seeded order
     (victims through `victims` when given, else seeded). Each restart is checked against an
-    uninterrupted reference run of the same flags."""
+    uninterrupted reference run of the same flags. `memory`: with the in-memory level (its
+    versions are verified like --save's, and restarts may resume from them)."""
     rng = random.Random(seed)
-    reference = reference_losses(nproc, train_iters, workdir, timeout)
+    reference = reference_losses(nproc, train_iters, workdir, timeout, memory)
     trials: List[Trial] = []
     order: List[str] = []
     while len(order) < n_trials:  # rounds of every phase once, each round in a seeded order
@@ -332,10 +354,10 @@ def run_trials(n_trials: int, workdir: str, seed: int = 0, nproc: int = 2, train
     chain, root = 0, None
     crashed: Optional[Trial] = None  # the trial whose restart is the next launch of the chain
     while len(trials) < n_trials:
-        start = read_tracker(root) if root else 0
+        start = newest_complete(root, memory) if root else 0
         if root is None or start + 3 >= train_iters:
             if crashed is not None:
-                _finish_chain(nproc, root, train_iters, reference, crashed, timeout)
+                _finish_chain(nproc, root, train_iters, reference, crashed, timeout, memory)
                 crashed = None
             chain += 1
             root = os.path.join(workdir, f"chain{chain:03d}")
@@ -344,15 +366,17 @@ def run_trials(n_trials: int, workdir: str, seed: int = 0, nproc: int = 2, train
         plan = make_plan(rng, order[len(trials)], start, nproc,
                          victims[len(trials) % len(victims)] if victims else None)
         trial = Trial(plan)
-        args = trial_args(train_iters, universal=plan.phase == MERGE) + ["--save", root,
-                                                                         "--load", root]
+        args = trial_args(train_iters, universal=plan.phase == MERGE, memory=memory) + [
+            "--save", root, "--load", root]
         run = run_launch(nproc, args, fault_env(plan, delay), plan, delay, timeout)
         if crashed is not None:
             _record_restart(crashed, run, reference)
         trial.hit = any(_trigger(line, plan) for line in run.lines)
         trial.last_iteration = max(run.losses(), default=start)
-        trial.tracker_after = read_tracker(root)
-        trial.corrupt = verify_committed(root)
+        trial.tracker_after = newest_complete(root, memory)
+        trial.corrupt = verify_committed(root) + (
+            verify_committed(memory_root(root)) if memory and os.path.isdir(memory_root(root))
+            else [])
         trials.append(trial)
         crashed = trial
         log(f"trial {len(trials):3d}: {plan.phase:7s} step {plan.step:2d} kill {plan.victim}"
@@ -360,7 +384,7 @@ def run_trials(n_trials: int, workdir: str, seed: int = 0, nproc: int = 2, train
             f"last iteration {trial.last_iteration} | tracker {trial.tracker_after} | corrupt "
             f"{len(trial.corrupt)}")
     if crashed is not None:
-        _finish_chain(nproc, root, train_iters, reference, crashed, timeout)
+        _finish_chain(nproc, root, train_iters, reference, crashed, timeout, memory)
     return trials
 
 
@@ -378,10 +402,11 @@ def _record_restart(crashed: Trial, run: Launch, reference: Dict[int, str]) -> N
 
 
 def _finish_chain(nproc: int, root: str, train_iters: int, reference: Dict[int, str],
-                  crashed: Trial, timeout: float) -> None:
-    """Restart without faults to the end: proves the chain's last crash recovers too."""
-    run = run_launch(nproc, trial_args(train_iters) + ["--save", root, "--load", root], {}, None,
-                     0.0, timeout)
+                  crashed: Trial, timeout: float, memory: bool = False) -> None:
+    """Restart without faults to the end: proves the chain's last crash recovers too (with the
+    in-memory level, its clean end gives the memory back)."""
+    run = run_launch(nproc, trial_args(train_iters, memory=memory)
+                     + ["--save", root, "--load", root], {}, None, 0.0, timeout)
     assert run.returncode == 0, run.tail()
     _record_restart(crashed, run, reference)
     crashed.bit_identical = crashed.bit_identical and \

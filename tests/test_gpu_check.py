@@ -30,7 +30,8 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     steps = res["steps"]
     assert {k: v["status"] for k, v in steps.items()} == {
         "a_engine_cuda_tests": "skip", "b_lazy_vs_torch_dist": "pass", "c_lazy_resume": "pass",
-        "d_d2h_copy_rate": "pass", "e_background_cost": "pass"}, \
+        "d_d2h_copy_rate": "pass", "e_background_cost": "pass",
+        "f_in_memory_every_iteration": "pass"}, \
         {k: v["detail"] for k, v in steps.items()}
     assert res["ok"] is True and res["mode"] == "cpu"
     assert res["env"]["installed_files_differing_from_repo"] == []
@@ -49,7 +50,12 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert len(e["slowdown"]) == len(e["bare_slowdown"]) == len(e["idle_compute_s"]) >= 1
     assert e["median_slowdown"] == pytest.approx(e["slowdown"][0], abs=1e-3)  # one pair on CPU
     assert all(x > 0 for x in e["cpu_s_per_gb"] + e["engine_gbps"] + e["idle_compute_s"])
-    assert {"lazy.out", "torch_dist.out", "stock_load.out", "resume.out", "engine_bench.out",
+    f = steps["f_in_memory_every_iteration"]["figures"]
+    assert f["in_memory_versions_committed"] >= 4 and f["none_ms"] > 0 and f["in_memory_ms"] > 0
+    assert f["ratio"] == pytest.approx(f["in_memory_ms"] / f["none_ms"], rel=1e-3)
+    assert len(f["stall_ms"]) == f["in_memory_versions_committed"]
+    assert {"f_none.out", "f_in_memory.out", "lazy.out", "torch_dist.out", "stock_load.out",
+            "resume.out", "engine_bench.out",
             "engine_overlap.out", "engine_bench_cpu.out"} <= {p.name for p in logs.iterdir()}
     assert all(r["returncode"] == 0 for r in res["runs"].values()), res["runs"]
 
