@@ -30,6 +30,13 @@ class WriteMode(enum.Enum):
     #: byte. Pieces that cannot be aligned (rows of non-contiguous tensors) and filesystems
     #: without O_DIRECT (tmpfs) fall back to buffered writes.
     DIRECT = "direct"
+    #: The copy threads write straight into a shared mapping of the shard file, created at its
+    #: final size with its space reserved first (posix_fallocate: a full file system fails the
+    #: save call, never a copy): each byte is copied once, from the live tensor into the file's
+    #: pages, and the host cache is not used. Meant for memory file systems (tmpfs, /dev/shm),
+    #: where those pages are the level itself (the in-memory level). CUDA tensors are copied
+    #: into the mapping too, without pinning it (pageable memory: slower than the pinned cache).
+    MAPPED = "mapped"
 
 
 class Checksum(enum.Enum):

@@ -125,6 +125,15 @@ class CheckpointEngine:
                                   file=shard_path) from e
         dfd = self._open_direct(shard_path) if self.cfg.write_mode is WriteMode.DIRECT else -1
         offsets, groups = plan_layout(entries, self._max_piece())
+        mapping = None
+        if self.cfg.write_mode is WriteMode.MAPPED:
+            size = offsets[-1] + entries[-1].nbytes if entries else 0
+            try:
+                mapping = self._map_shard(fd, shard_path, size)
+            except (OSError, RuntimeError) as e:
+                os.close(fd)
+                raise CheckpointError(f"cannot reserve {size} bytes for the shard file: {e}",
+                                      rank=self.cfg.rank, file=shard_path) from e
         with self._cond:
             handle = SaveHandle(self._next_id, int(step), directory)
             self._next_id += 1
@@ -133,6 +142,11 @@ class CheckpointEngine:
                        chunks=[[] for _ in entries])
             sv.write_dir = write_dir
             sv.ready_events = self._record_ready_events(entries)
+            if self.cfg.write_mode is WriteMode.MAPPED:
+                sv.mapped, sv.mapping = True, mapping
+                if mapping is not None:
+                    sv.copier = Copier(_MappedShard(mapping),
+                                       crc32c=self.cfg.checksum is Checksum.CRC32C)
             self._saves.append(sv)
         self._held.append((sv, groups))
         if not defer_copies:
@@ -350,7 +364,17 @@ class CheckpointEngine:
                 self._close_fd(sv)
 
     @staticmethod
+    def _map_shard(fd: int, path: str, size: int) -> Optional[torch.Tensor]:
+        """WriteMode.MAPPED: the shard file at its final size, its space reserved (a full tmpfs
+        fails here, not as SIGBUS in a copy), mapped shared; None for an empty shard."""
+        if size == 0:
+            return None
+        os.posix_fallocate(fd, 0, size)
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+    @staticmethod
     def _close_fd(sv: SaveJob) -> None:
+        sv.mapping = sv.copier = None  # unmapped once the last view is gone
         if sv.fd >= 0:
             os.close(sv.fd)
             sv.fd = -1
@@ -370,6 +394,8 @@ class CheckpointEngine:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.background_nice)
 
     def _max_piece(self) -> int:
+        if self.cfg.write_mode is WriteMode.MAPPED:  # no cache in between: a checksum per chunk
+            return max(FILE_ALIGN, self.cfg.chunk_bytes)
         # Half the cache, so that a copy can fill one half while a writer drains the other.
         return max(FILE_ALIGN, min(self.cfg.chunk_bytes, self._cache.capacity // 2))
 
@@ -423,6 +449,11 @@ class CheckpointEngine:
         ready = sv.ready_events.get(t.device) if t.is_cuda else None
         for piece, off in iter_pieces(t, self._max_piece()):
             nbytes = piece.numel() * piece.element_size()
+            if sv.mapped:  # straight into the shard's pages; the writer only checksums
+                start = sv.file_offsets[i] + off
+                crc = sv.copier.copy(piece, start, ready)
+                self._hand_over(sv, [Segment(i, off, nbytes, 0, crc)], start, nbytes)
+                continue
             start = self._alloc(sv, nbytes)
             try:
                 crc = self._copier.copy(piece, start, ready)
@@ -438,7 +469,8 @@ class CheckpointEngine:
         total = sv.file_offsets[group[-1]] + sv.entries[group[-1]].nbytes - base
         if total == 0:
             return
-        start = self._alloc(sv, total)
+        start = base if sv.mapped else self._alloc(sv, total)
+        copier = sv.copier if sv.mapped else self._copier
         segments = []
         try:
             for i in group:
@@ -446,10 +478,11 @@ class CheckpointEngine:
                 if e.nbytes:
                     pos = sv.file_offsets[i] - base
                     ready = sv.ready_events.get(e.tensor.device) if e.tensor.is_cuda else None
-                    crc = self._copier.copy(e.tensor.detach(), start + pos, ready)
+                    crc = copier.copy(e.tensor.detach(), start + pos, ready)
                     segments.append(Segment(i, 0, e.nbytes, pos, crc))
         except BaseException:
-            self._cache.free(start)
+            if not sv.mapped:
+                self._cache.free(start)
             raise
         self._hand_over(sv, segments, start, total)
 
@@ -470,7 +503,8 @@ class CheckpointEngine:
                                                file=sv.shard_path,
                                                tensor=sv.entries[segments[0].entry].key))
             finally:
-                self._cache.free(start)
+                if not sv.mapped:
+                    self._cache.free(start)
                 with self._cond:
                     sv.inflight -= 1
             self._maybe_finalize(sv)
@@ -479,8 +513,14 @@ class CheckpointEngine:
     def _write_block(self, sv: SaveJob, segments: List[Segment], start: int, total: int) -> None:
         if sv.t_first_write is None:
             sv.t_first_write = time.perf_counter()
-        crcs = write_block(self.cfg, self._crc, self._cache, sv, segments, start, total,
-                           self._cond)
+        if sv.mapped:  # the bytes are in the file already: checksum what the copy did not
+            view = _MappedShard(sv.mapping)
+            crcs = [s.crc if s.crc is not None else self._crc(view.memview(start + s.pos,
+                                                                          s.nbytes))
+                    for s in segments]
+        else:
+            crcs = write_block(self.cfg, self._crc, self._cache, sv, segments, start, total,
+                               self._cond)
         with self._cond:
             for seg, crc in zip(segments, crcs):
                 sv.chunks[seg.entry].append([seg.offset, seg.nbytes, crc])
@@ -556,3 +596,17 @@ class CheckpointEngine:
             sv.done = True
             sv.skeleton = None
             self._cond.notify_all()
+
+
+class _MappedShard:
+    """A shard file's shared mapping (WriteMode.MAPPED), with the two calls `Copier` and the
+    checksum need of a host cache: `buffer` and `view`, `memview`."""
+
+    def __init__(self, mapping: torch.Tensor):
+        self.buffer = mapping
+
+    def view(self, start: int, nbytes: int) -> torch.Tensor:
+        return self.buffer[start:start + nbytes]
+
+    def memview(self, start: int, nbytes: int) -> memoryview:
+        return memoryview(self.buffer.numpy()[start:start + nbytes])

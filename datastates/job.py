@@ -47,6 +47,9 @@ class SaveJob:
     done: bool = False
     record: Optional[SaveRecord] = None
     reported: bool = False
+    mapped: bool = False  # WriteMode.MAPPED: copies land in `mapping`, the shard file's pages
+    mapping: Any = None  # a uint8 tensor over the shared mapping of the shard file
+    copier: Any = None  # the Copier into `mapping`
 
     @property
     def copied(self) -> bool:

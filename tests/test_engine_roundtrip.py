@@ -226,10 +226,11 @@ def test_unknown_checksum_in_index_names_the_known_ones(tmp_path):
         CheckpointReader(d, verify=False)  # the index checksum is skipped; the name is not
 
 
-@pytest.mark.parametrize("mode", ["direct", "buffered"])
+@pytest.mark.parametrize("mode", ["direct", "buffered", "mapped"])
 def test_write_modes_round_trip_aligned_and_unaligned_pieces(tmp_path, mode):
     """O_DIRECT for page-aligned pieces, buffered fallback for row pieces of non-contiguous
-    tensors, padding of last pieces must not clobber the next tensor."""
+    tensors, padding of last pieces must not clobber the next tensor; mapped: every piece
+    copied straight into the shard file's pages, the host cache never used."""
     from datastates import WriteMode
     state = tensor_state()
     g = torch.Generator().manual_seed(4)
@@ -239,7 +240,30 @@ def test_write_modes_round_trip_aligned_and_unaligned_pieces(tmp_path, mode):
     loaded, rec, d = save_and_load(state, tmp_path, host_cache_bytes=1 << 17, chunk_bytes=16384,
                                    write_mode=WriteMode(mode))
     assert_same(state, loaded)
-    assert 0 < rec.peak_cache_bytes <= 1 << 17
+    if mode == "mapped":
+        assert rec.peak_cache_bytes == 0
+    else:
+        assert 0 < rec.peak_cache_bytes <= 1 << 17
+
+
+def test_mapped_shard_on_a_full_tmpfs_fails_the_save_call_not_a_copy(tmp_path):
+    """WriteMode.MAPPED reserves the shard's space before any copy: a tmpfs too small for it
+    fails the save call with a CheckpointError naming the file (a copy into unreserved pages of
+    a mapping would kill the process with SIGBUS); the engine stays usable."""
+    from datastates import WriteMode
+    from tmpfs import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "shm", "1m") as shm:
+        with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 16,
+                                           write_mode=WriteMode.MAPPED)) as eng:
+            with pytest.raises(CheckpointError, match="cannot reserve .* bytes for the shard "
+                                                      "file") as err:
+                eng.save({"w": torch.zeros(1 << 19)}, str(shm / "v"), step=1)  # 2 MiB
+            assert err.value.file == str(shm / "v" / "shard_r00000.bin")
+            h = eng.save({"w": torch.ones(1 << 16)}, str(shm / "v2"), step=2)  # 256 KiB fits
+            eng.wait_for_durable(h)
+        loaded = CheckpointReader(str(shm / "v2")).load_state()
+        assert torch.equal(loaded["w"], torch.ones(1 << 16))
 
 
 def test_small_tensors_are_packed_into_few_writes(tmp_path):

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from ... import control_plane
-from ...config import Checksum, CommitPolicy, EngineConfig
+from ...config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from ...engine import CheckpointEngine
 from ...errors import CheckpointError
 from ...faults import fail_point, fault_point
@@ -78,6 +78,8 @@ __all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySav
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 _ITER_IN_PATH = re.compile(r"iter_(\d{7,})(?:/|$)")
+#: The host cache of an engine in WriteMode.MAPPED: the smallest the engine takes (unused).
+MAPPED_CACHE_BYTES = 64 * 1024
 #: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.
 COMMIT_RESERVE_BYTES = 64 * 1024
 
@@ -136,6 +138,12 @@ class LazySaveConfig:
     its versions stay on each node, each rank writes all it holds, each node's leader commits
     its node (`node_local`)."""
 
+    non_persistent_in_memory: bool = False
+    """The node-local versions are in memory (Megatron-LM's `in_memory` type, a tmpfs such as
+    /dev/shm): on a CPU-only host their engine copies each tensor straight into the shard file's
+    pages (`WriteMode.MAPPED`: one copy, no host cache); with CUDA, through the pinned host cache
+    (a device-to-host copy into the pageable mapping would be slower)."""
+
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be positive, found {self.cache_bytes}")
@@ -145,6 +153,8 @@ class LazySaveConfig:
             raise ValueError("peer replicas are held in the node-local directory: set local_dir")
         if self.non_persistent_node_local and self.non_persistent_root is None:
             raise ValueError("non_persistent_node_local needs non_persistent_root")
+        if self.non_persistent_in_memory and not self.non_persistent_node_local:
+            raise ValueError("non_persistent_in_memory needs non_persistent_node_local")
         if self.universal_every_n is not None and self.universal_every_n <= 0:
             raise ValueError(f"universal_every_n must be positive, found {self.universal_every_n}")
 
@@ -246,7 +256,8 @@ class LazyCheckpointer:
         self.lanes: List[_Lane] = [self.persistent]
         self.node_lane: Optional[_Lane] = None
         if self.node is not None:  # node-local versions: their own engine and threads
-            self.node_lane = _Lane("node-local", self._new_engine(None),
+            mapped = config.non_persistent_in_memory and not torch.cuda.is_available()
+            self.node_lane = _Lane("node-local", self._new_engine(None, mapped),
                                    *self._lane_threads("-node"))
             self.lanes.append(self.node_lane)
         # Errors this rank hit since the last agreement, in order (a full disk can fail both
@@ -265,10 +276,13 @@ class LazyCheckpointer:
         if config.universal_every_n:
             self._start_mergers(log)
 
-    def _new_engine(self, local_dir: Optional[str]) -> CheckpointEngine:
+    def _new_engine(self, local_dir: Optional[str], mapped: bool = False) -> CheckpointEngine:
         c = self.config
         return CheckpointEngine(EngineConfig(
-            rank=self.rank, world_size=self.world, host_cache_bytes=c.cache_bytes,
+            rank=self.rank, world_size=self.world,
+            # A mapped engine copies into the shard files, not through its cache.
+            host_cache_bytes=MAPPED_CACHE_BYTES if mapped else c.cache_bytes,
+            write_mode=WriteMode.MAPPED if mapped else WriteMode.DIRECT,
             commit_policy=CommitPolicy.MANUAL,  # committed in poll(), after every rank agrees
             checksum=c.checksum, background_nice=c.background_nice, local_dir=local_dir))
 

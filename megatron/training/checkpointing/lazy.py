@@ -229,6 +229,8 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
         root=ckpt.save, non_persistent_root=non_persistent_root_of_this_rank(config),
         non_persistent_node_local=(ckpt.non_persistent_node_local
                                    and ckpt.non_persistent_save_root() is not None),
+        non_persistent_in_memory=(ckpt.non_persistent_ckpt_type == "in_memory"
+                                  and ckpt.non_persistent_save_root() is not None),
         cache_bytes=ckpt.lazy_save_cache_mb << 20,
         peer_replica_bytes=(ckpt.lazy_save_peer_replica_mb << 20
                             if ckpt.lazy_save_peer_replica else None),
