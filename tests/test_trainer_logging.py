@@ -102,6 +102,9 @@ def test_checkpoint_record_from_the_lazy_telemetry_line():
     record = CheckpointRecord.from_telemetry(line)
     assert record.gbps == 1.5 and record.scalars()["checkpoint/copy-ms"] == 40.0
     assert "checkpoint/local-durable-s" not in record.scalars()
+    memory = CheckpointRecord.from_telemetry(dict(line, persistent=False), "in_memory")
+    assert memory.scalars()["checkpoint-in_memory/stall-ms"] == 12.5  # apart from --save's
+    assert not any(k.startswith("checkpoint/") for k in memory.scalars())
 
 
 # -- start-up errors -----------------------------------------------------------------------------

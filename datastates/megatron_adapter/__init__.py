@@ -58,10 +58,12 @@ _EXPORTS = {
     "PeerReplicator": "levels.peer_replica", "RestoreStats": "levels.peer_replica",
     "Ring": "levels.peer_replica", "node_index": "levels.peer_replica",
     "check_memory_room": "levels.in_memory", "release_memory": "levels.in_memory",
+    "MEMORY_VERSIONS_KEPT": "levels.in_memory",
     "restore_before_load": "levels.peer_replica", "needed_saved_ranks": "levels.peer_replica",
 }
 _RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand",
-            "check_memory_room": "check_room", "release_memory": "release"}
+            "check_memory_room": "check_room", "release_memory": "release",
+            "MEMORY_VERSIONS_KEPT": "VERSIONS_KEPT"}
 
 __all__ = sorted(_EXPORTS) + ["paths"]
 

@@ -48,27 +48,31 @@ class CheckpointRecord:
     """Lazy format: the background copy of the snapshot into the host cache, slowest rank."""
     local_durable_s: Optional[float] = None
     """Lazy format with --lazy-save-local-dir: until durable on the node-local tier."""
+    level: str = "persistent"
+    """Where it is: "persistent" (--save) or a non-persistent type ("global", "local",
+    "in_memory"); its scalars are `checkpoint/...` or `checkpoint-<level>/...`."""
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.durable_s / 1e9 if self.durable_s > 0 else 0.0
 
     @classmethod
-    def from_telemetry(cls, record: dict) -> "CheckpointRecord":
+    def from_telemetry(cls, record: dict, level: str = "persistent") -> "CheckpointRecord":
         """From a `checkpoint` line of datastates_checkpoints.jsonl (the lazy format)."""
         return cls(iteration=int(record["iteration"]), bytes=int(record["bytes"]),
                    stall_ms=float(record["stall_ms"]), durable_s=float(record["durable_s"]),
                    copy_ms=float(record["copy_ms"]),
-                   local_durable_s=record.get("local_durable_s"))
+                   local_durable_s=record.get("local_durable_s"), level=level)
 
     def scalars(self) -> Dict[str, float]:
-        out = {"checkpoint/iteration": self.iteration, "checkpoint/bytes": self.bytes,
-               "checkpoint/stall-ms": self.stall_ms, "checkpoint/durable-s": self.durable_s,
-               "checkpoint/GB-per-s": self.gbps}
+        tag = "checkpoint" if self.level == "persistent" else f"checkpoint-{self.level}"
+        out = {f"{tag}/iteration": self.iteration, f"{tag}/bytes": self.bytes,
+               f"{tag}/stall-ms": self.stall_ms, f"{tag}/durable-s": self.durable_s,
+               f"{tag}/GB-per-s": self.gbps}
         if self.copy_ms is not None:
-            out["checkpoint/copy-ms"] = self.copy_ms
+            out[f"{tag}/copy-ms"] = self.copy_ms
         if self.local_durable_s is not None:
-            out["checkpoint/local-durable-s"] = self.local_durable_s
+            out[f"{tag}/local-durable-s"] = self.local_durable_s
         return out
 
 

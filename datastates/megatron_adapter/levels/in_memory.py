@@ -27,9 +27,11 @@ __all__ = ["FLAG", "Room", "VERSIONS_KEPT", "check_room", "held_bytes", "release
 
 FLAG = "--non-persistent-ckpt-type in_memory"
 
-#: Versions a node's memory holds at once: the one being written and the newest complete one
-#: (the non-persistent root keeps only its newest complete version, as Megatron-LM's).
-VERSIONS_KEPT = 2
+#: Versions a node's memory holds at once: the one being written, the previous one while it is
+#: being agreed on and committed (a save is committed at the end of an iteration, after the next
+#: save call), and the newest complete one, which retention removes once the previous one is
+#: committed (the non-persistent root keeps only its newest complete version, as Megatron-LM's).
+VERSIONS_KEPT = 3
 
 MiB = 1 << 20
 

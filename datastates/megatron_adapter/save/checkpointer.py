@@ -855,7 +855,8 @@ class LazyCheckpointer:
         stats = {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
                  "stall_ms": stall * 1e3, "copy_ms": copy * 1e3, "durable_s": durable,
                  "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,
-                 "t_start": p.t_start, "t_returned": p.t_returned, "time": time.time()}
+                 "t_start": p.t_start, "t_returned": p.t_returned, "time": time.time(),
+                 "persistent": p.root == self.config.root}
         if self.config.local_dir is not None:  # durable_s is then the shared (ROOT) time
             stats["local_durable_s"] = local
         return stats

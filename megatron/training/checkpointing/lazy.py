@@ -32,7 +32,7 @@ import datastates
 from datastates import Checksum, TensorShard, control_plane
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
     StructurePolicy, append_telemetry, check_memory_room, expand_local_dir, needed_saved_ranks, \
-    node_index, paths, release_memory, restore_before_load
+    MEMORY_VERSIONS_KEPT, node_index, paths, release_memory, restore_before_load
 
 from megatron.training.checkpointing import distopt_shards
 from megatron.training.checkpointing.contents import (
@@ -135,7 +135,8 @@ def check_memory_level(config: RunConfig, model) -> None:
         raise CheckpointError(err.reason, path=root, ranks=err.ranks) from err  # printed once
     print_rank_0(f"in-memory checkpoints: every {ckpt.non_persistent_save_interval} "
                  f"iteration(s) into {root}; node {room.node} holds up to "
-                 f"{room.need_bytes / 2**20:.0f} MiB (2 versions of its {room.ranks} rank(s)' "
+                 f"{room.need_bytes / 2**20:.0f} MiB ({MEMORY_VERSIONS_KEPT} versions of its "
+                 f"{room.ranks} rank(s)' "
                  f"checkpoints; {room.free_bytes / 2**20:.0f} MiB free); removed at a clean end "
                  "once --save holds the newest iteration")
 
@@ -254,7 +255,9 @@ class LazyCheckpointManager(CheckpointManager):
         self._trash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
         self.checkpointer = LazyCheckpointer(
             lazy_save_config(config), log=print_rank_0, after_commit=self._after_commit,
-            on_record=lambda r: self._record(CheckpointRecord.from_telemetry(r)))
+            on_record=lambda r: self._record(CheckpointRecord.from_telemetry(
+                r, "persistent" if r.get("persistent", True)
+                else self.ckpt.non_persistent_ckpt_type)))
 
     def start(self) -> None:
         # The checkpointer prepared and probed its roots when it was built.

@@ -251,11 +251,11 @@ def resume_root(config: RunConfig) -> Optional[str]:
     if newer is None:
         return ckpt.load
     persistent = paths.tracked_iteration(ckpt.load) if ckpt.load else None
+    level = _LEVEL_NAMES.get(ckpt.non_persistent_ckpt_type, "non-persistent")
     if persistent is not None and newer < persistent:
-        print_rank_0(f"non-persistent checkpoint (iteration {newer} in {non_persistent}) is older "
+        print_rank_0(f"{level} checkpoint (iteration {newer} in {non_persistent}) is older "
                      f"than the persistent one (iteration {persistent}): loading {ckpt.load}")
         return ckpt.load
-    level = _LEVEL_NAMES.get(ckpt.non_persistent_ckpt_type, "non-persistent")
     print_rank_0(f"loading the {level} checkpoint of iteration {newer} from "
                  f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
                                           else f"persistent: iteration {persistent}") + ")")

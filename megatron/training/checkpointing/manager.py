@@ -323,7 +323,7 @@ class CheckpointManager:
     def _record(self, record: CheckpointRecord) -> None:
         """Rank 0: a checkpoint is complete; report it (metrics, the auto interval)."""
         self.metrics.checkpoint(record)
-        if self.auto is not None:
+        if self.auto is not None and record.level == "persistent":  # it sets --save's interval
             self.auto.record(record.iteration, record.stall_ms / 1e3, record.durable_s)
 
     def _decided(self, iteration: int, root: str) -> Optional[bool]:
@@ -356,7 +356,8 @@ class CheckpointManager:
         directory = paths.checkpoint_dir(root, iteration)
         self._record(CheckpointRecord(
             iteration=iteration, bytes=_directory_bytes(directory), stall_ms=call_s * 1e3,
-            durable_s=durable_s))
+            durable_s=durable_s, level="persistent" if root == self.ckpt.save
+            else self.ckpt.non_persistent_ckpt_type))
 
     def _after_commit(self, iteration: int, root: str) -> None:
         """Rank 0, right after `root`'s tracker moved to `iteration`: retention (the
