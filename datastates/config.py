@@ -123,6 +123,15 @@ class EngineConfig:
     """fsync shard and index files before writing the rank marker. Only tests and benchmarks of
     the page cache should turn this off; a marker is a durability promise."""
 
+    mapped_slot_dir: Optional[str] = None
+    """WriteMode.MAPPED: a directory on the version directories' file system where the engine
+    keeps up to `mapped_slots` shard files (inodes and mappings) for reuse: each save's shard
+    is a hard link to a slot no version links any more (`datastates/mapped.py`), so its pages
+    are neither allocated, faulted in nor freed again. None: a new file per save."""
+
+    mapped_slots: int = 4
+    """Slots of `mapped_slot_dir` (a save that finds none free gets a file of its own)."""
+
     write_hook: Optional[WriteHook] = None
     """Test hook run in the writer thread (see `WriteHook`); may sleep (throttle) or raise (fault
     injection). None in production."""

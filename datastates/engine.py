@@ -32,6 +32,7 @@ from .config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from .errors import CheckpointError
 from .faults import fault_point
 from .flush import migrate_version_files, write_block, write_version_files
+from .mapped import MappedShard, SlotPool, map_new_file
 from .job import FILE_ALIGN, SaveHandle, SaveJob, Segment, is_small, plan_layout
 from .flatten import FlatState, TensorEntry, flatten_state
 from .telemetry import SaveRecord, append_record
@@ -69,6 +70,14 @@ class CheckpointEngine:
         self._cache.buffer.fill_(0)
         self._cache.add_peak_listener(self._on_cache_use)
         self._copier = Copier(self._cache, crc32c=config.checksum is Checksum.CRC32C)
+        self._slots: Optional[SlotPool] = None  # WriteMode.MAPPED with a slot directory
+        if config.write_mode is WriteMode.MAPPED and config.mapped_slot_dir is not None:
+            try:
+                self._slots = SlotPool(config.mapped_slot_dir, config.rank,
+                                       config.mapped_slots)
+            except OSError as e:
+                raise CheckpointError(f"cannot prepare the slot directory: {e}",
+                                      rank=config.rank, file=config.mapped_slot_dir) from e
         self._copy_q: "queue.Queue" = queue.Queue()
         self._held: List[tuple] = []  # (save, its copy groups) not yet handed to copy threads
         self._write_q: "queue.Queue" = queue.Queue()
@@ -119,7 +128,8 @@ class CheckpointEngine:
             for d in {directory, write_dir}:
                 os.makedirs(d, exist_ok=True)
                 layout.invalidate(d, self.cfg.rank)
-            fd = os.open(shard_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if self.cfg.write_mode is not WriteMode.MAPPED:
+                fd = os.open(shard_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
                                   file=shard_path) from e
@@ -129,9 +139,8 @@ class CheckpointEngine:
         if self.cfg.write_mode is WriteMode.MAPPED:
             size = offsets[-1] + entries[-1].nbytes if entries else 0
             try:
-                mapping = self._map_shard(fd, shard_path, size)
+                fd, mapping = self._map_shard(shard_path, size)
             except (OSError, RuntimeError) as e:
-                os.close(fd)
                 raise CheckpointError(f"cannot reserve {size} bytes for the shard file: {e}",
                                       rank=self.cfg.rank, file=shard_path) from e
         with self._cond:
@@ -145,7 +154,7 @@ class CheckpointEngine:
             if self.cfg.write_mode is WriteMode.MAPPED:
                 sv.mapped, sv.mapping = True, mapping
                 if mapping is not None:
-                    sv.copier = Copier(_MappedShard(mapping),
+                    sv.copier = Copier(MappedShard(mapping),
                                        crc32c=self.cfg.checksum is Checksum.CRC32C)
             self._saves.append(sv)
         self._held.append((sv, groups))
@@ -242,6 +251,8 @@ class CheckpointEngine:
                 # Give the cache's memory back now, not whenever the engine object is collected.
                 self._cache = None
                 self._copier = None
+                if self._slots is not None:  # every save is done: no copy uses a slot
+                    self._slots.close()
         if stuck is not None:
             # Hung threads may still touch the cache: it is kept (not freed) and they are left.
             raise stuck
@@ -363,14 +374,14 @@ class CheckpointEngine:
             if sv.error is not None and sv.copied and sv.inflight == 0:
                 self._close_fd(sv)
 
-    @staticmethod
-    def _map_shard(fd: int, path: str, size: int) -> Optional[torch.Tensor]:
-        """WriteMode.MAPPED: the shard file at its final size, its space reserved (a full tmpfs
-        fails here, not as SIGBUS in a copy), mapped shared; None for an empty shard."""
-        if size == 0:
-            return None
-        os.posix_fallocate(fd, 0, size)
-        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    def _map_shard(self, path: str, size: int):
+        """WriteMode.MAPPED: (write descriptor, shared mapping or None when empty) of the shard
+        file at its final size: a free slot of the pool linked there, else a new file."""
+        if self._slots is not None:
+            taken = self._slots.take(path, size)
+            if taken is not None:
+                return taken
+        return map_new_file(path, size)
 
     @staticmethod
     def _close_fd(sv: SaveJob) -> None:
@@ -514,7 +525,7 @@ class CheckpointEngine:
         if sv.t_first_write is None:
             sv.t_first_write = time.perf_counter()
         if sv.mapped:  # the bytes are in the file already: checksum what the copy did not
-            view = _MappedShard(sv.mapping)
+            view = MappedShard(sv.mapping)
             crcs = [s.crc if s.crc is not None else self._crc(view.memview(start + s.pos,
                                                                           s.nbytes))
                     for s in segments]
@@ -597,16 +608,3 @@ class CheckpointEngine:
             sv.skeleton = None
             self._cond.notify_all()
 
-
-class _MappedShard:
-    """A shard file's shared mapping (WriteMode.MAPPED), with the two calls `Copier` and the
-    checksum need of a host cache: `buffer` and `view`, `memview`."""
-
-    def __init__(self, mapping: torch.Tensor):
-        self.buffer = mapping
-
-    def view(self, start: int, nbytes: int) -> torch.Tensor:
-        return self.buffer[start:start + nbytes]
-
-    def memview(self, start: int, nbytes: int) -> memoryview:
-        return memoryview(self.buffer.numpy()[start:start + nbytes])

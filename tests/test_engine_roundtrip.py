@@ -275,3 +275,40 @@ def test_small_tensors_are_packed_into_few_writes(tmp_path):
                                  write_hook=lambda ev, info: ev == "write" and writes.append(ev))
     assert_same(state, loaded)
     assert 2 <= len(writes) <= 3  # 300 small tensors in one or two blocks, "big" alone
+
+
+def test_mapped_slots_are_reused_only_once_no_version_links_them(tmp_path):
+    """WriteMode.MAPPED with a slot directory: each save's shard is a hard link to a pooled
+    file; a slot is written again only after the version using it was removed (as retention
+    removes old versions), so every version still there reads back as saved; with no free slot
+    and the pool full a save gets a file of its own; closing drops only the pool's links."""
+    import shutil
+
+    from datastates import WriteMode
+
+    slots = tmp_path / "slots"
+    (slots).mkdir()
+    (slots / "r00000-9.bin").write_bytes(b"left by a killed process")
+    cfg = EngineConfig(host_cache_bytes=1 << 16, write_mode=WriteMode.MAPPED,
+                       mapped_slot_dir=str(slots), mapped_slots=2, chunk_bytes=1 << 16)
+    states = {k: {"w": torch.full((50000,), float(k)), "b": torch.arange(k + 3)}
+              for k in range(1, 7)}
+    inodes = {}
+    with CheckpointEngine(cfg) as eng:
+        assert not (slots / "r00000-9.bin").exists()
+        for k, state in states.items():
+            d = tmp_path / f"v{k}"
+            eng.wait_for_durable(eng.save(state, str(d), step=k))
+            inodes[k] = os.stat(d / "shard_r00000.bin").st_ino
+            for j in range(1, k + 1):  # every version still there holds its own bytes
+                if (tmp_path / f"v{j}").exists():
+                    assert_same(states[j], CheckpointReader(str(tmp_path / f"v{j}")).load_state())
+            if k == 3:
+                continue  # v1, v2 and v3 all kept once: v3 had no free slot (pool of 2)
+            for old in range(1, k - 1):  # keep the two newest, as retention would
+                shutil.rmtree(tmp_path / f"v{old}", ignore_errors=True)
+        assert inodes[1] != inodes[2] and inodes[3] not in (inodes[1], inodes[2])
+        assert inodes[5] == inodes[1] or inodes[5] == inodes[2]  # a freed slot came back
+        assert len(list(slots.iterdir())) == 2
+    assert list(slots.iterdir()) == []  # the pool's links are gone, the versions' stay
+    assert_same(states[6], CheckpointReader(str(tmp_path / "v6")).load_state())

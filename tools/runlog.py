@@ -10,7 +10,7 @@ Recognized lines (everything else is ignored):
 - `` checkpoint iteration N | bytes: B | stall (ms): X | ... | committed: DIR`` (``--async-lazy-save``:
   one line per committed checkpoint, printed when it commits; its stall is the slowest rank's
   time blocked by that save, save call and wait before the next optimizer step together);
-- `` training summary | ... | checkpoints: N (complete: M) | blocked by checkpointing (s): X | ...`` (our trainer);
+- `` training summary | ... | checkpoints: N (complete: M[; persistent deferred: K]) | blocked by checkpointing (s): X | ...`` (our trainer);
 - ``[run] tag=T rc=R wall_seconds=S`` (written by examples/slurm/common.sh around the launch).
 """
 from __future__ import annotations

@@ -31,6 +31,8 @@ FLAG = "--non-persistent-ckpt-type in_memory"
 #: being agreed on and committed (a save is committed at the end of an iteration, after the next
 #: save call), and the newest complete one, which retention removes once the previous one is
 #: committed (the non-persistent root keeps only its newest complete version, as Megatron-LM's).
+#: Their shard files are reused slots (`datastates/mapped.py`), one per version; a save while
+#: commits lag (a fourth version for a moment) gets a file of its own.
 VERSIONS_KEPT = 3
 
 MiB = 1 << 20
@@ -47,14 +49,18 @@ class Room:
 
 
 def held_bytes(root: str) -> int:
-    """Bytes of the files under `root` (0 when it does not exist)."""
-    total = 0
+    """Bytes of the files under `root` (0 when it does not exist), each inode once (a version's
+    shard file is a hard link to a reusable slot, `datastates/mapped.py`)."""
+    total, seen = 0, set()
     for top, _, files in os.walk(root):
         for name in files:
             try:
-                total += os.lstat(os.path.join(top, name)).st_size
+                st = os.lstat(os.path.join(top, name))
             except OSError:  # removed meanwhile
-                pass
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
     return total
 
 

@@ -78,6 +78,9 @@ __all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySav
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 _ITER_IN_PATH = re.compile(r"iter_(\d{7,})(?:/|$)")
+#: Where an in-memory level's engine keeps its reusable shard files (`datastates/mapped.py`),
+#: under the node's root of the level.
+SLOT_DIR = ".datastates_slots"
 #: The host cache of an engine in WriteMode.MAPPED: the smallest the engine takes (unused).
 MAPPED_CACHE_BYTES = 64 * 1024
 #: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.
@@ -257,8 +260,9 @@ class LazyCheckpointer:
         self.node_lane: Optional[_Lane] = None
         if self.node is not None:  # node-local versions: their own engine and threads
             mapped = config.non_persistent_in_memory and not torch.cuda.is_available()
-            self.node_lane = _Lane("node-local", self._new_engine(None, mapped),
-                                   *self._lane_threads("-node"))
+            self.node_lane = _Lane("node-local", self._new_engine(
+                None, mapped, os.path.join(config.non_persistent_root, SLOT_DIR) if mapped
+                else None), *self._lane_threads("-node"))
             self.lanes.append(self.node_lane)
         # Errors this rank hit since the last agreement, in order (a full disk can fail both
         # common.pt of the next save and the flush of the previous one: all are reported).
@@ -276,9 +280,13 @@ class LazyCheckpointer:
         if config.universal_every_n:
             self._start_mergers(log)
 
-    def _new_engine(self, local_dir: Optional[str], mapped: bool = False) -> CheckpointEngine:
+    def _new_engine(self, local_dir: Optional[str], mapped: bool = False,
+                    slot_dir: Optional[str] = None) -> CheckpointEngine:
+        from ..levels.in_memory import VERSIONS_KEPT
+
         c = self.config
         return CheckpointEngine(EngineConfig(
+            mapped_slot_dir=slot_dir, mapped_slots=VERSIONS_KEPT,
             rank=self.rank, world_size=self.world,
             # A mapped engine copies into the shard files, not through its cache.
             host_cache_bytes=MAPPED_CACHE_BYTES if mapped else c.cache_bytes,
