@@ -46,9 +46,9 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
             _kill_tree(proc)
 
     try:
-        first = launch(2, flags + ["--train-iters", "40"], on_line=kill_when_ahead,
+        first = launch(2, flags + ["--train-iters", "24"], on_line=kill_when_ahead,
                        extra_env={"DATASTATES_FAULT_DELAY_FLUSH": "600@8:0"})
-        assert seen["committed"] and "iteration       40/" not in first.stdout, first.describe()
+        assert seen["committed"] and "iteration       24/" not in first.stdout, first.describe()
         assert "in-memory checkpoints: every 1 iteration(s) into " + memory in first.stdout
         assert first.stdout.count("deferred the persistent save of iteration 12:") == 1
         assert "deferred the persistent save of iteration 8" not in first.stdout
@@ -62,7 +62,7 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
         assert {"COMMIT.json", "common.pt", "metadata.json", "done_r00000.json",
                 "done_r00001.json"} <= set(os.listdir(os.path.join(memory, f"iter_{newest:07d}")))
 
-        resumed = launch(2, flags + ["--load", save, "--train-iters", "40"])
+        resumed = launch(2, flags + ["--load", save, "--train-iters", "24"])
         assert resumed.returncode == 0, resumed.describe()
         assert (f"loading the in-memory checkpoint of iteration {newest} from {memory} "
                 "(persistent: iteration 4)") in resumed.stdout
@@ -71,7 +71,7 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
         assert both and both == {it: first.losses()[it] for it in both}, (first.losses(),
                                                                          resumed.losses())
         # Clean end: --save holds the last iteration, so the memory is given back.
-        assert paths.tracked_iteration(save) == 40
+        assert paths.tracked_iteration(save) == 24
         assert "in-memory checkpoints: removed iteration(s)" in resumed.stdout
         assert not os.path.exists(memory) and not os.path.exists(os.path.dirname(memory))
     finally:
