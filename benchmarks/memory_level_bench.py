@@ -82,7 +82,9 @@ def run(name: str, config: str, iters: int, skip: int, save: Path,
     current, t_last = 0, None
     deferred = 0
     tail: List[str] = []
+    log = open(str(save) + ".log", "w")  # each run's output, beside its --save
     for line in proc.stdout:
+        log.write(line)
         tail = (tail + [line])[-40:]
         m = _ITER.search(line)
         if m:
@@ -95,6 +97,7 @@ def run(name: str, config: str, iters: int, skip: int, save: Path,
             deferred += 1
     rc = proc.wait()
     end = time.perf_counter()
+    log.close()
     shutil.rmtree(save, ignore_errors=True)
     if rc != 0:
         raise SystemExit(f"{name} failed (rc={rc}):\n" + "".join(tail))
@@ -158,16 +161,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             else "not throttled")
     print(f"\n{a.config} GPT, {a.iters} iterations (mean over iterations > {a.skip}), "
           f"disk {disk}, --save every {a.persistent_interval} with the in-memory level")
-    print(f"{'variant':<11} {'ms/iter':>9} {'x none':>7} {'drain (s)':>9} {'lag max':>7} "
-          f"{'lag mean':>8} {'commits':>7} {'deferred':>8}")
+    print(f"{'variant':<11} {'ms/iter':>9} {'x none':>7} {'per round (x none)':>24} "
+          f"{'drain (s)':>9} {'lag max':>7} {'lag mean':>8} {'commits':>7} {'deferred':>8}")
     for name in variants:
         rs = [r for r in results if r["variant"] == name]
         ms = statistics.mean(r["iter_ms"] for r in rs)
+        # Same-round ratios (the machine drifts between rounds); their median is the figure.
+        rounds = [r["iter_ms"] / n["iter_ms"] for r in rs for n in results
+                  if n["variant"] == "none" and n["round"] == r["round"]]
+        per_round = ", ".join(f"{x:.3f}" for x in rounds)
+        if rounds:
+            per_round += f" (median {statistics.median(rounds):.3f})"
         lag_max = max((r["persistent_lag_max"] for r in rs if r["persistent_lag_max"] is not None),
                       default=None)
         lags = [r["persistent_lag_mean"] for r in rs if r["persistent_lag_mean"] is not None]
         print(f"{name:<11} {ms:>9.1f} {ms / base if base else float('nan'):>7.3f} "
-              f"{statistics.mean(r['drain_at_exit_s'] for r in rs):>9.2f} "
+              f"{per_round:>24} {statistics.mean(r['drain_at_exit_s'] for r in rs):>9.2f} "
               f"{'-' if lag_max is None else lag_max:>7} "
               f"{statistics.mean(lags) if lags else float('nan'):>8.1f} "
               f"{sum(r['persistent_commits'] for r in rs):>7} {sum(r['deferred'] for r in rs):>8}")

@@ -82,11 +82,11 @@ def test_too_little_shared_memory_is_refused_naming_need_and_free(tmp_path, one_
     root = str(tmp_path / "mem" / "node0")
     free = shutil.disk_usage(tmp_path).free
     room = check_memory_room(root, 0, 0, 1 << 20)
-    assert room.need_bytes == 3 << 20 and room.ranks == 1 and room.free_bytes > 0
+    assert room.need_bytes == 2 << 20 and room.ranks == 1 and room.free_bytes > 0
     with pytest.raises(CheckpointError) as err:
-        check_memory_room(root, 0, 0, free)  # three versions of that cannot fit
+        check_memory_room(root, 0, 0, free)  # two versions of that cannot fit
     text = str(err.value)
-    assert f"node 0 needs {3 * free / 2**20:.0f} MiB for 3 versions of its 1 rank(s)'" in text
+    assert f"node 0 needs {2 * free / 2**20:.0f} MiB for 2 versions of its 1 rank(s)'" in text
     assert "MiB is free" in text and "Nothing was saved or removed" in text
     assert err.value.ranks == [0] and not os.path.exists(root)
 

@@ -27,13 +27,12 @@ __all__ = ["FLAG", "Room", "VERSIONS_KEPT", "check_room", "held_bytes", "release
 
 FLAG = "--non-persistent-ckpt-type in_memory"
 
-#: Versions a node's memory holds at once: the one being written, the previous one while it is
-#: being agreed on and committed (a save is committed at the end of an iteration, after the next
-#: save call), and the newest complete one, which retention removes once the previous one is
-#: committed (the non-persistent root keeps only its newest complete version, as Megatron-LM's).
-#: Their shard files are reused slots (`datastates/mapped.py`), one per version; a save while
-#: commits lag (a fourth version for a moment) gets a file of its own.
-VERSIONS_KEPT = 3
+#: Versions a node's memory holds at once: the one being written and the newest complete one.
+#: The previous version is committed right before the next save starts (it became durable when
+#: its copy ended, before that iteration's optimizer step), and each rank then drops its files
+#: of older versions, freeing their reusable shard files (`datastates/mapped.py`, one slot per
+#: version) before the node's leader removes the rest.
+VERSIONS_KEPT = 2
 
 MiB = 1 << 20
 

@@ -38,7 +38,10 @@ types), theirs. Each lane has its own engine (host cache, copy and writer thread
 writer and commit thread, and commits its saves in order; step 4 runs the lanes one after the
 other, in the same order on every rank, so a version in memory commits while a persistent save
 still drains to a slow file system. `busy(root)` says whether a lane holds a save not yet
-committed (the trainer defers a persistent save then: latest wins).
+committed (the trainer defers a persistent save then: latest wins). In-memory versions (the
+`in_memory` type) commit the previous one right before the next save (it is durable by then) and
+every rank drops its files of older ones, so memory holds two versions and, on CPU-only hosts,
+the engine's two reusable shard files (`WriteMode.MAPPED` slots) take turns.
 """
 from __future__ import annotations
 
@@ -380,6 +383,14 @@ class LazyCheckpointer:
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
                              f"non-persistent root {self.config.non_persistent_root}")
         lane = self._lane_of(root)
+        if lane is self.node_lane and self.config.non_persistent_in_memory and \
+                lane.uncommitted():
+            # Memory holds two versions: the newest complete one and this one. The previous one
+            # became durable right after its copy (before this iteration's optimizer step), so
+            # committing it now costs the agreements, not a wait for bytes.
+            self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
+            if self.disabled:
+                return
         if any(q.iteration == iteration for q in lane.uncommitted()):
             # The same iteration into the other root of this lane (e.g. the end-of-training save
             # right after a global non-persistent one): both would name the same node-local
@@ -808,6 +819,9 @@ class LazyCheckpointer:
         rank), the universal merge, local copies and replicas. Their failures are agreed on at
         the next poll."""
         p = pub.pending
+        if p.node_local and self.config.non_persistent_in_memory:
+            self._release_own_older(p)
+            control_plane.barrier()  # before the leaders' retention renames those directories
         if pub.future is not None:
             try:
                 if self.after_commit is not None:
@@ -828,6 +842,18 @@ class LazyCheckpointer:
             self.replicator.on_commit(p.iteration)
         if self.config.local_dir is not None:
             self._prune_local(p.iteration)
+
+    def _release_own_older(self, p: _Pending) -> None:
+        """Every rank, once in-memory version `p` is committed on every node: this rank's files of
+        the older versions of its node go (retention by the node's leader removes the rest), so
+        the engine's slot of each is free for the next save (`datastates/mapped.py`)."""
+        for it in local_tier.local_iterations(p.root):
+            if it < p.iteration:
+                try:
+                    local_tier.remove_rank_files(checkpoint_dir(p.root, it), self.rank)
+                except OSError as err:
+                    self._warn(f"[rank {self.rank}] WARNING: could not remove its files of "
+                               f"in-memory iteration {it} under {p.root}: {err}")
 
     def _publish(self, p: _Pending, write_metadata_json: bool) -> None:
         """The commit thread of rank 0 (and, for a node-local version, of every node's leader for
