@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from crash_harness import verify_committed  # noqa: E402
+from crash_harness import memory_root, newest_complete, verify_committed  # noqa: E402
 from trainer_launch import NO_DROPOUT, TINY_MODEL, launch  # noqa: E402
 
 FORMATS = {
@@ -47,6 +47,9 @@ FORMATS = {
     "async_save": ["--async-save"],
     "lazy": ["--async-lazy-save"],
     "lazy_local": ["--async-lazy-save", "--lazy-save-local-dir", "{work}/local/r{rank}"],
+    # In-memory versions at iterations 1 and 2 (the fault's), --save at 3 (`args_for`).
+    "lazy_memory": ["--async-lazy-save", "--non-persistent-ckpt-type", "in_memory",
+                    "--non-persistent-save-interval", "1"],
 }
 #: Steps done by one rank (rank 0) and steps every rank does.
 RANK0_STEPS = ("prepare", "common", "commit", "tracker", "retention")
@@ -112,8 +115,9 @@ def sample(n: int, seed: int, cells: Optional[Sequence[Cell]] = None) -> List[Ce
 def args_for(fmt: str, work: Path, save: Path, train_iters: int = TRAIN_ITERS,
              load: bool = False) -> List[str]:
     extra = [a.replace("{work}", str(work)) for a in FORMATS[fmt]]
+    interval = str(TRAIN_ITERS) if fmt == "lazy_memory" else "1"  # memory saves the others
     out = TINY_MODEL + NO_DROPOUT + extra + [
-        "--train-iters", str(train_iters), "--save", str(save), "--save-interval", "1",
+        "--train-iters", str(train_iters), "--save", str(save), "--save-interval", interval,
         "--keep-last-n-checkpoints", "1", "--eval-iters", "0",
         "--ckpt-drain-timeout", str(DRAIN_TIMEOUT_S)]
     if load:
@@ -141,6 +145,9 @@ def verify_saved(save: Path, fmt: str) -> List[str]:
     """What is wrong with the complete checkpoints under `save`: DataStates ones are read back in
     full with their checksums (`crash_harness.verify_committed`); torch_dist ones must hold
     metadata.json and common.pt (the resume reads them back); the tracker must name one."""
+    if fmt == "lazy_memory" and os.path.isdir(memory_root(str(save))):
+        bad = [f"in memory: {b}" for b in verify_committed(memory_root(str(save)))]
+        return bad + verify_saved(save, "lazy")
     if not save.is_dir():
         return []
     if fmt.startswith("lazy"):
@@ -199,10 +206,8 @@ def run_cell(cell: Cell, work: Path, ref: Dict[int, str]) -> Dict[str, object]:
     assert not left, f"processes left: {left}; {where}"
     bad = verify_saved(save, cell.fmt)
     assert not bad, f"damaged committed checkpoints: {bad}; {where}"
-    tracker = save / "latest_checkpointed_iteration.txt"
-    resumed_from = None
-    if tracker.is_file():
-        resumed_from = int(tracker.read_text())
+    resumed_from = newest_complete(str(save), memory=cell.fmt == "lazy_memory") or None
+    if resumed_from is not None:
         resume = launch(cell.ranks, args_for(cell.fmt, work, save, load=True),
                         timeout=LAUNCH_TIMEOUT_S)
         rwhere = f"cell {cell.name}, resume:\n{resume.describe()}"
@@ -252,6 +257,9 @@ def main(argv=None) -> int:
                 print(f"FAILED {cell.name}: {str(err)[:3000]}", flush=True)
                 failed += 1
             shutil.rmtree(work, ignore_errors=True)
+            # An in-memory level's directory (/dev/shm), left by a job that failed.
+            shutil.rmtree(os.path.dirname(os.path.dirname(memory_root(str(work / "save")))),
+                          ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"fault matrix: {passed} passed, {failed} failed ({len(chosen)} cells, seed {a.seed}, "

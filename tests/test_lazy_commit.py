@@ -184,3 +184,23 @@ def test_a_finalize_function_megatron_adds_in_future_still_runs_on_the_training_
     assert ran == [threading.main_thread().name] * 2 and rewritten == []
     meta = json.loads((root / "iter_0000002" / "metadata.json").read_text())
     assert meta["sharded_backend"] == "datastates" and _tracked(root) == 2 and _loads(root, 2)
+
+
+def test_an_error_after_the_last_commit_is_agreed_on_at_finish(tmp_path, one_rank):
+    """What follows the final commit (retention, here) has no later save to be agreed on with:
+    `finish` agrees on it once more and raises it, naming the last committed iteration, instead
+    of ending the run as if nothing had failed."""
+    from datastates.errors import CheckpointError
+
+    root, ckpt = _first_committed(tmp_path)
+
+    def retention_fails(iteration, _root):
+        if iteration == 2:
+            raise RuntimeError("retention could not remove iteration 1")
+
+    ckpt.after_commit = retention_fails
+    _save(ckpt, 2)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.finish()
+    assert "iteration 2" in str(err.value) and "retention could not remove" in str(err.value)
+    assert _tracked(root) == 2 and _loads(root, 2)

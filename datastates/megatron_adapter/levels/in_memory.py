@@ -29,9 +29,9 @@ FLAG = "--non-persistent-ckpt-type in_memory"
 
 #: Versions a node's memory holds at once: the one being written and the newest complete one.
 #: The previous version is committed right before the next save starts (it became durable when
-#: its copy ended, before that iteration's optimizer step), and each rank then drops its files
-#: of older versions, freeing their reusable shard files (`datastates/mapped.py`, one slot per
-#: version) before the node's leader removes the rest.
+#: its copy ended, before that iteration's optimizer step), and each node's leader then removes
+#: the older one at once, before any rank goes on, freeing every rank's reusable shard file
+#: (`datastates/mapped.py`, one slot per version).
 VERSIONS_KEPT = 2
 
 MiB = 1 << 20

@@ -40,8 +40,9 @@ other, in the same order on every rank, so a version in memory commits while a p
 still drains to a slow file system. `busy(root)` says whether a lane holds a save not yet
 committed (the trainer defers a persistent save then: latest wins). In-memory versions (the
 `in_memory` type) commit the previous one right before the next save (it is durable by then) and
-every rank drops its files of older ones, so memory holds two versions and, on CPU-only hosts,
-the engine's two reusable shard files (`WriteMode.MAPPED` slots) take turns.
+each node's leader removes the older ones at once, before every rank goes on, so memory holds two
+versions and, on CPU-only hosts, the engine's two reusable shard files (`WriteMode.MAPPED`
+slots) take turns.
 """
 from __future__ import annotations
 
@@ -272,6 +273,7 @@ class LazyCheckpointer:
         self._local_errors: List[BaseException] = []
         self._telemetry_off = False
         self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
+        self._last_published: Optional[_Pending] = None  # the newest committed save, any lane
         self.disabled = False  # FailurePolicy.CONTINUE after a failure: no more saves
         self.universal = None  # rank 0: the background universal merges, when asked for
         self._merge_follower = None  # the first rank of each other node: its share of them
@@ -541,6 +543,8 @@ class LazyCheckpointer:
         try:
             if self._failed is None:
                 self._apply_policy(lambda: self._commit_ready(blocking=True))
+                if self._failed is None and not self.disabled:
+                    self._apply_policy(self._agree_after_last_commit)
         finally:
             try:
                 if self.replicator is not None:  # every rank: its thread agrees with the others'
@@ -819,9 +823,7 @@ class LazyCheckpointer:
         rank), the universal merge, local copies and replicas. Their failures are agreed on at
         the next poll."""
         p = pub.pending
-        if p.node_local and self.config.non_persistent_in_memory:
-            self._release_own_older(p)
-            control_plane.barrier()  # before the leaders' retention renames those directories
+        self._last_published = p
         if pub.future is not None:
             try:
                 if self.after_commit is not None:
@@ -833,6 +835,10 @@ class LazyCheckpointer:
                         self.universal.on_commit(p.iteration, p.directory)
             except (OSError, RuntimeError, CheckpointError) as err:
                 self._local_errors.append(err)
+        if p.node_local and self.config.non_persistent_in_memory:
+            # Every node's leader has removed the older versions (retention, done at once for
+            # this level): every rank's shard-file slots are free for the next save.
+            control_plane.barrier()
         if p.node_local:
             return  # the shared versions' local copies and replicas are not touched
         self._last_committed = p.iteration
@@ -843,17 +849,12 @@ class LazyCheckpointer:
         if self.config.local_dir is not None:
             self._prune_local(p.iteration)
 
-    def _release_own_older(self, p: _Pending) -> None:
-        """Every rank, once in-memory version `p` is committed on every node: this rank's files of
-        the older versions of its node go (retention by the node's leader removes the rest), so
-        the engine's slot of each is free for the next save (`datastates/mapped.py`)."""
-        for it in local_tier.local_iterations(p.root):
-            if it < p.iteration:
-                try:
-                    local_tier.remove_rank_files(checkpoint_dir(p.root, it), self.rank)
-                except OSError as err:
-                    self._warn(f"[rank {self.rank}] WARNING: could not remove its files of "
-                               f"in-memory iteration {it} under {p.root}: {err}")
+    def _agree_after_last_commit(self) -> None:
+        """finish(), every rank: an error recorded after the last agreement (what follows the
+        final commit: retention, the merge hand-off) has no later save to be agreed on with, so it
+        is agreed on here, once, naming the last committed version, instead of being lost."""
+        if self._last_published is not None:
+            self._agree(self._last_published, True)
 
     def _publish(self, p: _Pending, write_metadata_json: bool) -> None:
         """The commit thread of rank 0 (and, for a node-local version, of every node's leader for

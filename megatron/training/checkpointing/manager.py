@@ -368,9 +368,12 @@ class CheckpointManager:
         persistent = root == self.ckpt.save
         fail_point("retention", iteration, dist.get_rank(), root)
         keep = self.ckpt.keep_last_n_checkpoints if persistent else 1
+        # The in-memory level's old version goes at once (its shard files are mostly links to
+        # reused slots: cheap to remove), so every rank's slot is free for the next save.
+        at_once = not persistent and self.ckpt.non_persistent_ckpt_type == "in_memory"
         done = apply_retention(root, keep, iteration,
                                in_flight=self._in_use() if persistent else [],
-                               remove=self._remove)
+                               remove=remove_now if at_once else self._remove)
         if done.kept_in_use:
             print_rank_0(f"retention: keeping iteration(s) {done.kept_in_use} under "
                          f"{root} for now: a merge or a converter is reading them")
