@@ -422,7 +422,7 @@ def step_in_memory_every_iteration(ck: Check) -> Step:
     t = time.time()
     step = Step()
     cuda = ck.device == "cuda"
-    model, iters = (GPT_117M, 30) if cuda else (TINY_MODEL + NO_DROPOUT, 6)
+    model, iters = (GPT_117M, 30) if cuda else (TINY_MODEL + NO_DROPOUT, 5)
     base = model + ["--train-iters", str(iters), "--eval-interval", "0"]
     none = ck.train("f_none", base, cap=150)
     memory = ck.train("f_in_memory", base + [

@@ -5,4 +5,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 source "$ROOT/scripts/setup_venv.sh"
 cd "$ROOT"
-exec python -m pytest -q "$@" tests
+# The 20 slowest tests are listed at the end: the suite's time budget is 20 minutes.
+exec python -m pytest -q --durations=20 "$@" tests

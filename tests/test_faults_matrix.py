@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fault_matrix  # noqa: E402
 from trainer_launch import ENTRY, REPO, launch  # noqa: E402
 
-#: Cells per CI run: each is a failing launch plus, where a checkpoint was committed, a resume.
-SAMPLE = 4
+#: Cells per CI run: each is a failing launch plus, where a checkpoint was committed, a resume
+#: (three keep the suite within its 20 minutes; the full matrix is `fault_matrix.py --all`).
+SAMPLE = 3
 SEED = int(os.environ.get("FAULT_MATRIX_SEED", str(int(time.time()) // 86400)))
 CELLS = fault_matrix.sample(SAMPLE, SEED, [c for c in fault_matrix.all_cells() if c.ranks == 2])
 
@@ -86,7 +87,7 @@ def test_rerunning_a_finished_run_never_rewrites_a_committed_checkpoint(tmp_path
     assert _hashes(save) == before
 
     rng = random.Random(SEED)
-    trials = int(os.environ.get("RERUN_KILL_TRIALS", "2"))
+    trials = int(os.environ.get("RERUN_KILL_TRIALS", "1"))
     for trial in range(trials):
         delay = rng.uniform(2.0, 9.0)  # start-up, load, the (empty) loop, exit
         env = {k: v for k, v in os.environ.items()
