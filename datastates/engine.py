@@ -607,4 +607,3 @@ class CheckpointEngine:
             sv.done = True
             sv.skeleton = None
             self._cond.notify_all()
-

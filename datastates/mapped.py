@@ -46,13 +46,18 @@ def map_new_file(path: str, size: int) -> Tuple[int, Optional[torch.Tensor]]:
     reserved first (a full tmpfs fails here, not as SIGBUS in a copy); no mapping when empty."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        if size == 0:
-            return fd, None
-        os.posix_fallocate(fd, 0, size)
-        return fd, torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return fd, _reserve_and_map(fd, path, size)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _reserve_and_map(fd: int, path: str, size: int) -> Optional[torch.Tensor]:
+    """The file of `fd` (at `path`) reserved to `size` bytes and mapped shared; None if empty."""
+    if size == 0:
+        return None
+    os.posix_fallocate(fd, 0, size)
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
 
 @dataclass
@@ -96,10 +101,7 @@ class SlotPool:
             slot.mapping = None
             with open(slot.path, "r+b") as f:
                 os.ftruncate(f.fileno(), size)
-                if size:
-                    os.posix_fallocate(f.fileno(), 0, size)
-            slot.mapping = (torch.from_file(slot.path, shared=True, size=size, dtype=torch.uint8)
-                            if size else None)
+                slot.mapping = _reserve_and_map(f.fileno(), slot.path, size)
             slot.size = size
         if os.path.lexists(shard_path):
             os.unlink(shard_path)

@@ -20,7 +20,7 @@ from typing import List, Optional
 
 from ... import control_plane
 from ...errors import CheckpointError
-from ..paths import TRACKER_FILENAME, checkpoint_dir, tracked_iteration
+from ..paths import TRACKER_FILENAME, tracked_iteration
 from .local_tier import local_iterations
 
 __all__ = ["FLAG", "Room", "VERSIONS_KEPT", "check_room", "held_bytes", "release"]
@@ -87,15 +87,12 @@ def check_room(root: str, rank: int, node: int, bytes_per_rank: int,
     except OSError:
         free = -1
     rows = control_plane.all_gather_ints([node, bytes_per_rank, free])
-    mine = [r for r in rows if r[0] == node]
-    need = versions * sum(b for _, b, _ in mine)
-    short = {}
+    nodes = {}  # node -> (its ranks, bytes needed, bytes free on its least-free rank)
     for n in sorted({r[0] for r in rows}):
         members = [r for r in rows if r[0] == n]
-        n_need = versions * sum(b for _, b, _ in members)
-        n_free = min(f for _, _, f in members)
-        if n_free < n_need:
-            short[n] = (len(members), n_need, n_free)
+        nodes[n] = (len(members), versions * sum(b for _, b, _ in members),
+                    min(f for _, _, f in members))
+    short = {n: v for n, v in nodes.items() if v[2] < v[1]}
     if short:
         parts = [f"node {n} needs {need_b / MiB:.0f} MiB for {versions} versions of its {k} "
                  f"rank(s)' checkpoints but " + (f"{free_b / MiB:.0f} MiB is free"
@@ -107,8 +104,8 @@ def check_room(root: str, rank: int, node: int, bytes_per_rank: int,
                               "ranks per node, or use --non-persistent-ckpt-type local. Nothing "
                               "was saved or removed", rank=rank, file=root,
                               ranks=[r for r, row in enumerate(rows) if row[0] in short])
-    return Room(node=node, ranks=len(mine), need_bytes=need,
-                free_bytes=min(f for _, _, f in mine))
+    ranks, need, free = nodes[node]
+    return Room(node=node, ranks=ranks, need_bytes=need, free_bytes=free)
 
 
 def release(root: str, persistent_root: Optional[str]) -> List[int]:
@@ -125,8 +122,6 @@ def release(root: str, persistent_root: Optional[str]) -> List[int]:
     tracker = os.path.join(root, TRACKER_FILENAME)
     if os.path.exists(tracker):
         os.remove(tracker)
-    for it in iterations:
-        shutil.rmtree(checkpoint_dir(root, it), ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
     parent = os.path.dirname(root)
     for _ in range(2):  # the level's and the root's directories, unless another node or level

@@ -282,10 +282,11 @@ def _foreign_reason(root: str, config: RunConfig) -> Optional[str]:
         return f"its {paths.RUN_CONFIG_FILENAME} is missing or unreadable ({err})"
     if layout != parallel_layout(config):
         return f"saved at parallel layout {layout}, this run is {parallel_layout(config)}"
-    differ = sorted(k for k, v in model_shape(config).items() if shape.get(k) != v)
+    ours = model_shape(config)
+    differ = sorted(k for k, v in ours.items() if shape.get(k) != v)
     if differ:
         return "saved by another model (" + ", ".join(
-            f"{k}: {shape.get(k)} there, {model_shape(config)[k]} here" for k in differ) + ")"
+            f"{k}: {shape.get(k)} there, {ours[k]} here" for k in differ) + ")"
     return None
 
 

@@ -161,11 +161,6 @@ class CheckpointManager:
         interval = self.ckpt.save_interval
         return bool(self.ckpt.save and interval and iteration % interval == 0)
 
-    def non_persistent_due(self, iteration: int) -> bool:
-        """Megatron-LM's rule: a non-persistent save where its interval is due and the
-        persistent one (`should_save`) is not."""
-        return self._non_persistent_interval_due(iteration) and not self.should_save(iteration)
-
     def _non_persistent_interval_due(self, iteration: int) -> bool:
         interval = self.ckpt.non_persistent_save_interval
         return bool(self.non_persistent_root and iteration % interval == 0)
