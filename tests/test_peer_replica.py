@@ -164,6 +164,114 @@ def test_restore_brings_what_each_rank_reads_from_other_nodes(tmp_path):
     assert _holds(tmp_path, "node0", 2) and _holds(tmp_path, "node2", 2)
 
 
+
+def _memory_version(directory, rank, step, world=3, commit=True):
+    """A hand-made in-memory version of the node of `rank` at `directory`: its files, its
+    leader's common.pt and metadata.json, and the node's commit marker (`commit`) or, for a
+    peer replica, the node's run_config.json that comes with it."""
+    from datastates.megatron_adapter.levels.peer_replica import _write_files
+
+    shard, index = bytes([rank, step]) * 600, json.dumps({"rank": rank, "step": step}).encode()
+    marker = dict(layout.format_header(), index=layout.index_file(rank), rank=rank,
+                  world_size=world, index_crc32=zlib.crc32(index), step=step)
+    _write_files(str(directory), rank, [shard, index, json.dumps(marker).encode()])
+    (directory / "common.pt").write_bytes(b"common %d" % step)
+    (directory / "metadata.json").write_text("{}")
+    if commit:
+        assert layout.try_commit(str(directory), world, ranks=[rank])
+    else:
+        (directory / "run_config.json").write_text('{"node": %d}' % rank)
+    return shard
+
+
+def _memory_restore_worker(rank, port, root, out):
+    import torch.distributed as dist
+
+    from datastates.megatron_adapter.levels.in_memory_peers import restore_memory_from_peers
+
+    os.environ.update(GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    results = []
+    for case in ("lost", "uncommitted"):
+        lines = []
+        done = restore_memory_from_peers(os.path.join(root, case, f"node{rank}"), 3, rank,
+                                         log=lines.append)
+        results.append({"iteration": done.iteration, "restored": done.restored,
+                        "dropped": done.dropped, "lines": lines})
+    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    os._exit(0)  # as _restore_worker
+
+
+def test_memory_restore_takes_the_newest_version_every_rank_has_and_never_a_damaged_one(tmp_path):
+    """Three nodes of one rank (ring 0 -> 1 -> 2 -> 0), in-memory versions 3 and 4 on each and
+    replicas of the previous node's in peer/. Node 1 is lost; node 2's replica of its version 4
+    is damaged (its index does not match its marker): rank 1 gets version 3 back from rank 2,
+    with its node's small files; version 4, which rank 1 no longer has whole, goes from every
+    node, and every node's tracker names 3. Second case: nothing lost, but the job ended after
+    nodes 0 and 2 committed version 5 and before node 1 did: node 1 commits it (its files were
+    durable: the agreement precedes every node's commit), with metadata.json from its version 4."""
+    from datastates.megatron_adapter.paths import tracked_iteration, write_tracker
+
+    shards = {}
+    for node in range(3):
+        for step in (4, 5):
+            root = tmp_path / "uncommitted" / f"node{node}"
+            _memory_version(root / f"iter_000000{step}", node, step, commit=node != 1 or step == 4)
+            (root / "run_config.json").write_text('{"node": %d}' % node)
+            write_tracker(str(root), 5 if node != 1 else 4)
+    os.unlink(tmp_path / "uncommitted" / "node1" / "iter_0000005" / "metadata.json")
+    for node in range(3):
+        root = tmp_path / "lost" / f"node{node}"
+        for step in (3, 4):
+            if node != 1:
+                shards[node, step] = _memory_version(root / f"iter_000000{step}", node, step)
+            pred = (node - 1) % 3
+            shards[pred, step] = _memory_version(root / "peer" / f"iter_000000{step}", pred,
+                                                 step, commit=False)
+        if node != 1:
+            (root / "run_config.json").write_text('{"node": %d}' % node)
+            write_tracker(str(root), 4)
+    shutil.rmtree(tmp_path / "lost" / "node1")
+    (tmp_path / "lost" / "node1").mkdir()
+    (tmp_path / "lost" / "node2" / "peer" / "iter_0000004" / layout.index_file(1)).write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.start_processes(_memory_restore_worker, args=(free_port(), str(tmp_path), str(out)),
+                       nprocs=3, start_method="spawn")
+    results = {r: json.loads((out / f"r{r}.json").read_text()) for r in range(3)}
+    result = {r: results[r][0] for r in range(3)}
+    assert all(result[r]["iteration"] == 3 and result[r]["restored"] == {"1": 2}
+               and result[r]["dropped"] == [4] for r in range(3)), result
+    assert "[rank 1] received its in-memory shards of iteration 3 from peer rank 2" in \
+        result[1]["lines"][0]
+    assert result[0]["lines"] == ["in-memory checkpoint of iteration 3: rank(s) 1 (from rank 2) "
+                                  "restored from their peer replicas; newer, incomplete "
+                                  "iteration(s) [4] removed (not every rank's part of them "
+                                  "survived)"]
+    lost = tmp_path / "lost" / "node1"
+    assert (lost / "iter_0000003" / layout.shard_file(1)).read_bytes() == shards[1, 3]
+    assert (lost / "iter_0000003" / "common.pt").read_bytes() == b"common 3"
+    assert json.loads((lost / "run_config.json").read_text()) == {"node": 1}  # from its replica
+    assert not (lost / "iter_0000003" / "run_config.json").exists()
+    assert layout.is_committed(str(lost / "iter_0000003"))
+    for node in range(3):
+        root = tmp_path / "lost" / f"node{node}"
+        assert tracked_iteration(str(root)) == 3 and not (root / "iter_0000004").exists(), node
+
+    second = {r: results[r][1] for r in range(3)}
+    assert all(second[r]["iteration"] == 5 and second[r]["restored"] == {}
+               and second[r]["dropped"] == [] for r in range(3)), second
+    assert second[0]["lines"] == ["in-memory checkpoint of iteration 5: committed on node(s) [1] "
+                                  "(every rank's files were there; the job ended before that "
+                                  "node's commit marker)"]
+    late = tmp_path / "uncommitted" / "node1"
+    assert layout.is_committed(str(late / "iter_0000005")) and \
+        tracked_iteration(str(late)) == 5
+    assert (late / "iter_0000005" / "metadata.json").read_text() == "{}"
+
+
 # -- the trainer, two nodes on one machine -------------------------------------------------------
 
 ARGS = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--use-distributed-optimizer",
@@ -259,11 +367,11 @@ def test_a_failing_side_still_finishes_the_stream_and_never_leaves_a_trusted_cop
     """A transfer must run to its end on both ranks (the other is mid-stream): a sender whose
     file vanished sends zeros from there on (no valid marker arrives); a receiver that cannot
     write keeps receiving and raises at commit."""
-    from datastates.megatron_adapter.levels.peer_replica import _Incoming, _Outgoing, _write_files
+    from datastates.megatron_adapter.levels.peer_replica import _Incoming, _outgoing, _write_files
 
     files = _files(3)
     _write_files(str(tmp_path / "src"), 3, files)
-    out = _Outgoing(str(tmp_path / "src"), 3)
+    out = _outgoing(str(tmp_path / "src"), 3)
     assert out.read(0, 1 << 20) == b"".join(files)
     os.unlink(tmp_path / "src" / layout.index_file(3))
     stream = out.read(0, 1 << 20)
@@ -274,3 +382,67 @@ def test_a_failing_side_still_finishes_the_stream_and_never_leaves_a_trusted_cop
     sink.write(0, b"".join(files))  # dropped, no error yet
     with pytest.raises(OSError):
         sink.commit()
+
+
+def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_from_them(
+        tmp_path):
+    """--non-persistent-ckpt-type in_memory with --lazy-save-peer-replica on two nodes: every
+    in-memory version that the network keeps up with is copied to the other node. Rank 1's copy
+    of in-memory iteration 5 stalls (the job cannot go past it), both nodes are killed and node
+    1's memory is deleted (a lost node): the restart brings rank 1's shards back from node 0,
+    resumes from memory (not from --save, which holds nothing) and prints the losses of an
+    uninterrupted run."""
+    from megatron.training.config import shared_memory_dir
+
+    reference = launch(2, ARGS)
+    assert reference.returncode == 0, reference.describe()
+    save = tmp_path / "save"
+    memory = shared_memory_dir(str(save), "in_memory")
+    flags = ARGS + ["--async-lazy-save", "--lazy-save-peer-replica", "--save", str(save),
+                    "--load", str(save), "--save-interval", "1000",
+                    "--non-persistent-ckpt-type", "in_memory",
+                    "--non-persistent-save-interval", "1"]
+
+    def nodes(name, env=None):
+        port, logs = free_port(), tmp_path / name
+        logs.mkdir()
+        return [Node(r, 2, 1, port, flags, logs, extra_env=env) for r in (0, 1)]
+
+    def replicated():  # node 1's newest version that node 0 holds whole, if any
+        peer = os.path.join(memory, "node0", "peer")
+        done = [int(n[5:]) for n in (os.listdir(peer) if os.path.isdir(peer) else [])
+                if n.startswith("iter_") and os.path.exists(
+                    os.path.join(peer, n, layout.rank_marker_file(1)))]
+        return max(done, default=None)
+
+    try:
+        first = nodes("first", env={"DATASTATES_FAULT_DELAY_COPY": "120@5:1"})
+        deadline = time.time() + 240
+        while not ("phase=copy step=5 rank=1" in first[1].err_path.read_text()
+                   and (replicated() or 0) >= 3):
+            assert time.time() < deadline and first[0].proc.poll() is None, \
+                first[0].result().describe() + first[1].result().describe()
+            time.sleep(0.2)
+        first[1].kill()
+        first[0].kill()
+        out = first[0].stdout()
+        assert "DataStates peer replicas: the newest complete in-memory checkpoint" in out, out
+        assert "and 2 of the previous node's (peer replicas)" in out, out
+        held = replicated()
+        assert not (save / "latest_checkpointed_iteration.txt").exists()
+        shutil.rmtree(os.path.join(memory, "node1"))  # node 1 lost: its memory is gone
+
+        second = [n.result(timeout=240) for n in nodes("second")]
+        assert all(r.returncode == 0 for r in second), second[0].describe() + second[1].describe()
+        m = re.search(r"loading the in-memory checkpoint of iteration (\d+) from ", second[0].stdout)
+        assert m, second[0].describe()
+        resumed = int(m.group(1))
+        assert resumed >= held >= 3, (resumed, held)
+        assert re.search(rf"\[rank 1\] received its in-memory shards of iteration {resumed} from "
+                         r"peer rank 0: \d", second[1].stdout), second[1].describe()
+        assert f"in-memory checkpoint of iteration {resumed}: rank(s) 1 (from rank 0) restored " \
+               "from their peer replicas" in second[0].stdout, second[0].describe()
+        losses = {**second[0].losses(), **second[1].losses()}
+        assert losses == after(reference.losses(), resumed), (losses, reference.losses())
+    finally:
+        shutil.rmtree(os.path.dirname(memory), ignore_errors=True)

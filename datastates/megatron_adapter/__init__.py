@@ -58,7 +58,9 @@ _EXPORTS = {
     "PeerReplicator": "levels.peer_replica", "RestoreStats": "levels.peer_replica",
     "Ring": "levels.peer_replica", "node_index": "levels.peer_replica",
     "check_memory_room": "levels.in_memory", "release_memory": "levels.in_memory",
-    "MEMORY_VERSIONS_KEPT": "levels.in_memory",
+    "MEMORY_VERSIONS_KEPT": "levels.in_memory", "PEER_VERSIONS": "levels.in_memory",
+    "VERSIONS_HELD_FOR_PEERS": "levels.in_memory",
+    "restore_memory_from_peers": "levels.in_memory_peers",
     "restore_before_load": "levels.peer_replica", "needed_saved_ranks": "levels.peer_replica",
 }
 _RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand",

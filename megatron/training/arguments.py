@@ -613,7 +613,9 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
     _require(a.async_lazy_save or not given, f"{', '.join(given)} configure --async-lazy-save, "
              "which is not on: add --async-lazy-save, or drop the flag (it would be ignored)")
     if a.lazy_save_peer_replica:  # the node's own copy is the local level: in memory by default
-        if a.lazy_save_local_dir is None and a.save is not None:
+        # With the in-memory level, its versions are what is replicated: no second memory copy.
+        if a.lazy_save_local_dir is None and a.save is not None and \
+                a.non_persistent_ckpt_type != "in_memory":
             a.lazy_save_local_dir = default_memory_dir(a.save)
         if a.lazy_save_local_keep is None:
             a.lazy_save_local_keep = 1  # only the newest committed version is held in memory

@@ -34,6 +34,14 @@ FLAG = "--non-persistent-ckpt-type in_memory"
 #: (`datastates/mapped.py`, one slot per version).
 VERSIONS_KEPT = 2
 
+#: More versions of its own a node holds with --lazy-save-peer-replica: the one being sent to the
+#: next node and the newest one sent whole (`peer_replica.PeerReplicator`, peer_dir mode), which
+#: every other node keeps until a newer one is sent, so a node lost mid-transfer is restored.
+VERSIONS_HELD_FOR_PEERS = 2
+#: Versions of the previous node's ranks a node holds with --lazy-save-peer-replica: the newest
+#: one received whole and the one arriving.
+PEER_VERSIONS = 2
+
 MiB = 1 << 20
 
 
@@ -76,9 +84,10 @@ def _free_bytes(root: str) -> int:
 
 
 def check_room(root: str, rank: int, node: int, bytes_per_rank: int,
-               versions: int = VERSIONS_KEPT) -> Room:
+               versions: int = VERSIONS_KEPT, peer_versions: int = 0) -> Room:
     """Collective (control plane), at start-up: whether the shared memory of every node holds
-    `versions` versions of its ranks' checkpoints (`bytes_per_rank` each, this rank's bound).
+    `versions` versions of its ranks' checkpoints (`bytes_per_rank` each, this rank's bound) and
+    `peer_versions` of the previous node's (peer replicas: nodes in index order, a ring).
     The versions an earlier run left in `root` count as free: they are replaced. Raises the same
     CheckpointError on every rank, naming each node that is short, the size needed and the size
     free, before anything is written."""
@@ -88,14 +97,19 @@ def check_room(root: str, rank: int, node: int, bytes_per_rank: int,
         free = -1
     rows = control_plane.all_gather_ints([node, bytes_per_rank, free])
     nodes = {}  # node -> (its ranks, bytes needed, bytes free on its least-free rank)
-    for n in sorted({r[0] for r in rows}):
+    order = sorted({r[0] for r in rows})
+    for i, n in enumerate(order):
         members = [r for r in rows if r[0] == n]
-        nodes[n] = (len(members), versions * sum(b for _, b, _ in members),
+        previous = [r for r in rows if r[0] == order[i - 1]]
+        nodes[n] = (len(members), versions * sum(b for _, b, _ in members)
+                    + peer_versions * sum(b for _, b, _ in previous),
                     min(f for _, _, f in members))
     short = {n: v for n, v in nodes.items() if v[2] < v[1]}
     if short:
+        peers = (f" and {peer_versions} of the previous node's (peer replicas)"
+                 if peer_versions else "")
         parts = [f"node {n} needs {need_b / MiB:.0f} MiB for {versions} versions of its {k} "
-                 f"rank(s)' checkpoints but " + (f"{free_b / MiB:.0f} MiB is free"
+                 f"rank(s)' checkpoints{peers} but " + (f"{free_b / MiB:.0f} MiB is free"
                                                  if free_b >= 0 else "it cannot be read")
                  for n, (k, need_b, free_b) in short.items()]
         raise CheckpointError(f"{FLAG}: the shared memory under {os.path.dirname(root)} is too "

@@ -26,8 +26,10 @@ it receives); a replica that would exceed it is skipped for that version, with a
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -39,15 +41,17 @@ from ... import control_plane
 
 from ... import layout
 from ...errors import CheckpointError
-from ...fileio import atomic_write, fsync_dir, fsync_file
+from ...fileio import atomic_write, fsync_dir, fsync_file, hold_for_reading
 from . import local_tier
-from ..paths import checkpoint_dir
+from ..paths import COMMON_FILENAME, METADATA_FILENAME, RUN_CONFIG_FILENAME, checkpoint_dir
 
 __all__ = ["PeerReplicator", "RestoreStats", "Ring", "restore_before_load"]
 
 FLAG = "--lazy-save-peer-replica"
 _CHUNK = 64 << 20  # bytes per point-to-point round (bounds the memory a transfer holds)
 _FILES = (layout.shard_file, layout.index_file, layout.rank_marker_file)  # marker written last
+#: What a node's leader sends first in peer_dir mode: its node's small files of the version.
+_NODE_NAMES = (RUN_CONFIG_FILENAME, COMMON_FILENAME, METADATA_FILENAME)
 
 
 def node_index(env: Optional[Dict[str, str]] = None) -> int:
@@ -109,10 +113,10 @@ class Ring:
 # -- files of one saved rank in one version directory ---------------------------------------------
 
 class _Outgoing:
-    """The files of one saved rank in a version directory, read chunk by chunk as one stream."""
+    """Files read chunk by chunk as one stream (`paths`, in order)."""
 
-    def __init__(self, directory: str, rank: int):
-        self.paths = [os.path.join(directory, name(rank)) for name in _FILES]
+    def __init__(self, paths: Sequence[str]):
+        self.paths = list(paths)
         self.sizes = [os.path.getsize(p) for p in self.paths]  # OSError: not all there
         self.failed = False
 
@@ -138,23 +142,30 @@ class _Outgoing:
         return b"".join(out)
 
 
+def _rank_names(rank: int) -> List[str]:
+    """One saved rank's files in a version directory, its marker last."""
+    return [name(rank) for name in _FILES]
+
+
 def _outgoing(directory: str, rank: int) -> Optional[_Outgoing]:
     try:
-        return _Outgoing(directory, rank)
+        return _Outgoing([os.path.join(directory, n) for n in _rank_names(rank)])
     except OSError:
         return None
 
 
 class _Incoming:
-    """One saved rank's files arriving as one stream: written to temporary files, then moved
-    into place shard, index, marker last, after this rank's old marker is removed (a reader
+    """Files arriving as one stream: written to temporary files, then moved into place in
+    order, the last one (a rank marker) last, after `rank`'s old marker is removed (a reader
     never sees a marker before the files it describes). A local write failure (a full /dev/shm)
     does not stop the stream: the sender is mid-transfer, so the rest is received and dropped,
     and `commit` raises the failure."""
 
-    def __init__(self, directory: str, rank: int, sizes: List[int]):
+    def __init__(self, directory: str, rank: int, sizes: List[int],
+                 names: Optional[Sequence[str]] = None):
         self.directory, self.rank, self.sizes = directory, rank, sizes
-        self.tmp = [os.path.join(directory, f".{name(rank)}.peer.tmp") for name in _FILES]
+        self.names = list(names) if names is not None else _rank_names(rank)
+        self.tmp = [os.path.join(directory, f".{name}.peer.tmp") for name in self.names]
         self.failed: Optional[OSError] = None
         try:
             os.makedirs(directory, exist_ok=True)
@@ -186,9 +197,9 @@ class _Incoming:
             os.unlink(os.path.join(self.directory, layout.rank_marker_file(self.rank)))
         except FileNotFoundError:
             pass
-        for tmp, name in zip(self.tmp, _FILES):
+        for tmp, name in zip(self.tmp, self.names):
             fsync_file(tmp)
-            os.replace(tmp, os.path.join(self.directory, name(self.rank)))
+            os.replace(tmp, os.path.join(self.directory, name))
         fsync_dir(self.directory)
 
     def abort(self) -> None:
@@ -254,18 +265,31 @@ class PeerReplicator:
     4) `close(timeout)` at exit. The threads of all ranks handle the same versions in the same
     order: each round they agree (MIN) on the newest version every rank has queued, so a slow
     rank makes the others skip versions, never diverge.
+
+    With `peer_dir` (the in-memory level, `in_memory_peers.py`): the trainer hands a version over
+    (`hand_off`, every rank, the same versions) only when every rank's thread is `idle`, so the
+    replica takes the newest complete version whenever the network frees up (latest wins). The
+    predecessor's files go to `peer_dir`, one directory per version (with the node's common.pt,
+    metadata.json and run_config.json when the predecessor is its node's leader): a copy of the
+    predecessor node's version. The version being sent and the newest one sent are held
+    (`fileio.hold_for_reading`) so the level's retention keeps them: a node lost mid-transfer is
+    restored from the previous replica, which every other node still holds.
     """
 
     def __init__(self, local_dir: str, ring: Ring, rank: int, budget_bytes: int,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, peer_dir: Optional[str] = None,
+                 leader: bool = False):
         self.local_dir, self.ring, self.rank = local_dir, ring, rank
         self.budget_bytes = budget_bytes
         self.log = log
+        self.peer_dir, self.leader = peer_dir, leader
         self.successor, self.predecessor = ring.successor(rank), ring.predecessor(rank)
         self._group = control_plane.new_side_group()
         self._queue: "queue.Queue[Optional[int]]" = queue.Queue()
         self._unfinished: Set[int] = set()
         self._lock = threading.Lock()
+        self._holds: Dict[int, contextlib.ExitStack] = {}  # pinned own versions (peer_dir)
+        self._sent: Optional[int] = None  # the newest version sent whole (peer_dir)
         self.replicated: List[Tuple[int, int, float]] = []  # (iteration, bytes sent, seconds)
         self._thread = threading.Thread(target=self._run, name="datastates-peer-replica",
                                         daemon=True)
@@ -276,6 +300,18 @@ class PeerReplicator:
             self._unfinished.add(iteration)
         self._queue.put(iteration)
 
+    @property
+    def idle(self) -> bool:
+        """No version queued or being sent (this rank's thread)."""
+        with self._lock:
+            return not self._unfinished
+
+    def hand_off(self, iteration: int) -> None:
+        """peer_dir mode, every rank, once every rank is `idle`: replicate `iteration` (the newest
+        committed version), held until a newer one is sent whole."""
+        self._pin(iteration)
+        self.on_commit(iteration)
+
     def unfinished(self) -> List[int]:
         with self._lock:
             return sorted(self._unfinished)
@@ -284,9 +320,29 @@ class PeerReplicator:
         self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
+            where = ("the in-memory versions are not affected" if self.peer_dir is not None
+                     else "the checkpoint in --save is not affected")
             self.log(f"[rank {self.rank}] WARNING: the peer replica of the newest checkpoint did "
-                     f"not finish within {timeout:.0f} s; it is incomplete (the checkpoint in "
-                     "--save is not affected)")
+                     f"not finish within {timeout:.0f} s; it is incomplete ({where})")
+            return
+        for it in list(self._holds):
+            self._unpin(it)
+
+    # -- pins (peer_dir mode) -----------------------------------------------------------------
+    def _pin(self, iteration: int) -> None:
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(hold_for_reading(checkpoint_dir(self.local_dir, iteration)))
+        except (CheckpointError, OSError):
+            return  # removed already: its transfer sends zeros and is never trusted
+        with self._lock:
+            self._holds[iteration] = stack
+
+    def _unpin(self, iteration: Optional[int]) -> None:
+        with self._lock:
+            stack = self._holds.pop(iteration, None)
+        if stack is not None:
+            stack.close()
 
     # -- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -306,43 +362,83 @@ class PeerReplicator:
                 return  # some rank has nothing left to replicate and is stopping: all stop
             skipped = [it for it in queued if it < agreed]
             queued = [it for it in queued if it > agreed]
+            whole = False
             try:
-                self._replicate(agreed)
+                whole = self._replicate(agreed)
             except Exception as err:  # noqa: BLE001 - reported; the next version tries again
+                kept = ("the in-memory version is not affected" if self.peer_dir is not None
+                        else "--save holds the checkpoint")
                 self.log(f"[rank {self.rank}] WARNING: peer replica of iteration {agreed} "
-                         f"failed: {err}; --save holds the checkpoint, and the next one is "
-                         "replicated again")
+                         f"failed: {err}; {kept}, and the next one is replicated again")
+            if self.peer_dir is not None:
+                for it in skipped:
+                    self._unpin(it)
+                if whole:  # the newest version sent whole is held instead of the previous one
+                    previous, self._sent = self._sent, agreed
+                    self._unpin(previous)
+                else:
+                    self._unpin(agreed)
             with self._lock:
                 self._unfinished.difference_update(skipped + [agreed])
 
-    def _replicate(self, iteration: int) -> None:
+    def _own_paths(self, directory: str) -> List[str]:
+        """The files this rank sends of the version in `directory` (its node's first in
+        peer_dir mode, none when it is not the node's leader; its own last, marker last)."""
+        node = []
+        if self.peer_dir is not None and self.leader:
+            node = [os.path.join(self.local_dir, RUN_CONFIG_FILENAME)] + [
+                os.path.join(directory, n) for n in (COMMON_FILENAME, METADATA_FILENAME)]
+        return node + [os.path.join(directory, n) for n in _rank_names(self.rank)]
+
+    def _replicate(self, iteration: int) -> bool:
+        """Sends and receives one version; True when this rank's own files went whole."""
         t0 = time.perf_counter()
         directory = checkpoint_dir(self.local_dir, iteration)
-        own = _outgoing(directory, self.rank)
+        paths = self._own_paths(directory)
+        width = len(_NODE_NAMES) + 3 if self.peer_dir is not None else 3
+        try:
+            own: Optional[_Outgoing] = _Outgoing(paths)
+            mine = [-1] * (width - len(paths)) + own.sizes
+        except OSError:
+            own, mine = None, [-1] * width
         own_size = sum(own.sizes) if own else -1
-        sizes = control_plane.all_gather_ints(own.sizes if own else [-1, -1, -1],
-                                              group=self._group)
+        sizes = control_plane.all_gather_ints(mine, group=self._group)
         incoming = sizes[self.predecessor]
-        succ_own = sum(sizes[self.successor]) if min(sizes[self.successor]) >= 0 else 0
+        succ = sizes[self.successor]
+        succ_own = sum(succ[-3:]) if min(succ[-3:]) >= 0 else 0
         # Both ends decide alike from the gathered sizes: send only what the receiver may keep.
         send_ok = own is not None and own_size + succ_own <= self.budget_bytes
-        recv_ok = min(incoming) >= 0 and sum(incoming) + max(own_size, 0) <= self.budget_bytes
+        recv_ok = min(incoming[-3:]) >= 0 and \
+            sum(n for n in incoming if n > 0) + max(own_size, 0) <= self.budget_bytes
         if own is not None and not send_ok:
             self.log(f"[rank {self.rank}] WARNING: no peer replica of iteration {iteration}: "
                      f"rank {self.successor} would hold {(own_size + succ_own) / 2**20:.1f} MiB, "
                      f"over the {self.budget_bytes / 2**20:.0f} MiB of "
                      f"{FLAG}-mb")
+        into = None
+        if recv_ok:
+            names = [n for n, size in zip(_NODE_NAMES, incoming) if size >= 0] \
+                if self.peer_dir is not None else []
+            into = _Incoming(checkpoint_dir(self.peer_dir or self.local_dir, iteration),
+                             self.predecessor, [n for n in incoming if n >= 0],
+                             names + _rank_names(self.predecessor))
         _transfer({(self.successor, self.rank): own} if send_ok else {},
-                  {(self.predecessor, self.predecessor):
-                   _Incoming(directory, self.predecessor, incoming)} if recv_ok else {},
+                  {(self.predecessor, self.predecessor): into} if into is not None else {},
                   group=self._group)
         self._drop_older(iteration)
         self.replicated.append((iteration, own_size if send_ok else 0,
                                 time.perf_counter() - t0))
+        return own is not None and send_ok and not own.failed
 
     def _drop_older(self, iteration: int) -> None:
         """The replicas this rank holds (its predecessor's files) of versions before
-        `iteration`; this rank's own old files go with the local tier's pruning."""
+        `iteration`; this rank's own old files go with the local tier's pruning (peer_dir mode:
+        with the level's retention)."""
+        if self.peer_dir is not None:  # peer_dir holds the predecessor node's versions only
+            for it in local_tier.local_iterations(self.peer_dir):
+                if it < iteration:
+                    shutil.rmtree(checkpoint_dir(self.peer_dir, it), ignore_errors=True)
+            return
         for it in local_tier.local_iterations(self.local_dir):
             if it < iteration:
                 local_tier.remove_rank_files(checkpoint_dir(self.local_dir, it), self.predecessor)

@@ -136,7 +136,9 @@ class LazySaveConfig:
     (--ckpt-assume-constant-structure) validates the first save only."""
     peer_replica_bytes: Optional[int] = None
     """With `local_dir`: after each commit, send this rank's files to the next node of a ring,
-    holding at most this many bytes of one version per rank (`peer_replica`); None: off."""
+    holding at most this many bytes of one version per rank (`peer_replica`); None: off. With
+    `non_persistent_in_memory`: the in-memory versions are replicated instead, the newest
+    complete one whenever the previous transfer is done (latest wins)."""
     non_persistent_root: Optional[str] = None
     """A second root that saves may name (Megatron-LM's non-persistent checkpoints): prepared at
     start-up, committed and tracked like `root`, never merged to universal."""
@@ -156,8 +158,10 @@ class LazySaveConfig:
             raise ValueError(f"cache_bytes must be positive, found {self.cache_bytes}")
         if self.local_keep < 1:
             raise ValueError(f"local_keep must be >= 1, found {self.local_keep}")
-        if self.peer_replica_bytes is not None and self.local_dir is None:
-            raise ValueError("peer replicas are held in the node-local directory: set local_dir")
+        if self.peer_replica_bytes is not None and self.local_dir is None and \
+                not self.non_persistent_in_memory:
+            raise ValueError("peer replicas are held in the node-local directory or in the "
+                             "in-memory level: set local_dir or non_persistent_in_memory")
         if self.non_persistent_node_local and self.non_persistent_root is None:
             raise ValueError("non_persistent_node_local needs non_persistent_root")
         if self.non_persistent_in_memory and not self.non_persistent_node_local:
@@ -228,9 +232,10 @@ class LazyCheckpointer:
         if config.local_dir is not None:
             self._agree_local_dir_usable(config.local_dir)
         self.engine = self._new_engine(config.local_dir)
-        self.replicator = None
+        self.replicator = None  # --save's node-local copies (local_dir)
+        self.memory_replicator = None  # the in-memory level's versions
         self._last_committed: Optional[int] = None
-        if config.peer_replica_bytes is not None:
+        if config.peer_replica_bytes is not None and not config.non_persistent_in_memory:
             from ..levels.peer_replica import PeerReplicator, Ring
 
             self.replicator = PeerReplicator(config.local_dir, Ring.discover(), self.rank,
@@ -249,6 +254,15 @@ class LazyCheckpointer:
             from ..levels.node_local import discover
 
             self.node = discover(config.non_persistent_root, self.rank)
+            if config.non_persistent_in_memory and config.peer_replica_bytes is not None:
+                from ..levels.in_memory_peers import PEER_DIR
+                from ..levels.peer_replica import PeerReplicator, Ring
+
+                self.memory_replicator = PeerReplicator(
+                    config.non_persistent_root, Ring.discover(), self.rank,
+                    config.peer_replica_bytes, log=self._warn,
+                    peer_dir=os.path.join(config.non_persistent_root, PEER_DIR),
+                    leader=self.rank == self.node.leader)
         self._prepare_roots()
         #: Per root, iterations whose directory held an unfinished save when the run started
         #: (set by the caller, e.g. the trainer's manager, which lists them once): their next
@@ -266,7 +280,7 @@ class LazyCheckpointer:
             mapped = config.non_persistent_in_memory and not torch.cuda.is_available()
             self.node_lane = _Lane("node-local", self._new_engine(
                 None, mapped, os.path.join(config.non_persistent_root, SLOT_DIR) if mapped
-                else None), *self._lane_threads("-node"))
+                else None, self.memory_replicator is not None), *self._lane_threads("-node"))
             self.lanes.append(self.node_lane)
         # Errors this rank hit since the last agreement, in order (a full disk can fail both
         # common.pt of the next save and the flush of the previous one: all are reported).
@@ -286,12 +300,13 @@ class LazyCheckpointer:
             self._start_mergers(log)
 
     def _new_engine(self, local_dir: Optional[str], mapped: bool = False,
-                    slot_dir: Optional[str] = None) -> CheckpointEngine:
-        from ..levels.in_memory import VERSIONS_KEPT
+                    slot_dir: Optional[str] = None, replicated: bool = False) -> CheckpointEngine:
+        from ..levels.in_memory import VERSIONS_KEPT, VERSIONS_HELD_FOR_PEERS
 
         c = self.config
         return CheckpointEngine(EngineConfig(
-            mapped_slot_dir=slot_dir, mapped_slots=VERSIONS_KEPT,
+            mapped_slot_dir=slot_dir,
+            mapped_slots=VERSIONS_KEPT + (VERSIONS_HELD_FOR_PEERS if replicated else 0),
             rank=self.rank, world_size=self.world,
             # A mapped engine copies into the shard files, not through its cache.
             host_cache_bytes=MAPPED_CACHE_BYTES if mapped else c.cache_bytes,
@@ -547,6 +562,8 @@ class LazyCheckpointer:
                     self._apply_policy(self._agree_after_last_commit)
         finally:
             try:
+                if self.memory_replicator is not None:
+                    self.memory_replicator.close(timeout=self.config.drain_timeout_s)
                 if self.replicator is not None:  # every rank: its thread agrees with the others'
                     self.replicator.close(timeout=self.config.drain_timeout_s)
                     if self._last_committed is not None:  # what the thread held back, if any
@@ -805,9 +822,12 @@ class LazyCheckpointer:
                                       f"{self.config.drain_timeout_s:g} s (storage not "
                                       "responding?)", rank=self.rank, file=pub.pending.directory)
         # Only this commit's own failure is agreed on here: an error a later save hit meanwhile
-        # is that save's, agreed on (and named) when its turn comes.
-        (agreed,) = control_plane.all_reduce([-1 if err is not None else int(done)],
-                                             op=dist.ReduceOp.MIN)
+        # is that save's, agreed on (and named) when its turn comes. The same all-reduce says
+        # whether every rank's in-memory peer replica is idle (then this version is handed over).
+        replicator = self.memory_replicator if lane is self.node_lane else None
+        agreed, idle = control_plane.all_reduce(
+            [-1 if err is not None else int(done), int(replicator is None or replicator.idle)],
+            op=dist.ReduceOp.MIN)
         if agreed < 0:
             if err is not None:
                 self._local_errors.insert(0, err)
@@ -816,6 +836,8 @@ class LazyCheckpointer:
             return False
         lane.publishing = None
         self._after_publish(pub)
+        if replicator is not None and idle and pub.pending.node_local:
+            replicator.hand_off(pub.pending.iteration)  # after retention: the newest one is held
         return True
 
     def _after_publish(self, pub: _Publishing) -> None:

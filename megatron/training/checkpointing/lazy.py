@@ -32,7 +32,8 @@ import datastates
 from datastates import Checksum, TensorShard, control_plane
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
     StructurePolicy, append_telemetry, check_memory_room, expand_local_dir, needed_saved_ranks, \
-    MEMORY_VERSIONS_KEPT, node_index, paths, release_memory, restore_before_load
+    MEMORY_VERSIONS_KEPT, PEER_VERSIONS, VERSIONS_HELD_FOR_PEERS, node_index, paths, \
+    release_memory, restore_before_load
 
 from megatron.training.checkpointing import distopt_shards
 from megatron.training.checkpointing.contents import (
@@ -129,15 +130,19 @@ def check_memory_level(config: RunConfig, model) -> None:
         return
     root = non_persistent_root_of_this_rank(config)
     bound = checkpoint_bytes_bound(model, config.parallel.use_distributed_optimizer)
+    peers = ckpt.async_lazy_save and ckpt.lazy_save_peer_replica
+    versions = MEMORY_VERSIONS_KEPT + (VERSIONS_HELD_FOR_PEERS if peers else 0)
     try:
-        room = check_memory_room(root, dist.get_rank(), node_index(), bound)
+        room = check_memory_room(root, dist.get_rank(), node_index(), bound, versions,
+                                 PEER_VERSIONS if peers else 0)
     except datastates.CheckpointError as err:
         raise CheckpointError(err.reason, path=root, ranks=err.ranks) from err  # printed once
+    held = f"{versions} versions of its {room.ranks} rank(s)' checkpoints" + (
+        f" and {PEER_VERSIONS} of the previous node's (peer replicas)" if peers else "")
     print_rank_0(f"in-memory checkpoints: every {ckpt.non_persistent_save_interval} "
                  f"iteration(s) into {root}; node {room.node} holds up to "
-                 f"{room.need_bytes / 2**20:.0f} MiB ({MEMORY_VERSIONS_KEPT} versions of its "
-                 f"{room.ranks} rank(s)' "
-                 f"checkpoints; {room.free_bytes / 2**20:.0f} MiB free); removed at a clean end "
+                 f"{room.need_bytes / 2**20:.0f} MiB ({held}; "
+                 f"{room.free_bytes / 2**20:.0f} MiB free); removed at a clean end "
                  "once --save holds the newest iteration")
 
 
@@ -159,9 +164,15 @@ def size_peer_replica(config: RunConfig, model) -> RunConfig:
             + f"; give at least {2 * max(b for _, b in short)} MiB (its own shards and the replica "
             "it receives), or drop the flag for the default", path=ckpt.lazy_save_local_dir,
             ranks=[r for r, _ in short])  # every rank raises it: printed once
-    print_rank_0(f"DataStates peer replicas: up to {mb} MiB per rank in "
-                 f"{ckpt.lazy_save_local_dir} (its own shards of the newest committed checkpoint "
-                 "and the replica of the previous node's)")
+    if ckpt.non_persistent_ckpt_type == "in_memory":
+        print_rank_0(f"DataStates peer replicas: the newest complete in-memory checkpoint, sent "
+                     f"to the next node whenever the previous one has arrived (latest wins); up "
+                     f"to {mb} MiB per rank (its own shards and the replica of the previous "
+                     "node's)")
+    else:
+        print_rank_0(f"DataStates peer replicas: up to {mb} MiB per rank in "
+                     f"{ckpt.lazy_save_local_dir} (its own shards of the newest committed "
+                     "checkpoint and the replica of the previous node's)")
     return dataclasses.replace(config, checkpoint=dataclasses.replace(
         ckpt, lazy_save_peer_replica_mb=mb))
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import datastates
 from datastates import control_plane
 from datastates.fileio import safe_join
-from datastates.megatron_adapter import load_strategies, newest_on_every_node, paths
+from datastates.megatron_adapter import load_strategies, newest_on_every_node, paths, \
+    restore_memory_from_peers
 from datastates.safe_load import UnsafePickleError
 from datastates.universal import is_universal
 
@@ -237,6 +238,9 @@ def resume_root(config: RunConfig) -> Optional[str]:
     non_persistent = non_persistent_root_of_this_rank(config, ckpt.load, saving=False)
     if non_persistent and ckpt.non_persistent_node_local:
         level = _LEVEL_NAMES[ckpt.non_persistent_ckpt_type]
+        if ckpt.non_persistent_ckpt_type == "in_memory" and ckpt.async_lazy_save and \
+                ckpt.lazy_save_peer_replica:
+            _restore_memory_from_peers(non_persistent)
         why = _foreign_reason(non_persistent, config)
         if why is not None:
             print_rank_0(f"not loading the {level} checkpoint in {non_persistent}: {why}")
@@ -260,6 +264,21 @@ def resume_root(config: RunConfig) -> Optional[str]:
                  f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
                                           else f"persistent: iteration {persistent}") + ")")
     return non_persistent
+
+
+def _restore_memory_from_peers(root: str) -> None:
+    """--lazy-save-peer-replica with the in-memory level, every rank (collective): a node that
+    lost its memory gets its ranks' newest in-memory version back from the next node's replica
+    (`datastates.megatron_adapter.levels.in_memory_peers`). A failure is agreed on by every rank
+    and only warned about: the levels are then read as they are."""
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        restore_memory_from_peers(root, dist.get_world_size(), dist.get_rank(), log=log)
+    except datastates.CheckpointError as err:
+        print_rank_0(f"WARNING: the in-memory checkpoints were not restored from peer replicas: "
+                     f"{err}")
 
 
 #: How a resume names the level of the non-persistent checkpoint it takes or skips.

@@ -369,7 +369,7 @@ class CheckpointManager:
         done = apply_retention(root, keep, iteration,
                                in_flight=self._in_use() if persistent else [],
                                remove=remove_now if at_once else self._remove)
-        if done.kept_in_use:
+        if done.kept_in_use and not at_once:  # in memory: held while a peer replica is sent
             print_rank_0(f"retention: keeping iteration(s) {done.kept_in_use} under "
                          f"{root} for now: a merge or a converter is reading them")
 
