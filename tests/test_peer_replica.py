@@ -68,6 +68,24 @@ def test_flags_resolve_to_a_memory_level_holding_one_version():
         _config("--async-lazy-save --lazy-save-peer-replica-mb 8")
 
 
+def test_with_the_in_memory_level_its_versions_are_replicated_not_the_persistent_ones(tmp_path):
+    """No node-local copy of --save is set up, and a load from --save asks no peer for one (a
+    restart that loaded --save crashed on the missing directory before this test)."""
+    from megatron.training.arguments import build_run_config, parse_args
+    from megatron.training.checkpointing.lazy import restore_peer_copies
+
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+             "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --mock-data "
+             "--vocab-size 255 --save /tmp/peer_save --async-lazy-save --lazy-save-peer-replica "
+             "--non-persistent-ckpt-type in_memory --non-persistent-save-interval 1")
+    config = build_run_config(parse_args(flags.split()), world_size=1)
+    assert config.checkpoint.lazy_save_local_dir is None
+    version = tmp_path / "iter_0000004"
+    version.mkdir()
+    (version / "COMMIT.json").write_text(json.dumps({"world_size": 2}))
+    assert restore_peer_copies(config, str(version), {}) is None
+
+
 # -- the restore plan, three processes as three nodes --------------------------------------------
 
 def _files(rank, step=3):

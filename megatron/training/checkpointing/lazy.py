@@ -225,6 +225,8 @@ def restore_peer_copies(config: RunConfig, directory: str,
     commit = os.path.join(directory, paths.DATASTATES_COMMIT_FILENAME)
     if not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica and os.path.isfile(commit)):
         return None
+    if ckpt.lazy_save_local_dir is None:  # with the in-memory level, its versions are replicated
+        return None
     with open(commit) as f:
         world = int(json.load(f)["world_size"])
     return PeerRestore(config, directory, world, sharded_state_dict)

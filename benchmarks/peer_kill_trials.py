@@ -1,0 +1,204 @@
+"""Kill trials of the in-memory level with peer replicas on two nodes (issue 30's kill trials
+across in-memory, persistent and replica saves).
+
+    python benchmarks/peer_kill_trials.py --trials 20 --seed 0 [--workdir DIR]
+
+Each trial runs the tiny GPT as two torchrun agents on this machine (two "nodes", one rank each,
+DP2 with the distributed optimizer) with an in-memory version every iteration, its peer replica
+(`--lazy-save-peer-replica`) and `--save` every 4. At a seeded point (after a seeded iteration's
+loss line, plus a seeded fraction of an iteration) both agents are SIGKILLed; in half the trials
+(seeded) one node's memory is then deleted as well, as if the node were lost. The restart runs
+to the end. A trial passes when:
+  - the restart resumes from at least the newest version that was complete on some level before
+    the kill: --save's tracker, the in-memory version both nodes' trackers name, or, with a lost
+    node, the newest version whose replica of the lost node's rank the survivor held whole next
+    to its own copy;
+  - its losses after that iteration are bit-identical to an uninterrupted run's;
+  - every committed version in --save and in the surviving memory reads back with every checksum
+    (no torn or foreign version).
+Prints one line per trial and a summary (resumed from which level, iterations lost). Uses 2
+cores for ~20 s per trial; run nothing else multi-process meanwhile.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from crash_harness import verify_committed  # noqa: E402
+from trainer_launch import NO_DROPOUT, TINY_MODEL, Node, free_port, launch  # noqa: E402
+
+ITERS = 12
+PERSISTENT_EVERY = 4
+ARGS = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--use-distributed-optimizer",
+                                  "--train-iters", str(ITERS)]
+_LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|")
+_LOADED = re.compile(r"loaded checkpoint (\S+) \(format \w+, iteration (\d+)")
+
+
+def _tracked(root: str) -> int:
+    try:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _marker_ok(directory: str, rank: int) -> bool:
+    from datastates import layout
+
+    try:
+        return layout._valid_rank_marker(directory, rank, 2) is not None
+    except Exception:  # noqa: BLE001 - a torn marker is simply not whole
+        return False
+
+
+def _replica_floor(memory: str, lost: int) -> int:
+    """The newest version the survivor holds both of its own (committed) and as a whole replica
+    of the lost node's rank: what the restart can at least resume from in memory."""
+    from datastates import layout
+
+    survivor = os.path.join(memory, f"node{1 - lost}")
+    peer = os.path.join(survivor, "peer")
+    best = 0
+    for name in os.listdir(peer) if os.path.isdir(peer) else []:
+        if not name.startswith("iter_"):
+            continue
+        it = int(name[5:])
+        own = os.path.join(survivor, name)
+        if _marker_ok(os.path.join(peer, name), lost) and layout.is_committed(own) \
+                and _marker_ok(own, 1 - lost):
+            best = max(best, it)
+    return best
+
+
+def verify_node_versions(root: str) -> list:
+    """Every committed in-memory version of one node reads back shard by shard, every chunk
+    checksum verified (a node's version holds its own ranks' shards, not whole tensors)."""
+    from datastates import CheckpointReader, is_committed
+
+    bad = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.startswith("iter_") or not is_committed(path):
+            continue
+        try:
+            with CheckpointReader(path) as reader:
+                for key in reader.tensor_keys():
+                    for _, offset, shape in reader.tensor_meta(key).shards:
+                        reader.read(key, offset, shape)
+                for rank in reader.ranks():
+                    reader.load_objects(rank)
+            for needed in ("metadata.json", "common.pt"):
+                if not os.path.isfile(os.path.join(path, needed)):
+                    raise FileNotFoundError(needed)
+        except Exception as err:  # noqa: BLE001 - every failure is a finding to report
+            bad.append(f"{name}: {err}")
+    return bad
+
+
+def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, log) -> dict:
+
+    save = os.path.join(workdir, f"trial{k}", "save")
+    memory = memory_of(save)
+    flags = ARGS + ["--async-lazy-save", "--lazy-save-peer-replica", "--save", save,
+                    "--load", save, "--save-interval", str(PERSISTENT_EVERY),
+                    "--non-persistent-ckpt-type", "in_memory",
+                    "--non-persistent-save-interval", "1"]
+    kill_after, frac = rng.randint(2, ITERS - 2), rng.random()
+    lost = rng.choice([None, 0, 1])
+
+    def nodes(name):
+        port, logs = free_port(), os.path.join(workdir, f"trial{k}", name)
+        os.makedirs(logs)
+        return [Node(r, 2, 1, port, flags, logs) for r in (0, 1)]
+
+    try:
+        first = nodes("first")
+        deadline = time.time() + 240
+        t_line = None
+        while True:
+            seen = [int(m.group(1)) for m in _LOSS.finditer(first[1].stdout())]  # the last rank
+            if seen and max(seen) >= kill_after and t_line is None:
+                t_line = time.time()
+            if t_line is not None and time.time() >= t_line + frac * 0.08:
+                break
+            if first[1].proc.poll() is not None or time.time() > deadline:
+                break
+            time.sleep(0.005)
+        for node in first:
+            node.kill()
+        last = max([int(m.group(1)) for m in _LOSS.finditer(first[1].stdout())], default=0)
+        persistent = _tracked(save)
+        in_memory = min(_tracked(os.path.join(memory, f"node{n}")) for n in (0, 1))
+        floor = max(persistent, in_memory)
+        if lost is not None:
+            floor = max(persistent, _replica_floor(memory, lost))
+            shutil.rmtree(os.path.join(memory, f"node{lost}"), ignore_errors=True)
+        corrupt = verify_committed(save) if os.path.isdir(save) else []
+        for n in (0, 1):
+            root = os.path.join(memory, f"node{n}")
+            if os.path.isdir(root):
+                corrupt += [f"memory node{n}: {c}" for c in verify_node_versions(root)]
+        second = [n.result(timeout=240) for n in nodes("second")]
+        out = second[0].stdout
+        m = _LOADED.search(out)
+        resumed = int(m.group(2)) if m else 0
+        level = ("memory" if m and "/in_memory/" in m.group(1) else "--save" if m else "scratch")
+        losses = {**second[0].losses(), **second[1].losses()}
+        expected = {i: v for i, v in reference.items() if i > resumed}
+        ok = (all(r.returncode == 0 for r in second) and resumed >= floor and losses == expected
+              and not corrupt)
+        result = dict(trial=k, kill_after=kill_after, frac=round(frac, 2), lost_node=lost,
+                      last_logged=last, persistent=persistent, in_memory=in_memory, floor=floor,
+                      resumed=resumed, level=level, lost_iterations=max(0, last - resumed),
+                      bit_identical=losses == expected, corrupt=corrupt, ok=ok)
+        if not ok:
+            result["tail"] = (second[0].describe() + second[1].describe())[-4000:]
+        log(json.dumps({k2: v for k2, v in result.items() if k2 != "tail"}))
+        return result
+    finally:
+        shutil.rmtree(os.path.dirname(memory), ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
+    a = p.parse_args(argv)
+    from megatron.training.config import shared_memory_dir
+
+    workdir = a.workdir or tempfile.mkdtemp(prefix="peer_kill_trials_")
+    os.makedirs(workdir, exist_ok=True)
+    t0 = time.time()
+    ref = launch(2, ARGS)
+    if ref.returncode != 0:
+        print(ref.describe())
+        return 1
+    reference = ref.losses()
+    rng = random.Random(a.seed)
+    results = [run_trial(k, rng, workdir, lambda s: shared_memory_dir(s, "in_memory"),
+                         reference, lambda m: print(m, flush=True)) for k in range(a.trials)]
+    lost = [r["lost_iterations"] for r in results]
+    levels = {lv: sum(r["level"] == lv for r in results) for lv in ("memory", "--save", "scratch")}
+    print(f"trials: {len(results)}, passed: {sum(r['ok'] for r in results)}, bit-identical: "
+          f"{sum(r['bit_identical'] for r in results)}, corrupt: "
+          f"{sum(bool(r['corrupt']) for r in results)}, node lost: "
+          f"{sum(r['lost_node'] is not None for r in results)}, resumed from: {levels}, "
+          f"iterations lost: mean {sum(lost) / len(lost):.2f} max {max(lost)}")
+    print(f"wall time: {time.time() - t0:.0f} s, workdir {workdir}")
+    for r in results:
+        if not r["ok"]:
+            print(f"FAILED: trial {r['trial']}: {r.get('tail', '')}")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
