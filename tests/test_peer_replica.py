@@ -409,7 +409,9 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
     of in-memory iteration 5 stalls (the job cannot go past it), both nodes are killed and node
     1's memory is deleted (a lost node): the restart brings rank 1's shards back from node 0,
     resumes from memory (not from --save, which holds nothing) and prints the losses of an
-    uninterrupted run."""
+    uninterrupted run. Then node 1's memory as the kill left it, without its replica of node
+    0's, under a fresh --save: no version every rank has, so the run starts from scratch, and
+    node 1's versions it would save again are removed first (one line), not rewritten."""
     from megatron.training.config import shared_memory_dir
 
     reference = launch(2, ARGS)
@@ -448,6 +450,7 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         assert "and 2 of the previous node's (peer replicas)" in out, out
         held = replicated()
         assert not (save / "latest_checkpointed_iteration.txt").exists()
+        shutil.copytree(os.path.join(memory, "node1"), tmp_path / "node1_memory")
         shutil.rmtree(os.path.join(memory, "node1"))  # node 1 lost: its memory is gone
 
         second = [n.result(timeout=240) for n in nodes("second")]
@@ -462,5 +465,22 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
                "from their peer replicas" in second[0].stdout, second[0].describe()
         losses = {**second[0].losses(), **second[1].losses()}
         assert losses == after(reference.losses(), resumed), (losses, reference.losses())
+
+        # Node 0 lost, and node 1 holds no replica of it: from scratch, node 1's stale versions
+        # go first.
+        fresh = tmp_path / "fresh"
+        flags = [str(fresh) if f == str(save) else f for f in flags]
+        stale = os.path.join(shared_memory_dir(str(fresh), "in_memory"), "node1")
+        shutil.copytree(tmp_path / "node1_memory", stale, ignore=shutil.ignore_patterns("peer"))
+        kept = sorted(n for n in os.listdir(stale) if n.startswith("iter_"))
+        third = [n.result(timeout=240) for n in nodes("third")]
+        assert all(r.returncode == 0 for r in third), third[0].describe() + third[1].describe()
+        assert "training from iteration 0 to 6" in third[0].stdout
+        assert f"[rank 1] in-memory checkpoints: removed iteration(s) " \
+               f"{[int(n[5:]) for n in kept]} from {stale}: newer than iteration 0" \
+               in third[1].stdout, third[1].describe()
+        assert {**third[0].losses(), **third[1].losses()} == reference.losses()
     finally:
         shutil.rmtree(os.path.dirname(memory), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(shared_memory_dir(str(tmp_path / "fresh"), "in_memory")),
+                      ignore_errors=True)

@@ -156,3 +156,85 @@ def test_two_ranks_save_where_the_agreed_decisions_say(tmp_path):
     tb = _scalars(tmp_path / "tb")
     assert {it: int(v) for it, v in tb["checkpoint/interval-iterations"].items()} == \
         {it: n for it, n, _ in decisions}
+
+
+def test_a_level_whose_saves_never_queue_may_save_every_iteration():
+    """The in-memory level's AutoInterval (`queues=False`): while probing it keeps undisturbed
+    iterations between saves; once its costs are known the durability bound is one iteration
+    (each save commits the one before it first), so a cheap level saves every iteration."""
+    lines = []
+    auto = AutoInterval(1e-4, 0, True, lambda v: v, lines.append, level="in-memory",
+                        queues=False)
+    it = 0
+    while len(auto._costs) < PROBE_CHECKPOINTS:
+        it += 1
+        saved = auto.should_save(it)
+        if saved:
+            auto.saved(it)
+            assert auto.next_save - it == PROBE_INTERVAL  # probing: never every iteration
+        if it - 1 in auto._pending:
+            auto.record(it - 1, 0.001, 2.5)  # durable a few iterations later: no bound now
+        auto.iteration_done(1.0 if not auto._pending else 1.001)
+    while not auto.should_save(it):
+        it += 1
+    auto.saved(it)
+    assert auto.decision.interval == 1 and auto.decision.reason == "young-daly", auto.decision
+    assert lines[-1].startswith(" checkpoint interval | level: in-memory | iteration: "), lines
+
+
+def test_non_persistent_interval_flags():
+    auto = build_run_config(parse_args((BASE + " --save /tmp/x --save-interval auto --mtbf-hours "
+                                        "1 --async-lazy-save --non-persistent-ckpt-type "
+                                        "in_memory").split()), 1).checkpoint
+    assert auto.non_persistent_save_interval_auto and auto.non_persistent_save_interval is None
+    assert auto.non_persistent_save_root() is not None
+    fixed = build_run_config(parse_args((BASE + " --save /tmp/x --save-interval auto --mtbf-hours "
+                                         "1 --async-lazy-save --non-persistent-ckpt-type "
+                                         "in_memory --non-persistent-save-interval 2").split()),
+                             1).checkpoint
+    assert not fixed.non_persistent_save_interval_auto and fixed.non_persistent_save_interval == 2
+    with pytest.raises(ArgumentError, match=re.escape(
+            "--non-persistent-save-interval auto sets the level's interval from its measured "
+            "cost and --mtbf-hours, as --save-interval auto does for --save; it needs "
+            "--save-interval auto, got --save-interval 5")):
+        build_run_config(parse_args((BASE + " --save /tmp/x --save-interval 5 --async-lazy-save "
+                                     "--non-persistent-ckpt-type in_memory "
+                                     "--non-persistent-save-interval auto").split()), 1)
+
+
+_MEMORY_DECISION = re.compile(r" checkpoint interval \| level: in-memory \| iteration:\s+(\d+) \|"
+                              r".*? interval \(iterations\): (\d+) \|.*? set by: (\S+) \|")
+
+
+def test_each_level_saves_at_its_own_auto_interval(tmp_path):
+    """2 ranks, --save-interval auto with the in-memory level: each level logs its own decisions
+    (the in-memory ones tagged `level: in-memory`) and its versions land where they say, except
+    where a persistent save took that iteration (the in-memory save then comes right after)."""
+    train_iters = 24
+    save = str(tmp_path / "save")
+    run = launch(2, TINY_MODEL + [
+        "--train-iters", str(train_iters), "--save", save, "--async-lazy-save",
+        "--save-interval", "auto", "--mtbf-hours", "0.001", "--non-persistent-ckpt-type",
+        "in_memory", "--tensorboard-dir", str(tmp_path / "tb")])
+    assert run.returncode == 0, run.describe()
+    assert "in-memory checkpoints: at an interval set from their own measured cost" in run.stdout
+    memory = [(int(m[1]), int(m[2]), m[3]) for m in _MEMORY_DECISION.finditer(run.stdout)]
+    persistent = [(int(m[1]), int(m[4]), m[7]) for m in _DECISION.finditer(run.stdout)]
+    assert memory and memory[0][:2] == (WARMUP_ITERATIONS + 1, PROBE_INTERVAL), run.stdout
+    assert persistent and persistent[0][:2] == (WARMUP_ITERATIONS, PROBE_INTERVAL)
+    committed = [(int(m[1]), "/in_memory/" in m[0]) for m in _COMMITTED_ANY.finditer(run.stdout)]
+    saved_memory = sorted(it for it, mem in committed if mem)
+    saved_persistent = {it for it, mem in committed if not mem}
+    in_force, interval = dict((it, n) for it, n, _ in memory), None
+    for prev, nxt in zip(saved_memory, saved_memory[1:]):
+        interval = in_force.get(prev, interval)
+        due = prev + interval
+        assert nxt == due or (nxt > due and all(i in saved_persistent for i in range(due, nxt))), \
+            (prev, nxt, memory, sorted(saved_persistent))
+    assert any(reason == "young-daly" for _, _, reason in memory), memory
+    tb = _scalars(tmp_path / "tb")
+    assert {it: int(v) for it, v in tb["checkpoint-in_memory/interval-iterations"].items()} == \
+        {it: n for it, n, _ in memory}
+
+
+_COMMITTED_ANY = re.compile(r" checkpoint iteration\s+(\d+) \|.*committed: (\S+)")

@@ -55,6 +55,7 @@ _EXPORTS = {
     "Located": "resolve", "locate": "resolve", "locate_universal": "resolve",
     "UNIVERSAL_KIND": "resolve",
     "expand_local_dir": "levels.local_tier", "newest_on_every_node": "levels.node_local",
+    "drop_node_local_newer": "levels.node_local",
     "PeerReplicator": "levels.peer_replica", "RestoreStats": "levels.peer_replica",
     "Ring": "levels.peer_replica", "node_index": "levels.peer_replica",
     "check_memory_room": "levels.in_memory", "release_memory": "levels.in_memory",
@@ -65,7 +66,7 @@ _EXPORTS = {
 }
 _RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand",
             "check_memory_room": "check_room", "release_memory": "release",
-            "MEMORY_VERSIONS_KEPT": "VERSIONS_KEPT"}
+            "MEMORY_VERSIONS_KEPT": "VERSIONS_KEPT", "drop_node_local_newer": "drop_newer"}
 
 __all__ = sorted(_EXPORTS) + ["paths"]
 

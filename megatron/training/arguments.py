@@ -295,10 +295,12 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="each data-parallel rank reads a part of the replicated shards and they "
                         "exchange the rest (megatron-core's exchange runs on CUDA tensors: GPU "
                         "runs only)")
-    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+    g.add_argument("--non-persistent-save-interval", type=_save_interval, default=None,
                    help="Megatron-LM's non-persistent checkpoints: also save every N iterations "
                         "where no --save-interval save is due, into the non-persistent root, "
-                        "which keeps only the newest one (needs --non-persistent-ckpt-type)")
+                        "which keeps only the newest one (needs --non-persistent-ckpt-type); "
+                        "'auto' (the default with --save-interval auto): this level's own "
+                        "interval, from its own measured cost and --mtbf-hours")
     g.add_argument("--non-persistent-ckpt-type", choices=["global", "local", "in_memory"],
                    default=None,
                    help="global: the non-persistent root is a directory on the shared file "
@@ -584,8 +586,16 @@ def _check_non_persistent_flags(a: argparse.Namespace) -> None:
         _warn("--replication-jump was specified despite not using replication. Ignoring (as "
               "Megatron-LM)")
     interval = a.non_persistent_save_interval
-    if interval is not None:
+    if interval is None and kind is not None and a.save_interval == "auto":
+        interval = a.non_persistent_save_interval = "auto"  # each level its own interval
+    if interval == "auto":
+        _require(a.save_interval == "auto", "--non-persistent-save-interval auto sets the "
+                 "level's interval from its measured cost and --mtbf-hours, as --save-interval "
+                 f"auto does for --save; it needs --save-interval auto, got --save-interval "
+                 f"{a.save_interval}")
+    elif interval is not None:
         _require(interval > 0, f"--non-persistent-save-interval must be >= 1, got {interval}")
+    if interval is not None:
         _require(kind is not None, "--non-persistent-save-interval needs "
                  "--non-persistent-ckpt-type global, local or in_memory (Megatron-LM fails at the first "
                  "non-persistent save without a type)")
@@ -944,7 +954,9 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lazy_save_peer_replica_mb=a.lazy_save_peer_replica_mb,
         lazy_save_wait_persistent=a.lazy_save_wait_persistent,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
-        non_persistent_save_interval=a.non_persistent_save_interval,
+        non_persistent_save_interval=(None if a.non_persistent_save_interval == "auto"
+                                      else a.non_persistent_save_interval),
+        non_persistent_save_interval_auto=a.non_persistent_save_interval == "auto",
         non_persistent_ckpt_type=a.non_persistent_ckpt_type,
         non_persistent_global_ckpt_dir=a.non_persistent_global_ckpt_dir,
         non_persistent_local_ckpt_dir=a.non_persistent_local_ckpt_dir,

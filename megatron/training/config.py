@@ -325,6 +325,9 @@ class CheckpointConfig:
     non_persistent_save_interval: Optional[int] = None
     """Megatron-LM's non-persistent checkpoints: also save every this many iterations (where no
     persistent save is due) under `non_persistent_root`, which keeps only the newest one."""
+    non_persistent_save_interval_auto: bool = False
+    """--non-persistent-save-interval auto (the default under --save-interval auto when a
+    non-persistent type is given): the level's interval follows its own measured cost."""
     non_persistent_ckpt_type: Optional[str] = None
     """"global" (a second root on the shared file system), "local" (each node's own storage,
     --async-lazy-save only), "in_memory" (each node's shared memory, /dev/shm: survives a crash
@@ -386,7 +389,8 @@ class CheckpointConfig:
 
     def non_persistent_save_root(self) -> Optional[str]:
         """Where this run saves non-persistent checkpoints (None: it does not)."""
-        if not (self.save and self.non_persistent_save_interval):
+        if not (self.save and (self.non_persistent_save_interval
+                               or self.non_persistent_save_interval_auto)):
             return None
         return self.non_persistent_root(self.save)
 

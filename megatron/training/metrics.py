@@ -216,12 +216,15 @@ class Metrics:
         if self._checkpoints:
             self._write(self._checkpoints, record.scalars(), record.iteration, None)
 
-    def checkpoint_interval(self, iteration: int, interval: int, cost_s: Optional[float]) -> None:
-        """--save-interval auto chose `interval` at `iteration` (from a checkpoint cost)."""
+    def checkpoint_interval(self, iteration: int, interval: int, cost_s: Optional[float],
+                            level: str = "persistent") -> None:
+        """--save-interval auto chose `interval` at `iteration` (from a checkpoint cost) for
+        `level` (scalars `checkpoint/...`, or `checkpoint-<level>/...` as `CheckpointRecord`)."""
         if self._checkpoints:
-            values = {"checkpoint/interval-iterations": interval}
+            tag = "checkpoint" if level == "persistent" else f"checkpoint-{level}"
+            values = {f"{tag}/interval-iterations": interval}
             if cost_s is not None:
-                values["checkpoint/cost-s"] = cost_s
+                values[f"{tag}/cost-s"] = cost_s
             self._write(self._checkpoints, values, iteration, None)
 
     def checkpoint_deferred(self, iteration: int, deferred_total: int) -> None:

@@ -383,7 +383,7 @@ def _train_loop(trainer: Trainer) -> int:
     saved_last = True  # nothing new to save unless an iteration runs
     print_rank_0(f"training from iteration {state.iteration} to {t.train_iters}")
     summary = _Summary(trainer)
-    trainer.checkpoints.start_auto_interval(state.iteration)
+    trainer.checkpoints.begin_training(state.iteration)
     try:
         while state.iteration < t.train_iters:
             loss, grad_norm, ok = train_step(trainer, iterators)

@@ -15,6 +15,7 @@ version on its node (`newest_on_every_node`); otherwise --load's checkpoint is u
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -22,9 +23,10 @@ from ... import control_plane
 
 from ... import layout
 from ...errors import CheckpointError
-from ..paths import checkpoint_dir, tracked_iteration
+from ..paths import TRACKER_FILENAME, checkpoint_dir, tracked_iteration
+from .local_tier import local_iterations
 
-__all__ = ["Node", "claim_every_replica", "discover", "newest_on_every_node"]
+__all__ = ["Node", "claim_every_replica", "discover", "drop_newer", "newest_on_every_node"]
 
 FLAG = "--non-persistent-local-ckpt-dir"
 _NODE_MARK = ".datastates_node_{}"
@@ -120,3 +122,22 @@ def newest_on_every_node(root: str, rank: int, accept: Callable[[str], bool] = l
     if newest < 0 or lacking:
         return None, lacking if newest >= 0 else list(range(len(found)))
     return newest, []
+
+
+def drop_newer(root: str, iteration: int) -> List[int]:
+    """A node's leader, when a run starts from `iteration`: the node-local versions under `root`
+    newer than it are removed (the tracker first when it names one). A run starts from an older
+    iteration only when not every node held them (or they were of another layout or model), so
+    no job-wide version is lost; left in place, the run's own saves of those iterations would
+    meet a committed version on this node only, which is never rewritten. Returns them."""
+    newer = [it for it in local_iterations(root) if it > iteration]
+    if not newer:
+        return []
+    tracked = tracked_iteration(root)
+    if tracked is not None and tracked > iteration:
+        os.remove(os.path.join(root, TRACKER_FILENAME))
+    for it in newer:
+        trash = os.path.join(root, f".deleting-iter_{it:07d}")
+        os.replace(checkpoint_dir(root, it), trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return newer

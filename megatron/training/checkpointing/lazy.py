@@ -32,8 +32,8 @@ import datastates
 from datastates import Checksum, TensorShard, control_plane
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
     StructurePolicy, append_telemetry, check_memory_room, expand_local_dir, needed_saved_ranks, \
-    MEMORY_VERSIONS_KEPT, PEER_VERSIONS, VERSIONS_HELD_FOR_PEERS, node_index, paths, \
-    release_memory, restore_before_load
+    MEMORY_VERSIONS_KEPT, PEER_VERSIONS, VERSIONS_HELD_FOR_PEERS, drop_node_local_newer, \
+    node_index, paths, release_memory, restore_before_load
 
 from megatron.training.checkpointing import distopt_shards
 from megatron.training.checkpointing.contents import (
@@ -139,8 +139,10 @@ def check_memory_level(config: RunConfig, model) -> None:
         raise CheckpointError(err.reason, path=root, ranks=err.ranks) from err  # printed once
     held = f"{versions} versions of its {room.ranks} rank(s)' checkpoints" + (
         f" and {PEER_VERSIONS} of the previous node's (peer replicas)" if peers else "")
-    print_rank_0(f"in-memory checkpoints: every {ckpt.non_persistent_save_interval} "
-                 f"iteration(s) into {root}; node {room.node} holds up to "
+    every = ("at an interval set from their own measured cost (--save-interval auto)"
+             if ckpt.non_persistent_save_interval_auto
+             else f"every {ckpt.non_persistent_save_interval} iteration(s)")
+    print_rank_0(f"in-memory checkpoints: {every} into {root}; node {room.node} holds up to "
                  f"{room.need_bytes / 2**20:.0f} MiB ({held}; "
                  f"{room.free_bytes / 2**20:.0f} MiB free); removed at a clean end "
                  "once --save holds the newest iteration")
@@ -277,6 +279,33 @@ class LazyCheckpointManager(CheckpointManager):
         self.scan_existing()
         self.checkpointer.leftovers = {root: set(its)
                                        for root, its in self.leftovers_at_start.items()}
+
+    def begin_training(self, start_iteration: int) -> None:
+        """Every rank (collective with a node-local level): node-local versions newer than the
+        iteration this run starts from are removed by each node's leader (`drop_node_local_newer`:
+        not every node held them, or they were of another layout), then the roots are scanned
+        again, so the run's own saves of those iterations never meet them."""
+        node = self.checkpointer.node
+        if node is not None:
+            root = self.non_persistent_root
+            removed = []
+            if dist.get_rank() == node.leader:
+                try:
+                    removed = drop_node_local_newer(root, start_iteration)
+                except OSError as err:
+                    print(f"[rank {dist.get_rank()}] WARNING: could not remove the node-local "
+                          f"versions newer than iteration {start_iteration} under {root}: {err}",
+                          flush=True)
+            if removed:
+                level = "in-memory" if self.ckpt.non_persistent_ckpt_type == "in_memory" \
+                    else "node-local"
+                print(f"[rank {dist.get_rank()}] {level} checkpoints: removed iteration(s) "
+                      f"{removed} from {root}: newer than iteration {start_iteration}, which "
+                      "this run starts from (not every node held them); they are saved again",
+                      flush=True)
+            control_plane.barrier()
+            self.start()
+        super().begin_training(start_iteration)
 
     @property
     def disabled(self) -> bool:

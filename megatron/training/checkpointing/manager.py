@@ -65,6 +65,10 @@ def non_persistent_root_of_this_rank(config: RunConfig, base: Optional[str] = No
     return root
 
 
+#: How log lines name a non-persistent level.
+_LEVEL_NAMES = {"global": "non-persistent", "local": "node-local", "in_memory": "in-memory"}
+
+
 class CheckpointManager:
     """Saving policy for one format; subclasses implement `_save`."""
 
@@ -87,6 +91,8 @@ class CheckpointManager:
         self._durable_s: Dict[Tuple[str, int], float] = {}
         #: --save-interval auto (`start_auto_interval`); None: the fixed --save-interval.
         self.auto: Optional[AutoInterval] = None
+        #: --non-persistent-save-interval auto: the non-persistent level's own.
+        self.auto_non_persistent: Optional[AutoInterval] = None
         self._iteration_t0: Optional[float] = None
         #: Saves started by `maybe_save` (the summary's count; skipped and in-flight saves apart).
         self.saves_started = 0
@@ -103,6 +109,10 @@ class CheckpointManager:
         #: The oldest such iteration not yet followed by a persistent save (None: none).
         self.deferred_since: Optional[int] = None
 
+    def begin_training(self, start_iteration: int) -> None:
+        """Every rank, once the resumed iteration is known (before the first iteration)."""
+        self.start_auto_interval(start_iteration)
+
     def start_auto_interval(self, start_iteration: int) -> None:
         """Every rank, once the resumed iteration is known (before the first iteration)."""
         if not self.ckpt.save_interval_auto:
@@ -111,11 +121,20 @@ class CheckpointManager:
         def agree(proposal: int) -> int:
             return int(control_plane.all_reduce([proposal], op=dist.ReduceOp.MAX)[0])
 
-        def report(iteration: int, decision: Decision) -> None:
-            self.metrics.checkpoint_interval(iteration, decision.interval, decision.cost_s)
+        def report(level: str):
+            def write(iteration: int, decision: Decision) -> None:
+                self.metrics.checkpoint_interval(iteration, decision.interval, decision.cost_s,
+                                                 level)
+            return write
 
-        self.auto = AutoInterval(self.ckpt.mtbf_hours, start_iteration, dist.get_rank() == 0,
-                                 agree, print_rank_0, report)
+        rank0 = dist.get_rank() == 0
+        self.auto = AutoInterval(self.ckpt.mtbf_hours, start_iteration, rank0, agree,
+                                 print_rank_0, report("persistent"))
+        if self.ckpt.non_persistent_save_interval_auto and self.non_persistent_root:
+            kind = self.ckpt.non_persistent_ckpt_type
+            self.auto_non_persistent = AutoInterval(
+                self.ckpt.mtbf_hours, start_iteration, rank0, agree, print_rank_0,
+                report(kind), level=_LEVEL_NAMES.get(kind, kind), queues=kind != "in_memory")
         self._iteration_t0 = time.perf_counter()
 
     # 0) every rank, once
@@ -162,8 +181,12 @@ class CheckpointManager:
         return bool(self.ckpt.save and interval and iteration % interval == 0)
 
     def _non_persistent_interval_due(self, iteration: int) -> bool:
+        if not self.non_persistent_root:
+            return False
+        if self.auto_non_persistent is not None:
+            return self.auto_non_persistent.should_save(iteration)
         interval = self.ckpt.non_persistent_save_interval
-        return bool(self.non_persistent_root and iteration % interval == 0)
+        return bool(interval and iteration % interval == 0)
 
     def _persistent_busy(self) -> bool:
         """Whether a persistent save that falls due now is deferred (latest wins) because the
@@ -221,6 +244,8 @@ class CheckpointManager:
         self.metrics.timer(timer, slowest, iteration)
         if self.auto is not None and persistent:
             self.auto.saved(iteration)
+        elif self.auto_non_persistent is not None and not persistent:
+            self.auto_non_persistent.saved(iteration)
         return True
 
     def _defer(self, iteration: int) -> None:
@@ -296,7 +321,9 @@ class CheckpointManager:
         self._poll(iteration)
         if self.auto is not None and self.auto.is_rank0:
             now = time.perf_counter()
-            self.auto.iteration_done(now - self._iteration_t0)
+            for auto in (self.auto, self.auto_non_persistent):
+                if auto is not None:
+                    auto.iteration_done(now - self._iteration_t0)
             self._iteration_t0 = now
 
     def validation_done(self, iteration: int, t_start: float, t_end: float) -> None:
@@ -318,8 +345,10 @@ class CheckpointManager:
     def _record(self, record: CheckpointRecord) -> None:
         """Rank 0: a checkpoint is complete; report it (metrics, the auto interval)."""
         self.metrics.checkpoint(record)
-        if self.auto is not None and record.level == "persistent":  # it sets --save's interval
-            self.auto.record(record.iteration, record.stall_ms / 1e3, record.durable_s)
+        # Each level's records set its own interval.
+        auto = self.auto if record.level == "persistent" else self.auto_non_persistent
+        if auto is not None:
+            auto.record(record.iteration, record.stall_ms / 1e3, record.durable_s)
 
     def _decided(self, iteration: int, root: str) -> Optional[bool]:
         """None to save `iteration` into `root` now; True/False to report it saved/not saved

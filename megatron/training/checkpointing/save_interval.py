@@ -31,11 +31,17 @@ from one control-plane all-reduce per save (no per-iteration collective). Every 
 with its inputs and, where TensorBoard/wandb are on, written as `checkpoint/interval-iterations`
 and `checkpoint/cost-s`.
 
-Every level of a lazy checkpoint (host cache, --lazy-save-local-dir, --save) is written by the same
-save in the background, so one interval governs them all: the loop's cost of a checkpoint does not
-depend on how many levels it drains to, and a shared-storage copy that is rarer than the local one
-would only add a second, longer recovery window. The durability bound uses the time until the
-checkpoint is committed (durable in --save), the level a lost node needs.
+The levels one lazy save drains to (host cache, --lazy-save-local-dir, --save) are written by the
+same save in the background, so one interval governs them: the loop's cost of a checkpoint does
+not depend on how many levels it drains to. A non-persistent level that saves its own versions
+(Megatron-LM's global, local and in_memory types) has its own interval, from its own measured
+cost, by a second `AutoInterval` (`level` names it in the log line): with the in-memory level a
+version costs the loop a copy into memory, far less than a persistent save's disturbance, so its
+interval comes out much shorter. Both use the job's MTBF (every failure a restart recovers from;
+the persistent level is then sized as if each failure needed it, which errs on the safe side
+when nodes are lost more rarely than processes). The durability bound uses the time until the
+checkpoint is committed on its level; an in-memory version commits right before the next one
+is saved (`queues=False`), so once its costs are known its bound is one iteration.
 """
 from __future__ import annotations
 
@@ -73,10 +79,11 @@ class Decision:
     iteration_s: Optional[float] = None
     durable_s: Optional[float] = None
 
-    def log_line(self, mtbf_hours: float, iteration: int) -> str:
+    def log_line(self, mtbf_hours: float, iteration: int, level: Optional[str] = None) -> str:
         def num(x: Optional[float]) -> str:
             return "n/a" if x is None else f"{x:.6E}"
-        return (f" checkpoint interval | iteration: {iteration:8d} | checkpoint cost (s): "
+        tag = f" level: {level} |" if level else ""
+        return (f" checkpoint interval |{tag} iteration: {iteration:8d} | checkpoint cost (s): "
                 f"{num(self.cost_s)} | MTBF (h): {mtbf_hours:g} | interval (iterations): "
                 f"{self.interval} | iteration time (s): {num(self.iteration_s)} | durable (s): "
                 f"{num(self.durable_s)} | set by: {self.reason} |")
@@ -103,9 +110,12 @@ class AutoInterval:
 
     def __init__(self, mtbf_hours: float, start_iteration: int, is_rank0: bool,
                  agree: Callable[[int], int], log: Callable[[str], None],
-                 report: Optional[Callable[[int, Decision], None]] = None):
+                 report: Optional[Callable[[int, Decision], None]] = None,
+                 level: Optional[str] = None, queues: bool = True):
         self.mtbf_hours = mtbf_hours
         self.is_rank0 = is_rank0
+        self.level = level  # named in the log line (None: --save's)
+        self.queues = queues
         self._agree, self._log, self._report = agree, log, report
         self.next_save = start_iteration + WARMUP_ITERATIONS
         self.decision = Decision(WARMUP_ITERATIONS, "warm-up")
@@ -132,7 +142,7 @@ class AutoInterval:
         if proposed is None:
             return
         if (proposed.interval, proposed.reason) != (self.decision.interval, self.decision.reason):
-            self._log(proposed.log_line(self.mtbf_hours, iteration))
+            self._log(proposed.log_line(self.mtbf_hours, iteration, self.level))
             if self._report is not None:
                 self._report(iteration, proposed)
         self.decision = proposed
@@ -162,9 +172,12 @@ class AutoInterval:
     def _decide(self) -> Decision:
         base = statistics.median(self._clean) if self._clean else None
         floor = PROBE_INTERVAL
-        if self._durable_s is not None and base:
+        probing = len(self._costs) < PROBE_CHECKPOINTS or not base
+        if not self.queues:  # each save commits the one before it first: saves never queue
+            floor = PROBE_INTERVAL if probing else 1
+        elif self._durable_s is not None and base:
             floor = max(1, math.ceil(self._durable_s / base)) + 1
-        if len(self._costs) < PROBE_CHECKPOINTS or not base:
+        if probing:
             return Decision(floor, "probe", self._costs[-1] if self._costs else None, base,
                             self._durable_s)
         cost = statistics.median(self._costs[-PROBE_CHECKPOINTS:])
