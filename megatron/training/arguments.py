@@ -260,6 +260,13 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    default="stop",
                    help="when a save fails (full disk, I/O error, hung writer): stop with the "
                         "error, or continue training without further checkpoints")
+    g.add_argument("--ckpt-verify-replicas", type=int, nargs="?", const=1, default=None,
+                   metavar="EVERY",
+                   help="with --async-lazy-save: at every EVERY-th save (default every save) "
+                        "compare the data-parallel replicas of each tensor before the version "
+                        "commits; a disagreement (silent data corruption) refuses the version, "
+                        "names the tensor and ranks, and --ckpt-failure-policy decides whether "
+                        "training stops (default) or goes on without that checkpoint")
     g.add_argument("--ckpt-fallback-to-previous", action="store_true",
                    help="if the newest complete checkpoint is damaged, verify and load the newest "
                         "older intact one instead of failing")
@@ -665,6 +672,11 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
              f"--keep-last-n-checkpoints must be >= 1, got {a.keep_last_n_checkpoints}")
     _require(not a.async_save or a.ckpt_format == "torch_dist",
              f"--async-save needs --ckpt-format torch_dist, got --ckpt-format {a.ckpt_format}")
+    if a.ckpt_verify_replicas is not None:
+        _require(a.ckpt_verify_replicas > 0, f"--ckpt-verify-replicas must be >= 1 (every how "
+                 f"many saves), got {a.ckpt_verify_replicas}")
+        _require(a.async_lazy_save, "--ckpt-verify-replicas compares replicas inside "
+                 "--async-lazy-save's commit: add --async-lazy-save")
     _require(a.ckpt_drain_timeout > 0,
              f"--ckpt-drain-timeout must be > 0 seconds, got {a.ckpt_drain_timeout}")
     _check_megatron_ckpt_flags(a)
@@ -964,6 +976,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         ckpt_assume_constant_structure=a.ckpt_assume_constant_structure,
         ckpt_fully_parallel_load=a.ckpt_fully_parallel_load,
         ckpt_failure_policy=CkptFailurePolicy(a.ckpt_failure_policy),
+        ckpt_verify_replicas=a.ckpt_verify_replicas,
         ckpt_fallback_to_previous=a.ckpt_fallback_to_previous,
         allow_unsafe_pickle=a.allow_unsafe_pickle,
         ckpt_drain_timeout=a.ckpt_drain_timeout,

@@ -343,6 +343,9 @@ class CheckpointConfig:
     ckpt_failure_policy: CkptFailurePolicy = CkptFailurePolicy.STOP
     """What to do when a save fails on any rank (full disk, I/O error, hung writer); see
     CkptFailurePolicy. Applies to --async-lazy-save."""
+    ckpt_verify_replicas: Optional[int] = None
+    """--ckpt-verify-replicas: every this many saves, the data-parallel replicas of each tensor
+    are compared before the version commits (None: never)."""
     ckpt_fallback_to_previous: bool = False
     """When the newest complete checkpoint is damaged, verify and load the newest older one that
     is intact instead of failing (every checksum of each candidate is read first)."""

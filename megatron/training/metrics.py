@@ -234,6 +234,13 @@ class Metrics:
             self._write(self._checkpoints, {"checkpoint/persistent-deferred": deferred_total},
                         iteration, None)
 
+    def checkpoint_refused(self, iteration: int, refused_total: int) -> None:
+        """--ckpt-verify-replicas refused the version of `iteration` (its data-parallel replicas
+        disagreed); `refused_total`: how many so far in this run."""
+        if self._checkpoints:
+            self._write(self._checkpoints, {"checkpoint/replica-mismatches": refused_total},
+                        iteration, None)
+
     # -- every rank ------------------------------------------------------------------------------
     def close(self, failed: bool = False) -> None:
         """Flush and close this rank's writers (once, at the end of training)."""

@@ -297,12 +297,13 @@ class _Summary:
         ckpts = self.trainer.checkpoints
         started = ckpts.saves_started - self.saves_at_start
         complete = ckpts.saves_committed - self.committed_at_start
-        deferred = ckpts.saves_deferred
+        deferred, refused = ckpts.saves_deferred, ckpts.saves_refused
         print_rank_0(f" training summary | iterations: {self.start_iteration} -> "
                      f"{state.iteration} | time (s): {wall:.1f} | tokens/s: "
                      f"{tokens / wall if wall > 0 else 0.0:.1f} | checkpoints: {started} "
                      f"(complete: {complete}" + (f"; persistent deferred: {deferred}"
-                                                 if deferred else "") + ") | "
+                                                 if deferred else "")
+                     + (f"; refused, replicas disagreed: {refused}" if refused else "") + ") | "
                      f"blocked by checkpointing (s): {blocked:.3f} | newest complete "
                      f"checkpoint: {newest_dir}")
 

@@ -73,6 +73,7 @@ from ...flatten import TensorShard
 from ...layout import COMMIT_FILE, is_committed, try_commit
 from ..levels import local_tier
 from .payload import PayloadPlan
+from .replica_check import ReplicaCheck, ReplicaMismatch
 from .plan import SavePlanCache, StructurePolicy
 from ..paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
     probe_writable, set_aside, tracked_iteration, write_tracker, complete_iterations
@@ -147,6 +148,11 @@ class LazySaveConfig:
     its versions stay on each node, each rank writes all it holds, each node's leader commits
     its node (`node_local`)."""
 
+    verify_replicas_every: Optional[int] = None
+    """--ckpt-verify-replicas: every this many saves (counted over both lanes), the
+    data-parallel replicas of each tensor are compared before the version commits
+    (`replica_check`); None: never."""
+
     non_persistent_in_memory: bool = False
     """The node-local versions are in memory (Megatron-LM's `in_memory` type, a tmpfs such as
     /dev/shm): on a CPU-only host their engine copies each tensor straight into the shard file's
@@ -166,6 +172,9 @@ class LazySaveConfig:
             raise ValueError("non_persistent_node_local needs non_persistent_root")
         if self.non_persistent_in_memory and not self.non_persistent_node_local:
             raise ValueError("non_persistent_in_memory needs non_persistent_node_local")
+        if self.verify_replicas_every is not None and self.verify_replicas_every <= 0:
+            raise ValueError(f"verify_replicas_every must be positive, found "
+                             f"{self.verify_replicas_every}")
         if self.universal_every_n is not None and self.universal_every_n <= 0:
             raise ValueError(f"universal_every_n must be positive, found {self.universal_every_n}")
 
@@ -183,6 +192,7 @@ class _Pending:
     t_returned: float  # wall clock when the save call returned
     files: List[Future] = field(default_factory=list)  # rank 0: common.pt written durably
     errors: List[BaseException] = field(default_factory=list)  # this save's own, on this rank
+    replica_check: Optional[ReplicaCheck] = None  # --ckpt-verify-replicas, this save's
 
 
 @dataclass
@@ -222,11 +232,16 @@ class LazyCheckpointer:
 
     def __init__(self, config: LazySaveConfig, log: Callable[[str], None] = print,
                  after_commit: Optional[Callable[[int, str], None]] = None,
-                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None):
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
+                 on_refused: Optional[Callable[[int, str], None]] = None):
         self.config = config
         self.log = log
         self.after_commit = after_commit
         self.on_record = on_record  # rank 0: each committed checkpoint's record (as logged)
+        self.on_refused = on_refused  # every rank: (iteration, root) of a version refused
+        self._saves = 0  # save calls, for --ckpt-verify-replicas EVERY
+        self._verifier = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-verify")
+                          if config.verify_replicas_every else None)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         control_plane.control_group()  # collective when it creates the group: every rank, here
         if config.local_dir is not None:
@@ -417,6 +432,7 @@ class LazyCheckpointer:
                 return
         directory = checkpoint_dir(root, iteration)
         node_local = root == self.config.non_persistent_root and self.node is not None
+        check = self._start_replica_check(iteration, sharded_state_dict)
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         writer = self.rank == (self.node.leader if node_local else 0)  # common.pt, spares
@@ -466,7 +482,7 @@ class LazyCheckpointer:
             payloads.forget()
             lane.pending.append(_Pending(iteration, root, node_local, directory, None, None,
                                          time.perf_counter() - t0, wall0, time.time(), [],
-                                         errors))
+                                         errors, check))
             return
         try:
             # After megatron's collectives, rank 0 hands common.pt to its writer thread and every
@@ -496,7 +512,22 @@ class LazyCheckpointer:
         lane.engine.start_copies()
         lane.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files,
-                                     errors))
+                                     errors, check))
+
+    def _start_replica_check(self, iteration: int, sharded_state_dict: Any
+                             ) -> Optional[ReplicaCheck]:
+        """--ckpt-verify-replicas, at every EVERY-th save call: this rank's fingerprints of its
+        plain shards, started now (`replica_check`); the DATASTATES_FAULT_FLIP_BIT test fault
+        corrupts one replica first."""
+        self._saves += 1
+        every = self.config.verify_replicas_every
+        if not every or (self._saves - 1) % every:
+            return None
+        from .replica_check import collect, flip_point
+
+        boxes = collect(sharded_state_dict)
+        flip_point(boxes, iteration, self.rank)
+        return ReplicaCheck(boxes, self._verifier)
 
     def _write_file(self, iteration: int, path: str, data: bytes) -> None:
         """The common.pt writer thread: durable and atomic."""
@@ -535,6 +566,9 @@ class LazyCheckpointer:
             t0 = time.perf_counter()
             self._guard(lambda: lane.engine.wait_for_snapshot(
                 timeout=self.config.drain_timeout_s))
+            check = lane.pending[-1].replica_check
+            if check is not None:  # it reads the live tensors: done before they change
+                self._guard(check.wait)
             lane.pending[-1].stall_s += time.perf_counter() - t0
 
     def record(self, event: Dict[str, Any]) -> None:
@@ -570,6 +604,8 @@ class LazyCheckpointer:
                         self._prune_local(self._last_committed)
                 self._close_engine()
             finally:
+                if self._verifier is not None:
+                    self._verifier.shutdown(wait=False, cancel_futures=True)
                 for lane in self.lanes:
                     lane.files.shutdown(wait=False, cancel_futures=True)
                     lane.publisher.shutdown(wait=False, cancel_futures=True)
@@ -631,6 +667,13 @@ class LazyCheckpointer:
         failure was agreed on collectively."""
         try:
             fn()
+        except ReplicaMismatch as err:  # only that version is refused
+            if self.config.failure_policy is not FailurePolicy.CONTINUE:
+                self._failed = err
+                raise
+            self.log(f"WARNING: {err}. Continuing (--ckpt-failure-policy continue) without this "
+                     "checkpoint; the next save is verified again and committed only if its "
+                     "replicas agree")
         except CheckpointError as err:
             if self.config.failure_policy is not FailurePolicy.CONTINUE:
                 self._failed = err
@@ -773,9 +816,40 @@ class LazyCheckpointer:
                                and self._files_durable(head, blocking)):
                 return
             lane.pending.popleft()
-            self._commit(lane, head, self.durable.pop(key))
+            record = self.durable.pop(key)
+            if head.replica_check is not None:
+                self._verify_replicas(head)  # raises ReplicaMismatch: never committed
+            self._commit(lane, head, record)
             if not blocking:
                 return  # its commit thread has just started: agreed on at the next poll
+
+    def _verify_replicas(self, p: _Pending) -> None:
+        """Every rank, once `p` is durable everywhere and before it commits (collective: its
+        data-parallel group compares fingerprints, then every rank agrees): raises the same
+        ReplicaMismatch on every rank when any group found replicas that disagree."""
+        from megatron.core import parallel_state
+
+        from .replica_check import gather_and_compare
+
+        problems: List[str] = []
+        err: Optional[BaseException] = None
+        try:
+            p.replica_check.wait()
+            group = parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
+            problems = gather_and_compare(p.replica_check, group)
+        except Exception as e:  # noqa: BLE001 - agreed on below like a mismatch
+            err = e
+        if problems:
+            err = ReplicaMismatch("; ".join(problems), rank=self.rank, file=p.directory)
+        failure = control_plane.agreed_failure(
+            err, f"the replica check of iteration {p.iteration}",
+            describe=lambda e: getattr(e, "reason", None) or str(e))
+        if failure is None:
+            return
+        if self.on_refused is not None:
+            self.on_refused(p.iteration, p.root)
+        raise ReplicaMismatch(f"{failure.reason}; {_state_of(p, p.root)}", rank=self.rank,
+                              file=p.directory, ranks=failure.ranks) from err
 
     def _commit(self, lane: _Lane, p: _Pending, record) -> None:
         publishes = self.rank == 0 or (p.node_local and self.rank == self.node.leader)

@@ -252,6 +252,7 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
                             if ckpt.lazy_save_peer_replica else None),
         checksum=Checksum(ckpt.lazy_save_checksum), drain_timeout_s=ckpt.ckpt_drain_timeout,
         failure_policy=FailurePolicy(ckpt.ckpt_failure_policy.value),
+        verify_replicas_every=ckpt.ckpt_verify_replicas,
         run_config_json=config.to_json(),
         universal_every_n=ckpt.universal_checkpoint_interval,
         universal_root=ckpt.universal_save, universal_workers=ckpt.universal_merge_workers)
@@ -272,13 +273,20 @@ class LazyCheckpointManager(CheckpointManager):
             lazy_save_config(config), log=print_rank_0, after_commit=self._after_commit,
             on_record=lambda r: self._record(CheckpointRecord.from_telemetry(
                 r, "persistent" if r.get("persistent", True)
-                else self.ckpt.non_persistent_ckpt_type)))
+                else self.ckpt.non_persistent_ckpt_type)), on_refused=self._refused)
 
     def start(self) -> None:
         # The checkpointer prepared and probed its roots when it was built.
         self.scan_existing()
         self.checkpointer.leftovers = {root: set(its)
                                        for root, its in self.leftovers_at_start.items()}
+
+    def _refused(self, iteration: int, root: str) -> None:
+        """Every rank: the replica check refused the version of `iteration` (counted in the
+        summary; rank 0 writes it to TensorBoard)."""
+        self.saves_refused += 1
+        if dist.get_rank() == 0:
+            self.metrics.checkpoint_refused(iteration, self.saves_refused)
 
     def begin_training(self, start_iteration: int) -> None:
         """Every rank (collective with a node-local level): node-local versions newer than the

@@ -106,6 +106,8 @@ class CheckpointManager:
         #: Persistent saves that fell due while the previous one was still in flight
         #: (`_persistent_busy`) and were not started at their iteration (latest wins).
         self.saves_deferred = 0
+        #: Versions the replica check (--ckpt-verify-replicas) refused: never committed.
+        self.saves_refused = 0
         #: The oldest such iteration not yet followed by a persistent save (None: none).
         self.deferred_since: Optional[int] = None
 
