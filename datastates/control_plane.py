@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .errors import CheckpointError
 
 __all__ = ["agree", "agreed_failure", "all_gather_ints", "all_reduce", "barrier",
-           "control_group", "exchange", "new_side_group"]
+           "control_group", "exchange", "new_side_group", "post_exchange"]
 
 T = TypeVar("T")
 
@@ -144,11 +144,18 @@ def exchange(sends: Dict[Tuple[int, int], torch.Tensor],
     to its rank and each buffer of `recvs`, keyed (source rank, tag), is filled from its rank
     (CPU tensors; ranks of the default group, which every group made here spans). Posting every
     operation before waiting on any never deadlocks on order."""
+    for w in post_exchange(sends, recvs, group):
+        w.wait()
+
+
+def post_exchange(sends: Dict[Tuple[int, int], torch.Tensor],
+                  recvs: Dict[Tuple[int, int], torch.Tensor], group=None) -> List:
+    """`exchange` without the wait: the posted operations' works, to wait on later (the caller
+    keeps the tensors alive and unchanged until then)."""
     group = group or control_group()
     works = [dist.isend(t, dst, group=group, tag=tag) for (dst, tag), t in sends.items()]
     works += [dist.irecv(t, src, group=group, tag=tag) for (src, tag), t in recvs.items()]
-    for w in works:
-        w.wait()
+    return works
 
 
 def barrier() -> None:

@@ -383,15 +383,15 @@ def test_budget_below_one_ranks_checkpoint_is_refused_at_start(tmp_path):
 
 def test_a_failing_side_still_finishes_the_stream_and_never_leaves_a_trusted_copy(tmp_path):
     """A transfer must run to its end on both ranks (the other is mid-stream): a sender whose
-    file vanished sends zeros from there on (no valid marker arrives); a receiver that cannot
-    write keeps receiving and raises at commit."""
+    file vanished before the stream reached it sends zeros from there on (no valid marker
+    arrives); a receiver that cannot write keeps receiving and raises at commit."""
     from datastates.megatron_adapter.levels.peer_replica import _Incoming, _outgoing, _write_files
 
     files = _files(3)
     _write_files(str(tmp_path / "src"), 3, files)
+    assert _outgoing(str(tmp_path / "src"), 3).read(0, 1 << 20) == b"".join(files)
     out = _outgoing(str(tmp_path / "src"), 3)
-    assert out.read(0, 1 << 20) == b"".join(files)
-    os.unlink(tmp_path / "src" / layout.index_file(3))
+    os.unlink(tmp_path / "src" / layout.index_file(3))  # gone before the stream reached it
     stream = out.read(0, 1 << 20)
     assert stream[:len(files[0])] == files[0] and stream[len(files[0]):] == \
         bytes(len(files[1]) + len(files[2]))

@@ -48,7 +48,7 @@ from ..paths import COMMON_FILENAME, METADATA_FILENAME, RUN_CONFIG_FILENAME, che
 __all__ = ["PeerReplicator", "RestoreStats", "Ring", "restore_before_load"]
 
 FLAG = "--lazy-save-peer-replica"
-_CHUNK = 64 << 20  # bytes per point-to-point round (bounds the memory a transfer holds)
+_CHUNK = 32 << 20  # bytes per point-to-point round (a transfer holds two per stream)
 _FILES = (layout.shard_file, layout.index_file, layout.rank_marker_file)  # marker written last
 #: What a node's leader sends first in peer_dir mode: its node's small files of the version.
 _NODE_NAMES = (RUN_CONFIG_FILENAME, COMMON_FILENAME, METADATA_FILENAME)
@@ -113,33 +113,57 @@ class Ring:
 # -- files of one saved rank in one version directory ---------------------------------------------
 
 class _Outgoing:
-    """Files read chunk by chunk as one stream (`paths`, in order)."""
+    """Files read chunk by chunk as one stream (`paths`, in order), straight into the buffer
+    that is sent (`read_into`: one copy, from the page cache or tmpfs into it)."""
 
     def __init__(self, paths: Sequence[str]):
         self.paths = list(paths)
         self.sizes = [os.path.getsize(p) for p in self.paths]  # OSError: not all there
         self.failed = False
+        self._fds: Dict[str, int] = {}
 
-    def read(self, offset: int, n: int) -> bytes:
-        """Bytes [offset, offset + n) of the stream. Once a read fails (a file vanished), the
-        rest of the stream is zeros: the receiver's copy then has no valid marker, is never
-        trusted, and the transfer still completes on both sides."""
-        out, pos = [], 0
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """Fill `view` with bytes [offset, offset + len(view)) of the stream. Each file is opened
+        when the stream reaches it and read from that descriptor to its end. Once a read fails (a
+        file vanished before the stream reached it), the rest of the stream is zeros: the
+        receiver's copy then has no valid marker (sent last), is never trusted, and the transfer
+        still completes on both sides."""
+        pos, n = 0, len(view)
         for path, size in zip(self.paths, self.sizes):
             lo, hi = max(offset, pos), min(offset + n, pos + size)
             if lo < hi:
-                data = b""
+                part = view[lo - offset:hi - offset]
                 if not self.failed:
-                    try:
-                        with open(path, "rb") as f:
-                            f.seek(lo - pos)
-                            data = f.read(hi - lo)
-                    except OSError:
-                        pass
-                    self.failed = len(data) != hi - lo
-                out.append(data if not self.failed else bytes(hi - lo))
+                    self.failed = not self._pread(path, part, lo - pos)
+                if self.failed:
+                    part[:] = bytes(len(part))
             pos += size
-        return b"".join(out)
+
+    def _pread(self, path: str, part: memoryview, at: int) -> bool:
+        try:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            done = 0
+            while done < len(part):
+                got = os.preadv(fd, [part[done:]], at + done)
+                if got <= 0:
+                    return False  # shorter than it was: truncated meanwhile
+                done += got
+            return True
+        except OSError:
+            return False
+
+    def read(self, offset: int, n: int) -> bytes:
+        """`read_into` a new buffer, at most to the end of the stream (tests)."""
+        buf = bytearray(max(0, min(n, sum(self.sizes) - offset)))
+        self.read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
 
 def _rank_names(rank: int) -> List[str]:
@@ -235,20 +259,43 @@ def _transfer(sends: Dict[Tuple[int, int], _Outgoing], recvs: Dict[Tuple[int, in
     """Streams keyed by (peer rank, saved rank): send each to its peer and receive each into its
     files, in rounds of at most _CHUNK bytes per stream (the saved rank is the message tag, so
     two streams between one pair never mix), then move what arrived into place. Both ends know
-    every size beforehand."""
+    every size beforehand. Two buffers per stream take turns: while one round is on the wire,
+    the previous round's bytes are written out and the next round's read in, each straight
+    between its file and the buffer the collective uses (no copy in Python)."""
     total = max([sum(x.sizes) for x in list(sends.values()) + list(recvs.values())] + [0])
+    slots = [{key: torch.empty(min(_CHUNK, sum(x.sizes)), dtype=torch.uint8)
+              for key, x in list(sends.items()) + list(recvs.items())} for _ in range(2)]
+    in_flight = None  # (works, round's offset, its receive buffers)
+
+    def land(flight) -> None:
+        works, offset, into = flight
+        for w in works:
+            w.wait()
+        for key, t in into.items():
+            recvs[key].write(offset, memoryview(t.numpy()))
+
     try:  # every round runs to the end on both sides, whatever fails locally (see _Incoming)
-        for offset in range(0, total, _CHUNK):
-            out = {key: torch.frombuffer(bytearray(x.read(offset, _CHUNK)), dtype=torch.uint8)
-                   for key, x in sends.items() if offset < sum(x.sizes)}
-            into = {key: torch.empty(min(_CHUNK, sum(x.sizes) - offset), dtype=torch.uint8)
+        for k, offset in enumerate(range(0, total, _CHUNK)):
+            bufs = slots[k % 2]
+            out = {}
+            for key, x in sends.items():
+                n = min(_CHUNK, sum(x.sizes) - offset)
+                if n > 0:
+                    out[key] = bufs[key][:n]
+                    x.read_into(offset, memoryview(out[key].numpy()))
+            into = {key: bufs[key][:min(_CHUNK, sum(x.sizes) - offset)]
                     for key, x in recvs.items() if offset < sum(x.sizes)}
-            control_plane.exchange(out, into, group=group)
-            for key, t in into.items():
-                recvs[key].write(offset, t.numpy().tobytes())
+            works = control_plane.post_exchange(out, into, group=group)
+            if in_flight is not None:
+                land(in_flight)
+            in_flight = (works, offset, into)
+        if in_flight is not None:
+            land(in_flight)
         for incoming in recvs.values():
             incoming.commit()
     finally:
+        for outgoing in sends.values():
+            outgoing.close()
         for incoming in recvs.values():
             incoming.abort()  # what was not committed (none once all were)
 
