@@ -2,10 +2,13 @@
 restored from there before --save.
 
 Units first (the ring; the flags), then the restore plan on three gloo processes acting as three
-nodes with hand-made copies (one node lost, one replica damaged), then the trainer on two nodes of
-one machine: node 1 killed mid-run and its memory copy deleted, both restart, node 1's rank
-restores from node 0 with zero shard bytes from --save and the losses of an uninterrupted run;
-then with both copies gone, from --save, same losses.
+nodes with hand-made copies (one node lost, one replica damaged), then the trainer on nodes of one
+machine (torchrun agents): node 1 killed mid-run and its memory deleted, then restarts that read
+0 shard bytes from --save and print the losses of a resume from --save at their layout: both
+nodes (node 1's rank restores from node 0), node 0 alone at DP1 and at TP2, and, from three nodes,
+the two survivors at DP2, each receiving what only the other holds (issue 31). Then the in-memory
+level's replicas (issue 30): a lost node resumes from them, and memory restored in three gloo
+processes (a damaged replica, a node whose commit a crash cut off).
 """
 import json
 import os
@@ -174,7 +177,8 @@ def test_restore_brings_what_each_rank_reads_from_other_nodes(tmp_path):
     (tmp_path / "node1").mkdir()  # lost
     result = _run_restore(tmp_path, {0: [0, 1, 2], 1: [0, 1], 2: [0, 1, 2]})
     assert _senders(result[1]) == {0: 0, 1: 2}  # phase 1: both of node 1's copies come back
-    assert _senders(result[0]) == {1: 2}  # phase 2: rank 0 reads saved rank 1's files
+    # Phase 2: rank 0 reads saved rank 1's files, from a holder (rank 2, or rank 1 since phase 1).
+    assert list(_senders(result[0])) == [1] and _senders(result[0])[1] in (1, 2)
     assert _senders(result[2]) == {0: 0}  # phase 2: rank 2 reads saved rank 0's files
     assert all(result[r]["unavailable"] == [] for r in range(3))
     for node in ("node0", "node1", "node2"):
@@ -308,67 +312,8 @@ def _restore_event(save):
     return [json.loads(x) for x in lines if '"restore"' in x][-1]
 
 
-def test_two_nodes_lost_node_restores_from_its_peer_then_from_storage(tmp_path):
-    reference = launch(2, ARGS)
-    assert reference.returncode == 0, reference.describe()
-    save, memory = tmp_path / "save", tmp_path / "memory"
-    lazy = ARGS + ["--async-lazy-save", "--lazy-save-peer-replica",
-                   "--save", str(save), "--load", str(save)]
-    # Saves at 3 and 6; rank 1's copy of save 6 stalls (a fault point), so iteration 3 stays the
-    # newest committed one while its replicas complete in the background. Then node 1 is
-    # killed and its memory deleted (a lost node), and node 0 is killed too.
-    first = _two_nodes(lazy + ["--save-interval", "3"], tmp_path, "first", memory,
-                       env={"DATASTATES_FAULT_DELAY_COPY": "120@6:1"})
-    deadline = time.time() + 240
-    replica = memory / "node0" / "iter_0000003" / "done_r00001.json"
-    while not ("phase=copy step=6 rank=1" in first[1].err_path.read_text() and replica.exists()):
-        assert time.time() < deadline and first[0].proc.poll() is None, \
-            first[0].result().describe() + first[1].result().describe()
-        time.sleep(0.2)
-    first[1].kill()
-    first[0].kill()
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    # Each node held the newest committed version: its own rank and the other's.
-    for node in ("node0", "node1"):
-        held = sorted(os.listdir(memory / node / "iter_0000003"))
-        assert [n for n in held if n.startswith("done_")] == ["done_r00000.json",
-                                                               "done_r00001.json"], held
-    shutil.copytree(save, tmp_path / "save_copy")
-    shutil.rmtree(memory / "node1")  # node 1 lost: its memory is gone
-
-    second = [n.result(timeout=240) for n in _two_nodes(lazy + ["--save-interval", "3"],
-                                                        tmp_path, "second", memory)]
-    assert all(r.returncode == 0 for r in second), second[0].describe() + second[1].describe()
-    assert "[rank 1] received saved rank 1's shards from peer rank 0: " in second[1].stdout
-    event = _restore_event(save)
-    assert event["iteration"] == 3 and event["ranks"]["1"]["peer_bytes"] > 0
-    assert [event["ranks"][r]["shared_bytes"] for r in ("0", "1")] == [0, 0], event
-    losses = {**second[0].losses(), **second[1].losses()}
-    assert losses == after(reference.losses(), 3), (losses, reference.losses())
-
-    # Both nodes' memory gone: every rank reads --save, the losses do not change.
-    save_b = tmp_path / "save_copy"
-    lazy_b = [str(save_b) if a == str(save) else a for a in lazy + ["--save-interval", "3"]]
-    third = [n.result(timeout=240) for n in _two_nodes(lazy_b, tmp_path, "third",
-                                                       tmp_path / "empty_memory")]
-    assert all(r.returncode == 0 for r in third), third[0].describe() + third[1].describe()
-    event = _restore_event(save_b)
-    assert all(event["ranks"][r]["shared_bytes"] > 0 and event["ranks"][r]["peer_bytes"] == 0
-               for r in ("0", "1")), event
-    assert {**third[0].losses(), **third[1].losses()} == after(reference.losses(), 3)
-
-
 ONE_RANK = TINY_MODEL + NO_DROPOUT + ["--train-iters", "2", "--async-lazy-save",
                                       "--save-interval", "1", "--lazy-save-peer-replica"]
-
-
-def test_one_node_is_refused_at_start(tmp_path):
-    run = launch(1, ONE_RANK + ["--save", str(tmp_path / "save"),
-                                "--lazy-save-local-dir", str(tmp_path / "mem")])
-    assert run.returncode == 2
-    assert "--lazy-save-peer-replica sends each rank's shards to another node, but all 1 " \
-           "rank(s) run on one node" in run.stderr, run.describe()
-    assert " iteration " not in run.stdout
 
 
 def test_budget_below_one_ranks_checkpoint_is_refused_at_start(tmp_path):
@@ -409,13 +354,11 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
     of in-memory iteration 5 stalls (the job cannot go past it), both nodes are killed and node
     1's memory is deleted (a lost node): the restart brings rank 1's shards back from node 0,
     resumes from memory (not from --save, which holds nothing) and prints the losses of an
-    uninterrupted run. Then node 1's memory as the kill left it, without its replica of node
+    uninterrupted run (the third run's, from scratch). Then node 1's memory as the kill left it, without its replica of node
     0's, under a fresh --save: no version every rank has, so the run starts from scratch, and
     node 1's versions it would save again are removed first (one line), not rewritten."""
     from megatron.training.config import shared_memory_dir
 
-    reference = launch(2, ARGS)
-    assert reference.returncode == 0, reference.describe()
     save = tmp_path / "save"
     memory = shared_memory_dir(str(save), "in_memory")
     flags = ARGS + ["--async-lazy-save", "--lazy-save-peer-replica", "--save", str(save),
@@ -463,8 +406,7 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
                          r"peer rank 0: \d", second[1].stdout), second[1].describe()
         assert f"in-memory checkpoint of iteration {resumed}: rank(s) 1 (from rank 0) restored " \
                "from their peer replicas" in second[0].stdout, second[0].describe()
-        losses = {**second[0].losses(), **second[1].losses()}
-        assert losses == after(reference.losses(), resumed), (losses, reference.losses())
+        first_losses = {**first[0].result().losses(), **first[1].result().losses()}
 
         # Node 0 lost, and node 1 holds no replica of it: from scratch, node 1's stale versions
         # go first.
@@ -479,8 +421,128 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         assert f"[rank 1] in-memory checkpoints: removed iteration(s) " \
                f"{[int(n[5:]) for n in kept]} from {stale}: newer than iteration 0" \
                in third[1].stdout, third[1].describe()
-        assert {**third[0].losses(), **third[1].losses()} == reference.losses()
+        # From scratch, the third run is the uninterrupted reference: the first run printed the
+        # same losses up to where it stalled, the restart from memory the same ones after it.
+        reference = {**third[0].losses(), **third[1].losses()}
+        assert sorted(reference) == [1, 2, 3, 4, 5, 6], reference
+        assert first_losses and first_losses == {k: v for k, v in reference.items()
+                                                 if k in first_losses}, first_losses
+        losses = {**second[0].losses(), **second[1].losses()}
+        assert losses == after(reference, resumed), (losses, reference)
     finally:
         shutil.rmtree(os.path.dirname(memory), ignore_errors=True)
         shutil.rmtree(os.path.dirname(shared_memory_dir(str(tmp_path / "fresh"), "in_memory")),
                       ignore_errors=True)
+
+
+# -- restarts on fewer nodes, at a new layout (issue 31) -----------------------------------------
+
+def _lose_a_node(tmp_path, nnodes, extra=()):
+    """`nnodes` agents of one rank (DP = nnodes, distributed optimizer), saves at 3 and 6 with
+    the last rank's copy of 6 held, so that 3 is the newest committed version while its
+    replicas complete; then every node is killed and node 1's memory deleted. Returns (flags
+    for a restart, --save, memory, the losses the killed run printed: iterations 1 to 6)."""
+    save, memory = tmp_path / "save", tmp_path / "memory"
+    flags = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--use-distributed-optimizer",
+                                       "--train-iters", "6", "--global-batch-size", "12",
+                                       "--async-lazy-save", "--lazy-save-peer-replica",
+                                       "--save-interval", "3", *extra]
+    port, logs = free_port(), tmp_path / "first"
+    logs.mkdir()
+    first = [Node(r, nnodes, 1, port, flags + ["--save", str(save), "--load", str(save),
+                                               "--lazy-save-local-dir",
+                                               str(memory / "node{node}")],
+                  logs, extra_env={"DATASTATES_FAULT_DELAY_COPY": f"120@6:{nnodes - 1}"})
+             for r in range(nnodes)]
+    deadline = time.time() + 240
+    done = [memory / f"node{n}" / "iter_0000003" / layout.rank_marker_file((n - 1) % nnodes)
+            for n in range(nnodes)]
+    while not (f"phase=copy step=6 rank={nnodes - 1}" in first[-1].err_path.read_text()
+               and all(d.exists() for d in done)):
+        assert time.time() < deadline and first[0].proc.poll() is None, \
+            first[0].result().describe() + first[-1].result().describe()
+        time.sleep(0.2)
+    for node in first:
+        node.kill()
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    shutil.rmtree(memory / "node1")  # node 1 lost: its memory is gone
+    losses = first[-1].result().losses()  # the last rank prints them
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6], losses
+    return flags, save, memory, losses
+
+
+def _resume(tmp_path, name, nproc, flags, save, memory, extra=(), nodes=1):
+    """A restart from a copy of --save and of `memory` (None: no memory at all) on `nodes` agents
+    of `nproc` ranks each; returns (runs, the restore event)."""
+    root = tmp_path / name
+    shutil.copytree(save, root / "save")
+    if memory is not None:
+        shutil.copytree(memory, root / "memory")
+    args = flags + ["--save", str(root / "save"), "--load", str(root / "save"),
+                    "--lazy-save-local-dir", str(root / "memory" / "node{node}"), *extra]
+    if nodes == 1:
+        runs = [launch(nproc, args)]
+    else:
+        port, logs = free_port(), root / "logs"
+        logs.mkdir()
+        runs = [n.result(timeout=240) for n in [Node(r, nodes, nproc, port, args, logs)
+                                                 for r in range(nodes)]]
+    assert all(r.returncode == 0 for r in runs), "".join(r.describe() for r in runs)
+    return runs, _restore_event(root / "save")
+
+
+def _losses(runs):
+    out = {}
+    for r in runs:
+        out.update(r.losses())
+    return out
+
+
+def test_lost_node_restores_from_its_peer_and_the_node_left_reads_memory_at_dp1_and_tp2(
+        tmp_path):
+    """Two nodes at DP2, node 1 killed mid-run and its memory deleted. Both nodes again: node 1's
+    rank gets its shards back from node 0 and nothing is read from --save. The same command on
+    node 0 alone, at DP1 and at TP2 on its two ranks, resumes from node 0's memory (its own
+    shards and node 1's replica): 0 bytes from --save. Each prints the losses of a resume from
+    --save (no memory anywhere) at its layout."""
+    flags, save, memory, uninterrupted = _lose_a_node(tmp_path, 2)
+    held = sorted(os.listdir(memory / "node0" / "iter_0000003"))  # the node left holds both
+    assert [n for n in held if n.startswith("done_")] == ["done_r00000.json",
+                                                           "done_r00001.json"], held
+    for name, nproc, nodes, extra in (("dp2", 1, 2, []), ("dp1", 1, 1, []),
+                                      ("tp2", 2, 1, ["--tensor-model-parallel-size", "2"])):
+        runs, event = _resume(tmp_path, name, nproc, flags, save, memory, extra, nodes=nodes)
+        assert event["iteration"] == 3 and all(
+            e["shared_bytes"] == 0 for e in event["ranks"].values()), (name, event)
+        if nodes == 2:  # the saved layout: the killed run's own losses follow
+            assert "[rank 1] received saved rank 1's shards from peer rank 0: " in runs[1].stdout
+            assert event["ranks"]["1"]["peer_bytes"] > 0, event
+            assert _losses(runs) == after(uninterrupted, 3)
+            continue
+        assert runs[0].stdout.count(f"WARNING: --lazy-save-peer-replica: all {nproc} rank(s) "
+                                    "run on one node, so no checkpoint is replicated to another "
+                                    "node in this run") == 1
+        assert all(e["local_bytes"] > 0 for e in event["ranks"].values()), event
+        ref_runs, ref = _resume(tmp_path, name + "_from_save", nproc, flags, save, None, extra)
+        assert all(e["shared_bytes"] > 0 and e["peer_bytes"] == 0
+                   for e in ref["ranks"].values()), ref
+        assert _losses(runs) == _losses(ref_runs) and len(_losses(runs)) == 3, name
+
+
+def test_restart_on_two_survivors_of_three_takes_what_each_lacks_from_the_other(tmp_path):
+    """Three nodes at DP3 (ring 0 -> 1 -> 2 -> 0), node 1 lost: the survivors hold saved ranks
+    {0, 2} and {2, 1}. Restarted on the two at DP2 (the machine that was node 2 is node 1 now:
+    its memory directory is renamed as a per-machine path would find it), each reads a saved rank
+    only the other holds over the process group: 0 bytes from --save, the losses of a resume
+    from --save at DP2."""
+    flags, save, memory, _ = _lose_a_node(tmp_path, 3)
+    os.rename(memory / "node2", memory / "node1")
+    runs, event = _resume(tmp_path, "dp2", 1, flags, save, memory, nodes=2)
+    assert all(e["shared_bytes"] == 0 for e in event["ranks"].values()), event
+    assert all(e["peer_bytes"] > 0 for e in event["ranks"].values()), event
+    received = "".join(r.stdout for r in runs)
+    assert re.search(r"\[rank 0\] received saved rank 1's shards from peer rank 1: ", received)
+    assert re.search(r"\[rank 1\] received saved rank 0's shards from peer rank 0: ", received)
+    ref_runs, ref = _resume(tmp_path, "dp2_from_save", 1, flags, save, None, nodes=2)
+    assert all(e["shared_bytes"] > 0 for e in ref["ranks"].values()), ref
+    assert _losses(runs) == _losses(ref_runs) and len(_losses(runs)) == 3

@@ -88,6 +88,19 @@ class Ring:
         """Collective (control plane): every rank's node index."""
         return cls.of(control_plane.all_gather_ints(node_index()))
 
+    @classmethod
+    def for_replicas(cls, log: Callable[[str], None]) -> Optional["Ring"]:
+        """Collective: the ring, or None when every rank runs on one node (a restart on the one
+        node left: no peer to send to, which `log` says once; the restore still reads the
+        node's copies); unequal nodes are refused (`of`)."""
+        nodes = control_plane.all_gather_ints(node_index())
+        if len(set(nodes)) == 1:
+            log(f"WARNING: {FLAG}: all {len(nodes)} rank(s) run on one node, so no checkpoint "
+                "is replicated to another node in this run (the node's own copy is kept; "
+                "--save holds every checkpoint)")
+            return None
+        return cls.of(nodes)
+
     def _where(self, rank: int) -> Tuple[int, int]:
         for n, ranks in enumerate(self.nodes):
             if rank in ranks:
@@ -505,18 +518,80 @@ class RestoreStats:
 
 def restore_before_load(shared_dir: str, local_dir: str, world_size: int,
                         needed: Sequence[int] = ()) -> RestoreStats:
-    """Every rank, collective: make both holders of every saved rank hold an intact copy of
-    version `shared_dir` in their node-local directories, where one of them still does; then
-    bring every saved rank in `needed` (the files this rank will read, `needed_saved_ranks`) to
-    its node from a holder, once per node (see module doc). A saved world size other than this
-    run's: nothing is moved (the reader still uses intact copies it finds)."""
+    """Every rank, collective: at the saved layout (`world_size` ranks saved it, this run has as
+    many, on two or more nodes), make both holders of every saved rank hold an intact copy of
+    version `shared_dir` in their node-local directories, where one of them still does; then, at
+    any layout, bring every saved rank in `needed` (the files this rank will read,
+    `needed_saved_ranks`) that its node lacks from whichever rank holds it intact, once per node
+    (see module doc). Saved ranks no rank holds are read from --save (`unavailable`)."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    ring = Ring.discover()
-    if world_size != ring.world:
-        return RestoreStats({}, [])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = control_plane.all_gather_ints(node_index())
     copy_dir = layout.local_version_dir(local_dir, shared_dir)
+    received: Dict[int, Tuple[int, int, float]] = {}
+    ring = None
+    if world_size == world and len(set(nodes)) > 1:
+        try:
+            ring = Ring.of(nodes)
+        except CheckpointError:  # unequal nodes: no pairs to refill (phase 2 still runs)
+            ring = None
+    if ring is not None:
+        received.update(_refill_holders(shared_dir, copy_dir, ring, rank))
+        control_plane.barrier()
+    # Phase 2, any layout: who holds what, intact (every rank scans its node-local copy).
+    try:
+        held = [s for s in range(world_size) if _matches(copy_dir, shared_dir, s)]
+    except OSError:
+        held = []
+    holds = [set(s for s in range(world_size) if _bit(b, s))
+             for b in control_plane.all_gather_ints(_bitmap(held, world_size))]
+    lacking = [s for s in needed if s not in holds[rank]]
+    wants = control_plane.all_gather_ints(_bitmap(lacking, world_size))
+    plan = []  # (saved rank, from, to): the lowest wanting rank of each node that lacks it
+    for s in range(world_size):
+        holders = [r for r in range(world) if s in holds[r]]
+        if not holders:
+            continue
+        receivers: Dict[int, int] = {}
+        for r in range(world):
+            if _bit(wants[r], s) and nodes[r] not in receivers:
+                receivers[nodes[r]] = r
+        # From a holder on another node, the one that sends the least so far.
+        for to in receivers.values():
+            remote = [h for h in holders if nodes[h] != nodes[to]] or holders
+            frm = min(remote, key=lambda h: (sum(1 for p in plan if p[1] == h), h))
+            plan.append((s, frm, to))
+    mine = [(s, to) for s, frm, to in plan if frm == rank]
+    width = max([sum(1 for p in plan if p[1] == r) for r in range(world)] + [0])
+    out = {}
+    sizes_of_mine: List[int] = []
+    for s, to in mine:
+        o = _outgoing(copy_dir, s)
+        out[(to, s)] = o
+        sizes_of_mine += o.sizes if o is not None else [0, 0, 0]
+    sizes = control_plane.all_gather_ints(sizes_of_mine + [0] * (3 * width - len(sizes_of_mine))) \
+        if width else [[] for _ in range(world)]
+    recvs = {}
+    for s, frm, to in plan:
+        if to == rank:  # `frm` gathered its streams' sizes in plan order
+            k = [(p[0], p[2]) for p in plan if p[1] == frm].index((s, to))
+            recvs[(frm, s)] = _Incoming(copy_dir, s, sizes[frm][3 * k:3 * k + 3])
+    t0 = time.perf_counter()
+    _transfer({k: v for k, v in out.items() if v is not None}, recvs)
+    seconds = time.perf_counter() - t0
+    received.update({s: (frm, sum(recvs[(frm, s)].sizes), seconds)
+                     for s, frm, to in plan if to == rank})
+    wanted = set(s for r in range(world) for s in range(world_size) if _bit(wants[r], s))
+    lost = sorted(s for s in wanted if not any(s in h for h in holds))
+    return RestoreStats(received, lost)
+
+
+def _refill_holders(shared_dir: str, copy_dir: str, ring: Ring, rank: int
+                    ) -> Dict[int, Tuple[int, int, float]]:
+    """Phase 1, at the saved layout: each saved rank s has two holders, s on its node and its
+    successor; one whose copy is missing or stale receives it from the other."""
+    world_size = ring.world
     pred = ring.predecessor(rank)
     held = {s: _outgoing(copy_dir, s) if _matches(copy_dir, shared_dir, s) else None
             for s in (rank, pred)}
@@ -534,34 +609,14 @@ def restore_before_load(shared_dir: str, local_dir: str, world_size: int,
             plan.append((s, s, succ, own[s]))
         elif replica[s][0] >= 0 and own[s][0] < 0:
             plan.append((s, succ, s, replica[s]))
-    # Phase 2, what this rank reads from other nodes' ranks (e.g. replicated tensors written by
-    # one data-parallel rank): from the holder that had it, to the lowest needing rank of each
-    # node that lacks it, after phase 1's files are all in place.
-    holder = {s: s if own[s][0] >= 0 else ring.successor(s) for s in range(world_size)
-              if own[s][0] >= 0 or replica[s][0] >= 0}
     t0 = time.perf_counter()
     _transfer({(to, s): held[s] for s, frm, to, _ in plan if frm == rank},
               {(frm, s): _Incoming(copy_dir, s, n) for s, frm, to, n in plan if to == rank})
     seconds = time.perf_counter() - t0
-    received = {s: (frm, sum(n), seconds) for s, frm, to, n in plan if to == rank}
-    control_plane.barrier()
-    lacking = [s for s in needed if s in holder and not _matches(copy_dir, shared_dir, s)]
-    wants = control_plane.all_gather_ints(_bitmap(lacking, world_size))
-    plan2 = []  # (saved rank, from, to, sizes)
-    for s, frm in sorted(holder.items()):
-        sizes_s = own[s] if frm == s else replica[s]
-        receivers: Dict[int, int] = {}  # node -> lowest rank of it that lacks s
-        for r in range(world_size):
-            if _bit(wants[r], s) and ring.node_of(r) not in receivers:
-                receivers[ring.node_of(r)] = r
-        plan2 += [(s, frm, to, sizes_s) for to in receivers.values() if to != frm]
-    t0 = time.perf_counter()
-    _transfer({(to, s): held[s] for s, frm, to, _ in plan2 if frm == rank},
-              {(frm, s): _Incoming(copy_dir, s, n) for s, frm, to, n in plan2 if to == rank})
-    seconds = time.perf_counter() - t0
-    received.update({s: (frm, sum(n), seconds) for s, frm, to, n in plan2 if to == rank})
-    lost = [s for s in range(world_size) if s not in holder]
-    return RestoreStats(received, lost)
+    for o in held.values():
+        if o is not None:
+            o.close()
+    return {s: (frm, sum(n), seconds) for s, frm, to, n in plan if to == rank}
 
 
 def _bitmap(ranks: Sequence[int], world_size: int) -> List[int]:

@@ -253,8 +253,10 @@ class LazyCheckpointer:
         if config.peer_replica_bytes is not None and not config.non_persistent_in_memory:
             from ..levels.peer_replica import PeerReplicator, Ring
 
-            self.replicator = PeerReplicator(config.local_dir, Ring.discover(), self.rank,
-                                             config.peer_replica_bytes, log=self._warn)
+            ring = Ring.for_replicas(log)
+            if ring is not None:
+                self.replicator = PeerReplicator(config.local_dir, ring, self.rank,
+                                                 config.peer_replica_bytes, log=self._warn)
         # Version directory -> this rank's SaveRecord (one iteration may be saved into two
         # roots: e.g. the end-of-training save right after a non-persistent one).
         self.durable: Dict[str, object] = {}
@@ -273,11 +275,13 @@ class LazyCheckpointer:
                 from ..levels.in_memory_peers import PEER_DIR
                 from ..levels.peer_replica import PeerReplicator, Ring
 
-                self.memory_replicator = PeerReplicator(
-                    config.non_persistent_root, Ring.discover(), self.rank,
-                    config.peer_replica_bytes, log=self._warn,
-                    peer_dir=os.path.join(config.non_persistent_root, PEER_DIR),
-                    leader=self.rank == self.node.leader)
+                ring = Ring.for_replicas(log)
+                if ring is not None:
+                    self.memory_replicator = PeerReplicator(
+                        config.non_persistent_root, ring, self.rank,
+                        config.peer_replica_bytes, log=self._warn,
+                        peer_dir=os.path.join(config.non_persistent_root, PEER_DIR),
+                        leader=self.rank == self.node.leader)
         self._prepare_roots()
         #: Per root, iterations whose directory held an unfinished save when the run started
         #: (set by the caller, e.g. the trainer's manager, which lists them once): their next
