@@ -40,6 +40,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.blkio import Throttle  # noqa: E402
+
 CONFIGS = {
     # ~27M parameters, ~300 MB per checkpoint (fp32 weights + two Adam moments + grads' buffers).
     "27m": ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8",
@@ -54,7 +58,6 @@ COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1e-4", "-
           "--eval-interval", "0", "--seed", "1234"]
 _ITER = re.compile(r" iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+) \|")
 _COMMIT = re.compile(r" checkpoint iteration\s+(\d+) \|.* committed: (\S+)")
-BLKIO = Path("/sys/fs/cgroup/blkio")
 
 
 def variant_args(name: str, save: Path, persistent_interval: int) -> List[str]:
@@ -107,24 +110,6 @@ def run(name: str, config: str, iters: int, skip: int, save: Path,
             "persistent_commits": len(lags), "persistent_lag_max": max(lags, default=None),
             "persistent_lag_mean": statistics.mean(lags) if lags else None,
             "deferred": deferred}
-
-
-class Throttle:
-    """This process (and every child it starts) in a blkio group writing at most `mbps` MiB/s
-    to the device that holds `path`."""
-
-    def __init__(self, path: Path, mbps: int):
-        st = os.stat(path)
-        self.device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-        self.group = BLKIO / f"datastates-bench-{os.getpid()}"
-        self.group.mkdir()
-        (self.group / "blkio.throttle.write_bps_device").write_text(
-            f"{self.device} {mbps << 20}")
-        (self.group / "cgroup.procs").write_text(str(os.getpid()))
-
-    def close(self) -> None:
-        (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
-        self.group.rmdir()
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -26,6 +26,12 @@ intervals and for auto's Daly interval, with the measured memory and shared rest
 
 (computed from measured costs, not measured failures). Ratios, not absolute times, are the
 result: these machines are noisy.
+
+`--throttle-read-mbps N` (root) emulates the shared file system a whole job restores from: the
+benchmark and every run it starts go into a cgroup v1 blkio group reading at most N MiB/s from
+the disk under --out (`benchmarks/blkio.py`; the page cache is dropped before the local and shared
+restores, so their reads reach the disk). Memory and peers (/dev/shm) are not throttled; the
+"local" copy sits on the same disk here, so it is throttled too (a node's NVMe would not be).
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from typing import Dict, List
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.blkio import Throttle  # noqa: E402
 from benchmarks.checkpoint_compare import COMMON, CONFIGS  # noqa: E402
 from megatron.training.checkpointing.save_interval import optimal_compute_seconds  # noqa: E402
 
@@ -108,10 +115,22 @@ def main() -> None:
     p.add_argument("--memory", default="/dev/shm/datastates-restore-bench",
                    help="memory directory (one subdirectory per node)")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--throttle-read-mbps", type=int, default=None,
+                   help="MiB/s the disk under --out gives the restores (root, cgroup v1 blkio)")
     a = p.parse_args()
     out, memory = Path(a.out), Path(a.memory)
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(memory, ignore_errors=True)
+    out.mkdir(parents=True)
+    throttle = Throttle(out, a.throttle_read_mbps, "read") if a.throttle_read_mbps else None
+    try:
+        run(a, out, memory, throttle)
+    finally:
+        if throttle is not None:
+            throttle.close()
+
+
+def run(a, out: Path, memory: Path, throttle) -> None:
     save = out / "save"
     base = CONFIGS[a.config] + COMMON + ["--micro-batch-size", "2",  # global batch 4 over DP2
 
@@ -151,7 +170,9 @@ def main() -> None:
     shared_s = statistics.median(times["shared"])
     print(f"\nrestore of iteration {a.iters} ({a.config}, 2 nodes x 1 rank), median of "
           f"{a.rounds} round(s); page cache {'dropped' if dropped else 'NOT dropped (not root)'} "
-          "before local and shared")
+          "before local and shared; disk reads " + (
+              f"throttled to {a.throttle_read_mbps} MiB/s (blkio, device {throttle.device})"
+              if throttle is not None else "not throttled"))
     print(f"{'source':8s} {'load (s)':>9s} {'vs shared':>10s} {'peer B':>10s} {'memory B':>10s} "
           f"{'shared B':>10s} {'read() B':>13s}")
     for scenario, ts in times.items():

@@ -17,6 +17,11 @@ Steps, each timed; a failing step is recorded and the next one runs:
                         device-to-host copy + write of the same bytes (benchmarks/engine_overlap.py
                         --paired), and the engine's host CPU per GB saved (engine_bench --modes
                         direct).
+  f. in_memory_every_iteration  the 117M GPT with an in-memory checkpoint every iteration against
+                        no checkpointing (issue 30: <= 1.05x).
+  g. replica_fingerprints  --ckpt-verify-replicas' device-side fingerprints (issue 33): equal to
+                        the same sums on the host, changed by one flipped bit, their GB/s against
+                        copying the bytes to the host and CRC-ing them.
 All steps share one time budget (8 minutes by default). Results go to one JSON file, rewritten
 after every step so an interrupted run still leaves what it measured; logs of every process go
 beside it. Exit status: 0 when no step failed, 1 otherwise, 2 when there is no CUDA device and
@@ -452,6 +457,48 @@ _STALL_ANY = re.compile(r" checkpoint iteration\s+\d+ \|.*? stall \(ms\): ([\d.]
                         r"committed: \S*/in_memory/")
 
 
+def step_replica_fingerprints(ck: Check) -> Step:
+    """g. --ckpt-verify-replicas' device-side fingerprints (issue 33): on the device they equal the
+    same sums computed on the host, a flipped bit changes them, and their rate is set against
+    copying the bytes to the host and CRC-ing them there (what the check avoids on GPUs)."""
+    from datastates.megatron_adapter.save.replica_check import fingerprint
+
+    t0 = time.time()
+    step = Step()
+    n = (512 << 20) if ck.device == "cuda" else (16 << 20)
+    x = torch.randn(n // 4, device=ck.device)
+
+    def timed(fn):
+        fn()  # warm
+        if ck.device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        if ck.device == "cuda":
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t
+
+    on_device, dev_s = timed(lambda: fingerprint(x, device_side=True))
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=ck.device == "cuda")
+    _, copy_crc_s = timed(lambda: (host.copy_(x), fingerprint(host, device_side=False)))
+    on_host = fingerprint(x.cpu(), device_side=True)
+    flipped = x.clone()
+    flipped.view(torch.uint8)[12345] ^= 1
+    problems = []
+    if on_device != on_host:
+        problems.append("the device-side fingerprints differ from the same sums on the host")
+    if fingerprint(flipped, device_side=True) == on_device:
+        problems.append("a flipped bit left the fingerprints unchanged")
+    gb = n / 1e9
+    step.figures = {"bytes": n, "device_fingerprint_gbps": round(gb / dev_s, 2),
+                    "copy_to_host_and_crc_gbps": round(gb / copy_crc_s, 2),
+                    "pieces": len(on_device)}
+    step.status = "fail" if problems else "pass"
+    step.detail = "; ".join(problems)
+    step.seconds = round(time.time() - t0, 2)
+    return step
+
+
 STEPS: Dict[str, tuple] = {
     "a": ("a_engine_cuda_tests", step_engine_cuda_tests),
     "b": ("b_lazy_vs_torch_dist", step_lazy_vs_torch_dist),
@@ -459,6 +506,7 @@ STEPS: Dict[str, tuple] = {
     "d": ("d_d2h_copy_rate", step_d2h_copy_rate),
     "e": ("e_background_cost", step_background_cost),
     "f": ("f_in_memory_every_iteration", step_in_memory_every_iteration),
+    "g": ("g_replica_fingerprints", step_replica_fingerprints),
 }
 
 
@@ -493,7 +541,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="run on CPU with gloo when there is no CUDA device (checks this script)")
     p.add_argument("--json", type=Path, default=None, help="results file (see module doc)")
     p.add_argument("--logs", type=Path, default=None, help="folder for every process's output")
-    p.add_argument("--steps", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f")
+    p.add_argument("--steps", default="a,b,c,d,e,f,g",
+                   help="comma-separated subset of a,b,c,d,e,f,g")
     p.add_argument("--budget-s", type=float, default=BUDGET_S,
                    help="time for all steps together, counted from GPU_CHECK_START if set")
     p.add_argument("--keep-work", action="store_true", help="keep the checkpoints written")

@@ -31,7 +31,7 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert {k: v["status"] for k, v in steps.items()} == {
         "a_engine_cuda_tests": "skip", "b_lazy_vs_torch_dist": "pass", "c_lazy_resume": "pass",
         "d_d2h_copy_rate": "pass", "e_background_cost": "pass",
-        "f_in_memory_every_iteration": "pass"}, \
+        "f_in_memory_every_iteration": "pass", "g_replica_fingerprints": "pass"}, \
         {k: v["detail"] for k, v in steps.items()}
     assert res["ok"] is True and res["mode"] == "cpu"
     assert res["env"]["installed_files_differing_from_repo"] == []

@@ -62,10 +62,11 @@ def _device_pieces(flat: torch.Tensor) -> List[int]:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     words = flat.view(torch.int32)
     step = PIECE_BYTES // 4
+    weights = _weights(min(step, max(words.numel(), 1)), words.device)
     sums = []
     for lo in range(0, max(words.numel(), 1), step):
         w = words[lo:lo + step].to(torch.int64)
-        sums.append((w * _weights(w.numel(), w.device)).sum())
+        sums.append((w * weights[:w.numel()]).sum())
     return [int(x) for x in torch.stack(sums).cpu().tolist()]
 
 
