@@ -24,7 +24,7 @@ from datastates import layout
 from datastates.errors import CheckpointError
 from datastates.megatron_adapter.levels.peer_replica import Ring
 
-from trainer_launch import NO_DROPOUT, TINY_MODEL, Node, after, free_port, launch
+from trainer_launch import NO_DROPOUT, TINY_MODEL, Node, after, assert_close, free_port, launch
 
 
 def test_ring_pairs_positions_across_nodes():
@@ -504,11 +504,12 @@ def test_lost_node_restores_from_its_peer_and_the_node_left_reads_memory_at_dp1_
     rank gets its shards back from node 0 and nothing is read from --save. The same command on
     node 0 alone, at DP1 and at TP2 on its two ranks, resumes from node 0's memory (its own
     shards and node 1's replica): 0 bytes from --save. Each prints the losses of a resume from
-    --save (no memory anywhere) at its layout."""
+    --save (no memory anywhere) at its layout (TP2 against DP1's, to fp32 rounding)."""
     flags, save, memory, uninterrupted = _lose_a_node(tmp_path, 2)
     held = sorted(os.listdir(memory / "node0" / "iter_0000003"))  # the node left holds both
     assert [n for n in held if n.startswith("done_")] == ["done_r00000.json",
                                                            "done_r00001.json"], held
+    from_save = {}  # DP1's losses resumed from --save
     for name, nproc, nodes, extra in (("dp2", 1, 2, []), ("dp1", 1, 1, []),
                                       ("tp2", 2, 1, ["--tensor-model-parallel-size", "2"])):
         runs, event = _resume(tmp_path, name, nproc, flags, save, memory, extra, nodes=nodes)
@@ -523,10 +524,14 @@ def test_lost_node_restores_from_its_peer_and_the_node_left_reads_memory_at_dp1_
                                     "run on one node, so no checkpoint is replicated to another "
                                     "node in this run") == 1
         assert all(e["local_bytes"] > 0 for e in event["ranks"].values()), event
+        if name == "tp2":  # against DP1's resume from --save (the test's budget): to fp32's last
+            assert_close(_losses(runs), from_save)  # digits (TP reduces in another order)
+            continue
         ref_runs, ref = _resume(tmp_path, name + "_from_save", nproc, flags, save, None, extra)
         assert all(e["shared_bytes"] > 0 and e["peer_bytes"] == 0
                    for e in ref["ranks"].values()), ref
-        assert _losses(runs) == _losses(ref_runs) and len(_losses(runs)) == 3, name
+        from_save = _losses(ref_runs)
+        assert _losses(runs) == from_save and len(from_save) == 3, name
 
 
 def test_restart_on_two_survivors_of_three_takes_what_each_lacks_from_the_other(tmp_path):
