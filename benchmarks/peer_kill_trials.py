@@ -78,31 +78,6 @@ def _replica_floor(memory: str, lost: int) -> int:
     return best
 
 
-def verify_node_versions(root: str) -> list:
-    """Every committed in-memory version of one node reads back shard by shard, every chunk
-    checksum verified (a node's version holds its own ranks' shards, not whole tensors)."""
-    from datastates import CheckpointReader, is_committed
-
-    bad = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if not name.startswith("iter_") or not is_committed(path):
-            continue
-        try:
-            with CheckpointReader(path) as reader:
-                for key in reader.tensor_keys():
-                    for _, offset, shape in reader.tensor_meta(key).shards:
-                        reader.read(key, offset, shape)
-                for rank in reader.ranks():
-                    reader.load_objects(rank)
-            for needed in ("metadata.json", "common.pt"):
-                if not os.path.isfile(os.path.join(path, needed)):
-                    raise FileNotFoundError(needed)
-        except Exception as err:  # noqa: BLE001 - every failure is a finding to report
-            bad.append(f"{name}: {err}")
-    return bad
-
-
 def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, log) -> dict:
 
     save = os.path.join(workdir, f"trial{k}", "save")
@@ -145,7 +120,8 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
         for n in (0, 1):
             root = os.path.join(memory, f"node{n}")
             if os.path.isdir(root):
-                corrupt += [f"memory node{n}: {c}" for c in verify_node_versions(root)]
+                corrupt += [f"memory node{n}: {c}"
+                            for c in verify_committed(root, shard_by_shard=True)]
         second = [n.result(timeout=240) for n in nodes("second")]
         out = second[0].stdout
         m = _LOADED.search(out)

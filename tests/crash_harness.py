@@ -255,9 +255,11 @@ def fault_env(plan: Optional[Plan], delay: float) -> Dict[str, str]:
     return {f"DATASTATES_FAULT_DELAY_{plan.phase.upper()}": f"{delay}@{plan.step}"}
 
 
-def verify_committed(root: str) -> List[str]:
+def verify_committed(root: str, shard_by_shard: bool = False) -> List[str]:
     """Every committed iteration directory must read back completely with all checksums; the
-    tracker must name a committed one. Returns descriptions of failures."""
+    tracker must name a committed one. Returns descriptions of failures. `shard_by_shard`: read
+    each saved shard's own box instead of whole tensors (a node-local version holds only its
+    node's ranks' shards)."""
     from datastates import CheckpointReader, is_committed
 
     bad = []
@@ -268,7 +270,11 @@ def verify_committed(root: str) -> List[str]:
         try:
             with CheckpointReader(path) as reader:
                 for key in reader.tensor_keys():
-                    reader.read(key)
+                    if not shard_by_shard:
+                        reader.read(key)
+                        continue
+                    for _, offset, shape in reader.tensor_meta(key).shards:
+                        reader.read(key, offset, shape)
                 for rank in reader.ranks():
                     reader.load_objects(rank)
             for needed in ("metadata.json", "common.pt"):

@@ -24,7 +24,6 @@ levels it would have read without peers.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -35,6 +34,7 @@ from ...fileio import atomic_write, read_confined
 from ..paths import COMMON_FILENAME, METADATA_FILENAME, RUN_CONFIG_FILENAME, checkpoint_dir, \
     tracked_iteration, write_tracker
 from .local_tier import local_iterations
+from .node_local import drop_newer
 from .peer_replica import _NODE_NAMES, _Incoming, _Outgoing, _rank_names, _transfer, Ring
 
 __all__ = ["PEER_DIR", "MemoryRestore", "restore_memory_from_peers"]
@@ -57,14 +57,17 @@ class MemoryRestore:
     """Newer versions removed: some rank's part of them was lost with its node."""
 
 
-def _intact(directory: str, rank: int, world_size: int, committed: bool) -> bool:
-    """`rank`'s files in `directory` match its marker (index checksum, world size), and, if
-    `committed`, the directory's commit marker names `rank`."""
+def _intact(directory: str, rank: int, world_size: int) -> bool:
+    """`rank`'s files in `directory` match its marker (index checksum, world size)."""
     try:
-        if layout._valid_rank_marker(directory, rank, world_size) is None:
-            return False
-        if not committed:
-            return True
+        return layout._valid_rank_marker(directory, rank, world_size) is not None
+    except (CheckpointError, OSError, ValueError, TypeError):
+        return False
+
+
+def _named_by_commit(directory: str, rank: int, world_size: int) -> bool:
+    """The commit marker of `directory` names `rank` of `world_size` ranks."""
+    try:
         commit = layout.read_json(os.path.join(directory, layout.COMMIT_FILE),
                                   what="commit marker")
         layout.check_format(commit, directory)
@@ -84,15 +87,15 @@ def _held(root: str, rank: int, leads: bool, pred: int, pred_leads: bool, world_
     own, committed = [], []
     for it in reversed(local_iterations(root)):
         directory = checkpoint_dir(root, it)
-        if not _intact(directory, rank, world_size, committed=False) or (
+        if not _intact(directory, rank, world_size) or (
                 leads and not os.path.isfile(os.path.join(directory, COMMON_FILENAME))):
             continue
         own.append(it)
-        if _intact(directory, rank, world_size, committed=True):
+        if _named_by_commit(directory, rank, world_size):
             committed.append(it)
     peer = os.path.join(root, PEER_DIR)
     replica = [it for it in reversed(local_iterations(peer))
-               if _intact(checkpoint_dir(peer, it), pred, world_size, committed=False)
+               if _intact(checkpoint_dir(peer, it), pred, world_size)
                and (not pred_leads or all(os.path.isfile(os.path.join(checkpoint_dir(peer, it), n))
                                           for n in _NODE_NAMES))]
     return own[:_REPORTED], committed[:_REPORTED], replica[:_REPORTED]
@@ -177,7 +180,7 @@ def restore_memory_from_peers(root: str, world_size: int, rank: int,
                 directory, rank, [n for n in incoming if n >= 0], names + _rank_names(rank))
         _transfer(sends, recvs)
         got = sum(n for n in sizes[ring.successor(rank)] if n >= 0) if rank in lacking else 0
-        if rank in lacking and not _intact(directory, rank, world_size, committed=False):
+        if rank in lacking and not _intact(directory, rank, world_size):
             raise CheckpointError(f"the copy of its in-memory shards of iteration {chosen} "
                                   f"received from peer rank {ring.successor(rank)} does not "
                                   "match its marker", rank=rank, file=directory)
@@ -207,11 +210,7 @@ def restore_memory_from_peers(root: str, world_size: int, rank: int,
             raise CheckpointError(f"the in-memory checkpoint of iteration {chosen} lacks a rank "
                                   f"of node {ring.node_of(rank)} after its restore",
                                   rank=rank, file=directory)
-        for it in newer:
-            if os.path.isdir(checkpoint_dir(root, it)):
-                trash = os.path.join(root, f".deleting-iter_{it:07d}")
-                os.replace(checkpoint_dir(root, it), trash)
-                shutil.rmtree(trash, ignore_errors=True)
+        drop_newer(root, chosen)  # this node's part of `newer`, the tracker first if it names one
         if tracked_iteration(root) != chosen:
             write_tracker(root, chosen)
 

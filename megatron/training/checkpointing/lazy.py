@@ -42,7 +42,7 @@ from megatron.training.checkpointing.contents import (
     TrainState,
     build_sharded_state_dict,
 )
-from megatron.training.checkpointing.manager import CheckpointManager, \
+from megatron.training.checkpointing.manager import LEVEL_NAMES, CheckpointManager, \
     non_persistent_root_of_this_rank
 from megatron.training.arguments import host_cache_budget_mb
 from megatron.training.config import RunConfig
@@ -305,8 +305,7 @@ class LazyCheckpointManager(CheckpointManager):
                           f"versions newer than iteration {start_iteration} under {root}: {err}",
                           flush=True)
             if removed:
-                level = "in-memory" if self.ckpt.non_persistent_ckpt_type == "in_memory" \
-                    else "node-local"
+                level = LEVEL_NAMES[self.ckpt.non_persistent_ckpt_type]
                 print(f"[rank {dist.get_rank()}] {level} checkpoints: removed iteration(s) "
                       f"{removed} from {root}: newer than iteration {start_iteration}, which "
                       "this run starts from (not every node held them); they are saved again",

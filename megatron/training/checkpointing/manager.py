@@ -66,7 +66,7 @@ def non_persistent_root_of_this_rank(config: RunConfig, base: Optional[str] = No
 
 
 #: How log lines name a non-persistent level.
-_LEVEL_NAMES = {"global": "non-persistent", "local": "node-local", "in_memory": "in-memory"}
+LEVEL_NAMES = {"global": "non-persistent", "local": "node-local", "in_memory": "in-memory"}
 
 
 class CheckpointManager:
@@ -136,7 +136,7 @@ class CheckpointManager:
             kind = self.ckpt.non_persistent_ckpt_type
             self.auto_non_persistent = AutoInterval(
                 self.ckpt.mtbf_hours, start_iteration, rank0, agree, print_rank_0,
-                report(kind), level=_LEVEL_NAMES.get(kind, kind), queues=kind != "in_memory")
+                report(kind), level=LEVEL_NAMES.get(kind, kind), queues=kind != "in_memory")
         self._iteration_t0 = time.perf_counter()
 
     # 0) every rank, once
