@@ -136,6 +136,12 @@ class EngineConfig:
     """Test hook run in the writer thread (see `WriteHook`); may sleep (throttle) or raise (fault
     injection). None in production."""
 
+    on_durable: Optional[Callable[[Any], None]] = None
+    """Called with a save's `SaveHandle` on the engine's thread as soon as that save is durable on
+    this rank (rank marker written; for rank 0 under `CommitPolicy.RANK0`, commit tried), so a
+    caller can commit larger units of its own without polling. Must be quick and must not call the
+    engine; what it raises is logged and dropped."""
+
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise CheckpointError(f"EngineConfig: expected 0 <= rank < world_size, found "

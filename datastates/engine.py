@@ -45,7 +45,18 @@ _STOP = object()
 
 
 class CheckpointEngine:
-    """Lazy asynchronous checkpointing of one rank's state. Thread-safe for one caller thread."""
+    """Lazy asynchronous checkpointing of one rank's state. Thread-safe for one caller thread.
+
+    `CheckpointEngine(EngineConfig(...))` is this engine. `CheckpointEngine(deepspeed_config,
+    rank)`, DeepSpeed's call in its `DataStatesCheckpointEngine`, builds a
+    `deepspeed_engine.DeepSpeedCheckpointEngine` on top of one instead (DeepSpeed's file-per-call
+    interface; see that module)."""
+
+    def __new__(cls, config: Any = None, rank: Optional[int] = None):
+        if cls is CheckpointEngine and not isinstance(config, EngineConfig):
+            from .deepspeed_engine import DeepSpeedCheckpointEngine
+            return DeepSpeedCheckpointEngine(config, rank)
+        return super().__new__(cls)
 
     def __init__(self, config: EngineConfig):
         self.cfg = config
@@ -607,3 +618,9 @@ class CheckpointEngine:
             sv.done = True
             sv.skeleton = None
             self._cond.notify_all()
+        if cfg.on_durable is not None:
+            try:
+                cfg.on_durable(sv.handle)
+            except Exception:  # noqa: BLE001 - the caller's own bookkeeping, reported here
+                logger.exception("DataStates: the on_durable callback failed for %s",
+                                 sv.handle.directory)

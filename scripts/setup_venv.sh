@@ -2,7 +2,8 @@
 # Usage: source scripts/setup_venv.sh
 # Creates .venv in the repository root if it is missing (reuses it otherwise) and installs the
 # project with its CPU dependencies (tensorboard and wandb too: optional for training, needed by
-# tests/test_trainer_logging.py; transformers, pinned, by the Hugging Face export tests). torch is
+# tests/test_trainer_logging.py; transformers, pinned, by the Hugging Face export tests; deepspeed,
+# pinned, by the DeepSpeed engine tests). torch is
 # pinned to 2.13.0 for CPU installs: that wheel is on local disk on our machines; any other version
 # downloads several GB.
 set -euo pipefail
@@ -13,7 +14,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 # Install only what is missing so a reused venv costs a second, not a minute.
-if ! "$PY" -c "import torch, megatron.core, psutil, pytest, safetensors, crc32c, matplotlib, importlinter, tensorboard, wandb, transformers" >/dev/null 2>&1; then
+if ! "$PY" -c "import torch, megatron.core, psutil, pytest, safetensors, crc32c, matplotlib, importlinter, tensorboard, wandb, transformers, deepspeed" >/dev/null 2>&1; then
   # One resolver run for torch and the rest (two cost ~10 s more on a fresh venv).
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0 -r "$ROOT/requirements.txt"
 fi

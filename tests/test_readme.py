@@ -118,5 +118,9 @@ def test_readme_commands_run_as_written(tmp_path):
     assert f"(format torch_dist, iteration {ITERS};" in outputs["torch_dist load"], \
         outputs["torch_dist load"][-3000:]
     assert (runs / "demo_from_hf" / "manifest.json").is_file()
+    # DeepSpeed's own engine class on ours: trained to 8, resumed from its tag 8 to 12.
+    deepspeed = next(t for h, t in outputs.items() if h.startswith("DeepSpeed"))
+    assert "resumed from runs/ds/global_step8/mp_rank_00_model_states.pt at step 8" in deepspeed
+    assert (runs / "ds" / "latest").read_text() == "global_step12"
     assert (runs / "demo_u2").is_dir() and (runs / "docs_text_document.idx").is_file(), \
         outputs["other tools"][-3000:]

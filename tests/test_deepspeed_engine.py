@@ -1,0 +1,181 @@
+"""DeepSpeed's own DataStatesCheckpointEngine (deepspeed, pinned in requirements.txt) on our engine.
+
+The launches run examples/deepspeed/train_zero.py under torchrun: `deepspeed.initialize` with the
+``datastates_ckpt`` config section on CPU (DS_ACCELERATOR=cpu, gloo), so the engine class DeepSpeed
+builds is its own and every save/load goes through its runtime. Five launches share one set of
+checkpoints (DeepSpeed's first launch on a fresh machine also compiles its shared-memory op, ~40 s).
+The in-process tests drive the DeepSpeed-facing engine directly, as that class does.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from datastates import CheckpointEngine, CheckpointError  # noqa: E402
+from datastates.deepspeed_engine import (DeepSpeedCheckpointEngine, tag_commit,  # noqa: E402
+                                         tag_is_committed)
+from datastates.safe_load import UnsafePickleError  # noqa: E402
+from tests.trainer_launch import REPO, _kill_tree, launch  # noqa: E402
+
+EXAMPLE = str(REPO / "examples" / "deepspeed" / "train_zero.py")
+ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+def _losses(stdout: str) -> dict:
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("step ") and "| loss: " in line:
+            out[int(line.split()[1].rstrip("/"))] = line.split("| loss: ")[1].split()[0]
+    return out
+
+
+def _run(args, **kw):
+    return launch(2, args, timeout=300, entry=EXAMPLE, extra_env={**ENV, **kw.pop("env", {})},
+                  **kw)
+
+
+def test_deepspeed_runtime_saves_resumes_bit_exactly_and_survives_a_kill(tmp_path):
+    # A: ZeRO-1, tags 2, 4, 6, each snapshot's copy held back 0.2 s: the optimizer step must wait
+    # for it (our step pre-hook), or the saved state would be the next step's.
+    a = _run(["--zero-stage", "1", "--steps", "6", "--save", str(tmp_path / "z1"),
+              "--save-interval", "2"], env={"DATASTATES_FAULT_DELAY_COPY": "0.2"})
+    assert a.returncode == 0, a.describe()
+    ref = _losses(a.stdout)
+    assert sorted(ref) == [1, 2, 3, 4, 5, 6], a.describe()
+    assert (tmp_path / "z1" / "latest").read_text() == "global_step6"
+    _assert_datastates_files(tmp_path / "z1" / "global_step4")
+    # B: resume from tag 4 through DeepSpeed's load_checkpoint: steps 5-6 bit-exact.
+    b = _run(["--zero-stage", "1", "--steps", "6", "--load", str(tmp_path / "z1"),
+              "--load-tag", "global_step4"])
+    assert b.returncode == 0 and "at step 4" in b.stdout, b.describe()
+    assert _losses(b.stdout) == {5: ref[5], 6: ref[6]}
+
+    # C: ZeRO-2, tag 4's flush is held (60 s) and the job is SIGKILLed once tag 2 has committed.
+    root = tmp_path / "z2"
+
+    def kill_during_save_of_4(line, proc):
+        if line.startswith("saved tag global_step4"):
+            deadline = time.time() + 30
+            while not os.path.exists(tag_commit(str(root / "global_step2"))):
+                assert time.time() < deadline, "tag 2 never committed"
+                time.sleep(0.05)
+            _kill_tree(proc)
+
+    c = _run(["--zero-stage", "2", "--steps", "6", "--save", str(root), "--save-interval", "2"],
+             env={"DATASTATES_FAULT_DELAY_FLUSH": "60@4"}, on_line=kill_during_save_of_4)
+    assert "done |" not in c.stdout, c.describe()  # killed (its exit status is reaped by the kill)
+    killed = _losses(c.stdout)
+    assert tag_is_committed(str(root / "global_step2"))
+    assert not tag_is_committed(str(root / "global_step4"))
+    assert (root / "latest").read_text() == "global_step2"
+    # D: `latest` resumes from tag 2; steps 3-4 as the killed run printed them, bit-exact.
+    d = _run(["--zero-stage", "2", "--steps", "6", "--load", str(root)])
+    assert d.returncode == 0 and "at step 2" in d.stdout, d.describe()
+    resumed = _losses(d.stdout)
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert {k: resumed[k] for k in killed if k > 2} == {k: v for k, v in killed.items() if k > 2}
+    assert resumed == {k: ref[k] for k in (3, 4, 5, 6)}  # ZeRO-2 matches ZeRO-1 on this model
+    # E: asking for the killed tag by name is refused, by name, with the one to use instead.
+    e = _run(["--zero-stage", "2", "--steps", "6", "--load", str(root),
+              "--load-tag", "global_step4"])
+    assert e.returncode != 0
+    assert "tag 'global_step4'" in e.stderr and "is not committed" in e.stderr, e.describe()
+    assert "the newest committed tag there is 'global_step2'" in e.stderr, e.describe()
+
+
+def _assert_datastates_files(directory):
+    """The files of a tag are DataStates version directories (not torch.save files)."""
+    names = sorted(os.listdir(directory))
+    assert names == [".datastates", "mp_rank_00_model_states.pt",
+                     "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"], names
+    assert all(os.path.isdir(os.path.join(directory, n)) for n in names)
+
+
+# ------------------------------------------------------------------ in-process, as DeepSpeed calls
+@pytest.fixture
+def ds_objects():
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    scaler = DynamicLossScaler(init_scale=2.0 ** 12, scale_window=7, min_scale=1.0,
+                               delayed_shift=2, consecutive_hysteresis=False)
+    return {"loss_scaler": scaler, "zero_stage": ZeroStageEnum.gradients,
+            "param_slice_mappings": [{"w": fragment_address(numel=6, start=0)}],
+            "names": {"a", "b"}}
+
+
+def test_call_shape_lazy_snapshot_objects_and_latest(tmp_path, ds_objects):
+    engine = CheckpointEngine({"datastates_ckpt": {"host_cache_size": 0.01,
+                                                   "parser_threads": 2}}, 0)
+    assert isinstance(engine, DeepSpeedCheckpointEngine)
+    w = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
+    opt = torch.optim.SGD([w], lr=1.0)
+    w.grad = torch.ones(6)
+    tag = tmp_path / "global_step3"
+    tag.mkdir()
+    assert engine.save({"module": {"w": w}, **ds_objects}, str(tag / "f.pt")) is None
+    opt.step()  # our pre-hook waits for the snapshot before SGD changes w
+    assert torch.equal(w.detach(), torch.arange(6, dtype=torch.float32) - 1)
+    engine.wait(persist=True)
+    assert tag_is_committed(str(tag)) and (tmp_path / "latest").read_text() == "global_step3"
+    sd = engine.load(str(tag / "f.pt"), map_location=lambda storage, loc: storage)
+    assert torch.equal(sd["module"]["w"], torch.arange(6, dtype=torch.float32))
+    assert sd["loss_scaler"].cur_scale == 2.0 ** 12 and sd["loss_scaler"].scale_window == 7
+    assert type(sd["loss_scaler"]) is type(ds_objects["loss_scaler"])
+    assert sd["param_slice_mappings"][0]["w"] == ds_objects["param_slice_mappings"][0]["w"]
+    assert sd["zero_stage"] is ds_objects["zero_stage"] and sd["names"] == {"a", "b"}
+    # A committed tag is never rewritten; an older tag committed later leaves `latest` alone.
+    with pytest.raises(CheckpointError, match="already committed"):
+        engine.save({"w": w}, str(tag / "f.pt"))
+    (tmp_path / "global_step1").mkdir()
+    engine.save({"w": w}, str(tmp_path / "global_step1" / "f.pt"))
+    engine.commit("global_step1")
+    assert (tmp_path / "latest").read_text() == "global_step3"
+    engine.close()
+
+
+def test_load_refuses_uncommitted_tags_and_reads_torch_files_safely(tmp_path, ds_objects):
+    engine = CheckpointEngine({"datastates_ckpt": {"host_cache_size": 0.01}}, 0)
+    (tmp_path / "global_step2").mkdir()
+    engine.save({"x": torch.ones(3)}, str(tmp_path / "global_step2" / "f.pt"))
+    engine.wait(persist=True)
+    # A tag whose marker a crash cut off (this rank's files durable, the tag not committed).
+    (tmp_path / "global_step5").mkdir()
+    engine.save({"x": torch.zeros(3)}, str(tmp_path / "global_step5" / "f.pt"))
+    engine.wait(persist=True)
+    os.unlink(tag_commit(str(tmp_path / "global_step5")))
+    with pytest.raises(CheckpointError, match=r"tag 'global_step5' .* not committed.*newest "
+                                              r"committed tag there is 'global_step2'"):
+        engine.load(str(tmp_path / "global_step5" / "f.pt"))
+    # A torch.save file of DeepSpeed's default engine (switching engines): read weights_only,
+    # DeepSpeed's classes allowed; one that would run code is refused, nothing executed.
+    plain = tmp_path / "old" / "mp_rank_00_model_states.pt"
+    plain.parent.mkdir()
+    torch.save({"module": {"w": torch.arange(4.0)}, **ds_objects}, plain)
+    sd = engine.load(str(plain), map_location=torch.device("cpu"))
+    assert torch.equal(sd["module"]["w"], torch.arange(4.0))
+    assert sd["loss_scaler"].cur_scale == 2.0 ** 12
+    evil = tmp_path / "old" / "evil.pt"
+    buf = io.BytesIO()
+    torch.save({"x": _Evil()}, buf)
+    evil.write_bytes(buf.getvalue())
+    with pytest.raises(UnsafePickleError, match="allow_pickle"):
+        engine.load(str(evil))
+    with pytest.raises(CheckpointError, match="unknown key"):
+        CheckpointEngine({"datastates_ckpt": {"host_cache_gb": 1}}, 0)
+    with pytest.raises(CheckpointError, match="host_cache_size is the host cache in GiB"):
+        CheckpointEngine({"datastates_ckpt": {"host_cache_size": 0}}, 0)
+    engine.close()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (pickle.loads, (b"",))
