@@ -311,6 +311,7 @@ class DeepSpeedCheckpointEngine:
         self._durable: set = set()  # ids of durable saves
         self._errors: List[CheckpointError] = []
         self._closed = False
+        self._skipping: Optional[str] = None  # the committed tag whose saves are being skipped
         self.blocked_s = 0.0  # time the optimizer step waited for snapshots
         _register(self)
         atexit.register(self._atexit)
@@ -323,6 +324,14 @@ class DeepSpeedCheckpointEngine:
                                   f"{type(state_dict).__name__}", rank=self.rank, file=path)
         path = os.path.abspath(path)
         tag_dir = os.path.dirname(path)
+        if tag_is_committed(tag_dir):  # never rewritten (e.g. a resume from an older tag)
+            if self._skipping != tag_dir and self.rank == 0:
+                logger.warning(
+                    "DataStates: skipping the save of DeepSpeed tag %r: %s already holds a "
+                    "committed checkpoint, which is never rewritten (save under a new tag, or "
+                    "remove it first)", os.path.basename(tag_dir), tag_dir)
+            self._skipping = tag_dir
+            return None
         with self._lock:
             if self._open is not None and self._open.directory != tag_dir:
                 self._seal_locked()
@@ -422,12 +431,6 @@ class DeepSpeedCheckpointEngine:
                 raise self._errors.pop(0)
 
     def _start_tag(self, tag_dir: str) -> _Tag:
-        if tag_is_committed(tag_dir):
-            raise CheckpointError(
-                f"DeepSpeed tag {os.path.basename(tag_dir)!r} is already committed in "
-                f"{os.path.dirname(tag_dir)}; a committed checkpoint is never rewritten: save "
-                f"under a new tag (DeepSpeed's default, global_step<N>, changes with the step) or "
-                f"remove that directory first", rank=self.rank, file=tag_dir)
         marker = tag_marker(tag_dir, self.rank)
         if os.path.exists(marker):  # ours, from a save of this tag that did not commit
             os.unlink(marker)
@@ -448,6 +451,7 @@ class DeepSpeedCheckpointEngine:
             shutil.rmtree(aside, ignore_errors=True)
 
     def _seal_locked(self) -> None:
+        self._skipping = None  # the next skipped save_checkpoint says so again
         if self._open is not None:
             self._open.sealed = True
             self._pending.append(self._open)

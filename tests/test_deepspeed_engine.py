@@ -9,6 +9,7 @@ The in-process tests drive the DeepSpeed-facing engine directly, as that class d
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import time
@@ -114,7 +115,7 @@ def ds_objects():
             "names": {"a", "b"}}
 
 
-def test_call_shape_lazy_snapshot_objects_and_latest(tmp_path, ds_objects):
+def test_call_shape_lazy_snapshot_objects_and_latest(tmp_path, ds_objects, caplog):
     engine = CheckpointEngine({"datastates_ckpt": {"host_cache_size": 0.01,
                                                    "parser_threads": 2}}, 0)
     assert isinstance(engine, DeepSpeedCheckpointEngine)
@@ -134,9 +135,17 @@ def test_call_shape_lazy_snapshot_objects_and_latest(tmp_path, ds_objects):
     assert type(sd["loss_scaler"]) is type(ds_objects["loss_scaler"])
     assert sd["param_slice_mappings"][0]["w"] == ds_objects["param_slice_mappings"][0]["w"]
     assert sd["zero_stage"] is ds_objects["zero_stage"] and sd["names"] == {"a", "b"}
-    # A committed tag is never rewritten; an older tag committed later leaves `latest` alone.
-    with pytest.raises(CheckpointError, match="already committed"):
-        engine.save({"w": w}, str(tag / "f.pt"))
+    # A committed tag is never rewritten (the save is skipped, with one line); an older tag
+    # committed later leaves `latest` alone.
+    before = (tag / "f.pt" / "shard_r00000.bin").read_bytes()
+    with caplog.at_level(logging.WARNING, logger="datastates.deepspeed_engine"):
+        engine.save({"w": w * 0}, str(tag / "f.pt"))
+        engine.save({"w": w * 0}, str(tag / "g.pt"))
+        engine.wait(persist=True)
+    assert [r.getMessage().split(":")[1] for r in caplog.records] == \
+        [" skipping the save of DeepSpeed tag 'global_step3'"]
+    assert (tag / "f.pt" / "shard_r00000.bin").read_bytes() == before
+    assert not (tag / "g.pt").exists()
     (tmp_path / "global_step1").mkdir()
     engine.save({"w": w}, str(tmp_path / "global_step1" / "f.pt"))
     engine.commit("global_step1")
