@@ -57,6 +57,9 @@ SECTION = "datastates_ckpt"
 TAG_MARKERS = ".datastates"
 TAG_COMMIT = "COMMIT.json"
 GiB = 1 << 30
+#: Tags this rank has marked that wait for other ranks' markers, retried at each step (a tag
+#: another rank failed never commits; the last rank to mark a tag commits it itself).
+MARKED_RETRIED = 4
 #: Keys of the section we read, and those of the reference implementation we accept and ignore.
 KNOWN_KEYS = ("host_cache_size", "parser_threads", "allow_pickle")
 IGNORED_KEYS = ("fast_cache_init", "pin_host_cache")
@@ -266,6 +269,7 @@ class _Tag:
     started: float = field(default_factory=time.time)
     sealed: bool = False
     marked: bool = False
+    failed: bool = False
 
 
 # ------------------------------------------------------------------ the wait point
@@ -309,8 +313,9 @@ class DeepSpeedCheckpointEngine:
         self._open: Optional[_Tag] = None
         self._pending: List[_Tag] = []  # sealed, not yet committed
         self._durable: set = set()  # ids of durable saves
-        self._errors: List[CheckpointError] = []
         self._closed = False
+        #: (tag directory, rank, error) of each save that failed here: its tag is never committed.
+        self.failed_saves: List[tuple] = []
         self._skipping: Optional[str] = None  # the committed tag whose saves are being skipped
         self.blocked_s = 0.0  # time the optimizer step waited for snapshots
         _register(self)
@@ -318,7 +323,11 @@ class DeepSpeedCheckpointEngine:
 
     # ------------------------------------------------------------ DeepSpeed's calls
     def save(self, state_dict: Any, path: str) -> None:
-        self._check()
+        """Register the file's snapshot and return before any tensor is copied. A failure (of this
+        call or, later, of the background write) fails the file's tag on this rank: one error
+        line, the tag is never committed, and training goes on (see `_fail`)."""
+        if self._closed:
+            raise CheckpointError("the DataStates engine is closed", rank=self.rank)
         if not isinstance(state_dict, dict):
             raise CheckpointError(f"DeepSpeed save: expected a dict for {path}, found "
                                   f"{type(state_dict).__name__}", rank=self.rank, file=path)
@@ -338,20 +347,21 @@ class DeepSpeedCheckpointEngine:
             if self._open is None:
                 self._open = self._start_tag(tag_dir)
             tag = self._open
+            if tag.failed:
+                return None
+        m = re.search(r"(\d+)$", os.path.basename(tag_dir))
+        try:
             if path in tag.files:
                 raise CheckpointError("DeepSpeed save: this file was already saved in this tag",
                                       rank=self.rank, file=path)
-        self._clear_leftover(path)
-        m = re.search(r"(\d+)$", os.path.basename(tag_dir))
-        try:
+            self._clear_leftover(path)
             handle = self._engine.save(encode_objects(state_dict), path,
                                        step=int(m.group(1)) if m else 0)
-        except CheckpointError as e:
-            if "EngineConfig(allow_pickle=True)" in str(e):
-                raise CheckpointError(str(e).replace("EngineConfig(allow_pickle=True)",
-                                      f'"allow_pickle": true in the {SECTION} section'),
-                                      rank=self.rank, file=path) from None
-            raise
+        except (CheckpointError, OSError) as e:
+            text = str(e).replace("EngineConfig(allow_pickle=True)",
+                                  f'"allow_pickle": true in the {SECTION} section')
+            self._fail(tag, CheckpointError(text, rank=self.rank, file=path))
+            return None
         with self._lock:
             tag.files[path] = handle
         self._check_tags()
@@ -379,13 +389,10 @@ class DeepSpeedCheckpointEngine:
             return
         with self._lock:
             self._seal_locked()
-        if persist:
-            self._engine.wait_for_durable()
-        else:
-            self._engine.wait_for_snapshot()
-        self._engine.poll()
+        self._engine_call(self._engine.wait_for_durable if persist
+                          else self._engine.wait_for_snapshot)
+        self._engine_call(self._engine.poll)
         self._check_tags(all_durable=persist)
-        self._raise_pending()
 
     def commit(self, tag: Any = None) -> bool:
         self.wait(persist=True)
@@ -413,22 +420,42 @@ class DeepSpeedCheckpointEngine:
                 return
             self._seal_locked()
         t0 = time.perf_counter()
-        self._engine.wait_for_snapshot()
+        self._engine_call(self._engine.wait_for_snapshot)
         self.blocked_s += time.perf_counter() - t0
-        self._engine.poll()
+        self._engine_call(self._engine.poll)
         self._check_tags()
-        self._raise_pending()
 
     # ------------------------------------------------------------ internals
-    def _check(self) -> None:
-        if self._closed:
-            raise CheckpointError("the DataStates engine is closed", rank=self.rank)
-        self._raise_pending()
+    def _engine_call(self, fn):
+        """Call the engine; each background failure it re-raises fails the tag of its file."""
+        while True:
+            try:
+                return fn()
+            except CheckpointError as e:
+                where = os.path.abspath(e.file) if getattr(e, "file", None) else ""
+                with self._lock:
+                    tags = [t for t in self._pending + [self._open]
+                            if t is not None and where.startswith(t.directory + os.sep)]
+                self._fail(tags[0] if tags else None, e)
 
-    def _raise_pending(self) -> None:
+    def _fail(self, tag: Optional[_Tag], err: CheckpointError) -> None:
+        """A save failed on this rank. DeepSpeed's interface has no point where every rank meets
+        this engine, so the failure cannot be agreed before DeepSpeed's next collective, and
+        raising on this rank alone would leave the others waiting in it. So: the tag is never
+        committed (this rank writes no marker for it), `latest` stays where it is, one error line
+        says so, and training goes on; the next save tries again."""
         with self._lock:
-            if self._errors:
-                raise self._errors.pop(0)
+            if tag is not None:
+                tag.failed = True
+                if tag in self._pending:
+                    self._pending.remove(tag)
+            self.failed_saves.append((None if tag is None else tag.directory, self.rank, err))
+        name = "?" if tag is None else os.path.basename(tag.directory)
+        newest = None if tag is None else newest_committed_tag(os.path.dirname(tag.directory))
+        logger.error("DataStates: the save of DeepSpeed tag %r failed on rank %d: %s. That tag "
+                     "will not be committed; %s. Training goes on; the next save tries again.",
+                     name, self.rank, err, f"latest stays at {newest!r}" if newest
+                     else "no tag is committed yet")
 
     def _start_tag(self, tag_dir: str) -> _Tag:
         marker = tag_marker(tag_dir, self.rank)
@@ -465,8 +492,8 @@ class DeepSpeedCheckpointEngine:
     def _check_tags(self, all_durable: bool = False) -> None:
         """Write this rank's marker of each sealed tag whose files are all durable (all of them:
         `all_durable`, after `wait_for_durable`), and commit (and point `latest` at) the tags
-        every rank has marked. Runs on the caller's thread and the engine's, one at a time.
-        Errors surface at the next call."""
+        every rank has marked. Runs on the caller's thread and the engine's, one at a time. A
+        failure fails the tag on this rank (`_fail`)."""
         with self._commit_lock:
             self._check_tags_serialized(all_durable)
 
@@ -475,28 +502,38 @@ class DeepSpeedCheckpointEngine:
             if all_durable:  # a failed save has no commit marker: its tag stays open
                 self._durable.update(h.id for t in self._pending for h in t.files.values()
                                      if layout.is_committed(h.directory))
-            ready = [t for t in self._pending if not t.marked
+            ready = [t for t in self._pending if not t.marked and not t.failed
                      and all(h.id in self._durable for h in t.files.values())]
             for t in ready:
                 t.marked = True
             marked = [t for t in self._pending if t.marked]
-        try:
-            for t in ready:
+        for t in ready:
+            try:
                 os.makedirs(os.path.join(t.directory, TAG_MARKERS), exist_ok=True)
                 atomic_write(tag_marker(t.directory, self.rank), layout.dumps(dict(
                     layout.format_header(), rank=self.rank, world_size=self.world_size,
                     files=sorted(os.path.basename(p) for p in t.files), started=t.started)))
-            for t in marked:
-                if try_commit_tag(t.directory, self.world_size):
+            except OSError as e:
+                self._fail(t, CheckpointError(f"writing the tag marker failed: {e}",
+                                              rank=self.rank, file=t.directory))
+        for t in marked:
+            try:
+                committed = try_commit_tag(t.directory, self.world_size)
+                if committed:
                     advance_latest(os.path.dirname(t.directory), os.path.basename(t.directory))
-                    with self._lock:
-                        if t in self._pending:
-                            self._pending.remove(t)
-        except (OSError, CheckpointError) as e:
-            err = e if isinstance(e, CheckpointError) else CheckpointError(
-                f"committing a DeepSpeed tag failed: {e}", rank=self.rank)
-            with self._lock:
-                self._errors.append(err)
+            except (OSError, CheckpointError) as e:
+                # This rank's files are durable and marked: another rank may still commit.
+                logger.error("DataStates: committing DeepSpeed tag %r failed on rank %d: %s",
+                             os.path.basename(t.directory), self.rank, e)
+                committed = True  # not retried
+            if committed:
+                with self._lock:
+                    if t in self._pending:
+                        self._pending.remove(t)
+        with self._lock:  # tags other ranks failed are never committed: retry the newest few
+            waiting = [t for t in self._pending if t.marked]
+            for t in waiting[:-MARKED_RETRIED]:
+                self._pending.remove(t)
 
     def _check_loadable(self, path: str) -> None:
         tag_dir = os.path.dirname(path)

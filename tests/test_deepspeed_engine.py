@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from datastates import CheckpointEngine, CheckpointError  # noqa: E402
+from datastates import CheckpointEngine, CheckpointError, faults  # noqa: E402
 from datastates.deepspeed_engine import (DeepSpeedCheckpointEngine, tag_commit,  # noqa: E402
                                          tag_is_committed)
 from datastates.safe_load import UnsafePickleError  # noqa: E402
@@ -44,13 +44,21 @@ def _run(args, **kw):
 
 def test_deepspeed_runtime_saves_resumes_bit_exactly_and_survives_a_kill(tmp_path):
     # A: ZeRO-1, tags 2, 4, 6, each snapshot's copy held back 0.2 s: the optimizer step must wait
-    # for it (our step pre-hook), or the saved state would be the next step's.
+    # for it (our step pre-hook), or the saved state would be the next step's. Rank 1's save of
+    # tag 2 fails (a file of another engine is in its way): no hang, one line, tag 2 never
+    # commits, the run goes on.
+    (tmp_path / "z1" / "global_step2").mkdir(parents=True)
+    (tmp_path / "z1" / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_text("x")
     a = _run(["--zero-stage", "1", "--steps", "6", "--save", str(tmp_path / "z1"),
               "--save-interval", "2"], env={"DATASTATES_FAULT_DELAY_COPY": "0.2"})
     assert a.returncode == 0, a.describe()
     ref = _losses(a.stdout)
     assert sorted(ref) == [1, 2, 3, 4, 5, 6], a.describe()
     assert (tmp_path / "z1" / "latest").read_text() == "global_step6"
+    failed = [ln for ln in a.stderr.splitlines() if "failed on rank" in ln]
+    assert len(failed) == 1 and "tag 'global_step2' failed on rank 1" in failed[0], a.describe()
+    assert "written by another checkpoint engine" in failed[0]
+    assert not tag_is_committed(str(tmp_path / "z1" / "global_step2"))
     _assert_datastates_files(tmp_path / "z1" / "global_step4")
     # B: resume from tag 4 through DeepSpeed's load_checkpoint: steps 5-6 bit-exact.
     b = _run(["--zero-stage", "1", "--steps", "6", "--load", str(tmp_path / "z1"),
@@ -153,7 +161,8 @@ def test_call_shape_lazy_snapshot_objects_and_latest(tmp_path, ds_objects, caplo
     engine.close()
 
 
-def test_load_refuses_uncommitted_tags_and_reads_torch_files_safely(tmp_path, ds_objects):
+def test_load_refuses_uncommitted_tags_and_reads_torch_files_safely(tmp_path, ds_objects, caplog,
+                                                                    monkeypatch):
     engine = CheckpointEngine({"datastates_ckpt": {"host_cache_size": 0.01}}, 0)
     (tmp_path / "global_step2").mkdir()
     engine.save({"x": torch.ones(3)}, str(tmp_path / "global_step2" / "f.pt"))
@@ -180,6 +189,27 @@ def test_load_refuses_uncommitted_tags_and_reads_torch_files_safely(tmp_path, ds
     evil.write_bytes(buf.getvalue())
     with pytest.raises(UnsafePickleError, match="allow_pickle"):
         engine.load(str(evil))
+    # A background write failure fails its tag on this rank: no exception (DeepSpeed's other
+    # ranks would wait for this one in their next collective), one line, `latest` kept.
+    monkeypatch.setenv("DATASTATES_FAULT_FAIL_WRITE", "enospc@7")
+    faults.reload_from_env()
+    try:
+        (tmp_path / "global_step7").mkdir()
+        with caplog.at_level(logging.ERROR, logger="datastates.deepspeed_engine"):
+            engine.save({"x": torch.ones(3)}, str(tmp_path / "global_step7" / "f.pt"))
+            engine.wait(persist=True)
+        assert "tag 'global_step7' failed on rank 0" in caplog.text
+        assert "No space left on device" in caplog.text
+        assert "latest stays at 'global_step2'" in caplog.text
+        assert not tag_is_committed(str(tmp_path / "global_step7"))
+        assert [d for d, _, _ in engine.failed_saves] == [str(tmp_path / "global_step7")]
+    finally:
+        monkeypatch.delenv("DATASTATES_FAULT_FAIL_WRITE")
+        faults.reload_from_env()
+    (tmp_path / "global_step8").mkdir()
+    engine.save({"x": torch.ones(3)}, str(tmp_path / "global_step8" / "f.pt"))
+    engine.wait(persist=True)
+    assert (tmp_path / "latest").read_text() == "global_step8"
     with pytest.raises(CheckpointError, match="unknown key"):
         CheckpointEngine({"datastates_ckpt": {"host_cache_gb": 1}}, 0)
     with pytest.raises(CheckpointError, match="host_cache_size is the host cache in GiB"):
