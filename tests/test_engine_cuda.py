@@ -48,3 +48,34 @@ def test_copy_overlaps_a_matmul_loop(tmp_path):
     loaded = CheckpointReader(d).load_state()
     for k in expected:
         assert torch.equal(loaded[k], expected[k])
+
+
+def test_deepspeed_call_shape_snapshots_cuda_state_before_the_optimizer_step(tmp_path):
+    """DeepSpeed's call shape (what its DataStatesCheckpointEngine calls; no deepspeed import):
+    bf16 parameters and fp32 Adam moments on the device, saved lazily; the device-side Adam step
+    is held by our optimizer pre-hook until the snapshot is in the pinned cache; the tag loads
+    back onto the device as it was at save time."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(2048, 1024, device="cuda"))
+    opt = torch.optim.Adam([w], lr=1e-2)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    engine = CheckpointEngine({"datastates_ckpt": {"host_cache_size": 0.01}}, 0)
+    assert engine._engine._cache.buffer.is_pinned()
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    state = {"module": {"w": w.detach().to(torch.bfloat16)}, "optimizer": opt.state_dict()}
+    expected = {"w": state["module"]["w"].to("cpu", copy=True),
+                "exp_avg": opt.state[w]["exp_avg"].to("cpu", copy=True)}
+    engine.save(state["module"], str(tag / "mp_rank_00_model_states.pt"))
+    engine.save(state["optimizer"], str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    opt.step()  # waits for the snapshot, then changes the moments in place
+    engine.wait(persist=True)
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    model = engine.load(str(tag / "mp_rank_00_model_states.pt"), map_location="cuda")
+    optim = engine.load(str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                        map_location=torch.device("cpu"))
+    assert model["w"].is_cuda and torch.equal(model["w"].cpu(), expected["w"])
+    assert torch.equal(optim["state"][0]["exp_avg"], expected["exp_avg"])
+    assert not torch.equal(opt.state[w]["exp_avg"].cpu(), expected["exp_avg"])
+    engine.close()
