@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -213,6 +213,14 @@ def try_commit_tag(tag_dir: str, world_size: int) -> bool:
     commit marker (atomically; any rank may, the content is the same) and return True."""
     if tag_is_committed(tag_dir):
         return True
+    # One directory read first: only the last rank(s) to mark read every marker (each rank
+    # reading all of them would be world_size^2 reads of the shared file system per tag).
+    try:
+        names = os.listdir(os.path.join(tag_dir, TAG_MARKERS))
+    except OSError:
+        return False
+    if sum(1 for n in names if n.startswith("rank_") and n.endswith(".json")) < world_size:
+        return False
     files: List[str] = []
     started = []
     for r in range(world_size):
@@ -260,6 +268,88 @@ def newest_committed_tag(save_dir: str) -> Optional[str]:
     except OSError:
         return None
     return max(names, key=lambda n: _tag_order(save_dir, n), default=None)
+
+
+def check_tag(tag_dir: str, file: str) -> None:
+    """The tag is committed; otherwise a CheckpointError (naming `file`) names the tag and the
+    newest committed one in its save directory."""
+    if not tag_is_committed(tag_dir):
+        save_dir = os.path.dirname(tag_dir)
+        newest = newest_committed_tag(save_dir)
+        raise CheckpointError(
+            f"DeepSpeed checkpoint tag {os.path.basename(tag_dir)!r} in {save_dir} is not "
+            f"committed: its save was interrupted before every rank's files were durable "
+            f"(no {TAG_MARKERS}/{TAG_COMMIT}); "
+            + (f"the newest committed tag there is {newest!r}" if newest
+               else "no tag there is committed"), file=file)
+
+
+def check_loadable(path: str) -> None:
+    """`path`, a file of a DeepSpeed tag written by us, may be read: its tag is committed and
+    lists it."""
+    tag_dir = os.path.dirname(path)
+    check_tag(tag_dir, path)
+    doc = _read_doc(tag_commit(tag_dir)) or {}
+    if os.path.basename(path) not in doc.get("files", []):
+        raise CheckpointError(f"DeepSpeed checkpoint tag {os.path.basename(tag_dir)!r} was "
+                              f"committed without this file", file=path)
+
+
+def read_file(path: str, allow_pickle: bool = False,
+              device: Optional[torch.device] = None) -> Any:
+    """One file of a committed tag, every piece verified, DeepSpeed's objects rebuilt."""
+    check_loadable(path)
+    with CheckpointReader(path, allow_pickle=allow_pickle) as reader:
+        return decode_objects(reader.load_state(rank=0), path, device)
+
+
+def resolve_tag(src: str) -> str:
+    """The tag directory `src` names: itself (it holds our tag markers), or the tag that
+    DeepSpeed's `latest` file in it names."""
+    src = os.path.abspath(src)
+    if os.path.isdir(os.path.join(src, TAG_MARKERS)):
+        return src
+    try:
+        with open(os.path.join(src, "latest")) as f:
+            tag = f.read().strip()
+    except OSError:
+        raise CheckpointError("expected a DeepSpeed tag written with DataStates (it holds "
+                              f"{TAG_MARKERS}/) or a save directory with a `latest` file; "
+                              "found neither", file=src) from None
+    tag_dir = os.path.join(src, os.path.basename(tag))
+    if not os.path.isdir(os.path.join(tag_dir, TAG_MARKERS)):
+        raise CheckpointError(f"`latest` names tag {tag!r}, which was not written with DataStates",
+                              file=tag_dir)
+    return tag_dir
+
+
+def export_torch(src: str, dst: str, allow_pickle: bool = False) -> Tuple[str, List[str]]:
+    """Write the committed tag that `src` names as DeepSpeed's own torch.save files,
+    `dst/<tag>/<file>`, and `dst/latest`, for the tools that torch.load them (DeepSpeed's
+    zero_to_fp32.py, ds_to_universal). Every piece is verified as it is read; deepspeed must be
+    imported (its objects are rebuilt). Nothing is left in `dst/<tag>` unless every file was
+    written. Returns (tag, file names)."""
+    tag_dir = resolve_tag(src)
+    tag = os.path.basename(tag_dir)
+    check_tag(tag_dir, tag_dir)
+    names = list((_read_doc(tag_commit(tag_dir)) or {}).get("files", []))
+    out = os.path.join(os.path.abspath(dst), tag)
+    if os.path.exists(out):
+        raise CheckpointError("the output tag directory already exists; remove it or choose "
+                              "another destination", file=out)
+    partial = f"{out}.partial-{time.time_ns()}"
+    os.makedirs(partial)
+    try:
+        for name in names:
+            state = read_file(os.path.join(tag_dir, name), allow_pickle)
+            torch.save(state, os.path.join(partial, name))
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    fsync_dir(os.path.dirname(out))
+    atomic_write(os.path.join(os.path.dirname(out), "latest"), tag.encode())
+    return tag, names
 
 
 @dataclass
@@ -369,9 +459,7 @@ class DeepSpeedCheckpointEngine:
     def load(self, path: str, map_location: Any = None) -> Any:
         path = os.path.abspath(path)
         if os.path.isdir(path):
-            self._check_loadable(path)
-            with CheckpointReader(path, allow_pickle=self.section.allow_pickle) as reader:
-                return decode_objects(reader.load_state(rank=0), path, _device(map_location))
+            return read_file(path, self.section.allow_pickle, _device(map_location))
         if os.path.isfile(path):  # a torch.save file, e.g. from before switching engines
             state = torch_load(path, file=path, extra_globals=_safe_globals(),
                                allow_unsafe=self.section.allow_pickle,
@@ -534,22 +622,6 @@ class DeepSpeedCheckpointEngine:
             waiting = [t for t in self._pending if t.marked]
             for t in waiting[:-MARKED_RETRIED]:
                 self._pending.remove(t)
-
-    def _check_loadable(self, path: str) -> None:
-        tag_dir = os.path.dirname(path)
-        tag = os.path.basename(tag_dir)
-        if not tag_is_committed(tag_dir):
-            newest = newest_committed_tag(os.path.dirname(tag_dir))
-            raise CheckpointError(
-                f"DeepSpeed checkpoint tag {tag!r} in {os.path.dirname(tag_dir)} is not "
-                f"committed: its save was interrupted before every rank's files were durable "
-                f"(no {TAG_MARKERS}/{TAG_COMMIT}); "
-                + (f"the newest committed tag there is {newest!r}" if newest
-                   else "no tag there is committed"), rank=self.rank, file=path)
-        doc = _read_doc(tag_commit(tag_dir)) or {}
-        if os.path.basename(path) not in doc.get("files", []):
-            raise CheckpointError(f"DeepSpeed checkpoint tag {tag!r} was committed without this "
-                                  f"file", rank=self.rank, file=path)
 
     def _atexit(self) -> None:
         try:

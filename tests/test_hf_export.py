@@ -9,15 +9,12 @@ the background merge's universal checkpoint. Our logits come from tests/universa
 loading the same checkpoint. The GPT-2 export is checked in test_universal_resume.py.
 """
 import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, launch
+from trainer_launch import NO_DROPOUT, TINY_MODEL, convert_in_process, launch
 from universal_hf_probe import our_logits
 
 ROPE = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
@@ -33,9 +30,7 @@ BASE = TINY_MODEL[:_i] + TINY_MODEL[_i + 2:] + NO_DROPOUT + [
 
 
 def _to_hf(src, dst):
-    out = subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", "to-hf", str(src),
-                          str(dst)], cwd=str(REPO), capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    out = convert_in_process("to-hf", src, dst)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads((dst / "config.json").read_text())
 

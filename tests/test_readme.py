@@ -118,9 +118,15 @@ def test_readme_commands_run_as_written(tmp_path):
     assert f"(format torch_dist, iteration {ITERS};" in outputs["torch_dist load"], \
         outputs["torch_dist load"][-3000:]
     assert (runs / "demo_from_hf" / "manifest.json").is_file()
-    # DeepSpeed's own engine class on ours: trained to 8, resumed from its tag 8 to 12.
+    # DeepSpeed's own engine class on ours, ZeRO-1: trained to 12, resumed from tag 8 to 12
+    # bit-exactly, its save of the committed tag 12 skipped.
     deepspeed = next(t for h, t in outputs.items() if h.startswith("DeepSpeed"))
     assert "resumed from runs/ds/global_step8/mp_rank_00_model_states.pt at step 8" in deepspeed
+    first, second = deepspeed.split("resumed from", 1)
+    losses = [re.findall(r"^step (\d+)/ 12 \| loss: (\S+)", t, re.M) for t in (first, second)]
+    assert [s for s, _ in losses[0]] == [str(i) for i in range(1, 13)], deepspeed[-3000:]
+    assert losses[1] == losses[0][8:], deepspeed[-3000:]
+    assert "skipping the save of DeepSpeed tag 'global_step12'" in second
     assert (runs / "ds" / "latest").read_text() == "global_step12"
     assert (runs / "demo_u2").is_dir() and (runs / "docs_text_document.idx").is_file(), \
         outputs["other tools"][-3000:]

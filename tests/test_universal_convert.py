@@ -13,6 +13,7 @@ from datastates import CheckpointError
 from datastates.megatron_adapter import Located, TorchDistSource, locate, locate_universal, \
     open_source
 from datastates.universal import UniversalCheckpoint, decode_value, write_universal
+from trainer_launch import convert_in_process
 from universal_fixtures import global_tensors, write_datastates_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +21,8 @@ TOOL = os.path.join(REPO, "tools", "convert_checkpoint.py")
 
 
 def _tool(*args, umask=None):
+    if umask is None and args[0] != "to-torch-dist":
+        return convert_in_process(*args)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, TOOL, *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300,

@@ -190,3 +190,23 @@ class Node:
         _kill_tree(self.proc)
         self.proc.wait()
         return Run(self.proc.returncode, self.stdout(), self.err_path.read_text())
+
+
+def convert_in_process(*args) -> subprocess.CompletedProcess:
+    """tools/convert_checkpoint.py's main in this process, stdout and stderr captured: a
+    subprocess spends ~2 s importing megatron-core before it starts. For the subcommands that
+    start no process of their own with a spawn context (not to-torch-dist, whose writer's spawned
+    Manager re-imports __main__), and refusals that come before any is started."""
+    import contextlib
+    import io
+
+    sys.path.insert(0, str(REPO))
+    try:
+        from tools import convert_checkpoint
+    finally:
+        sys.path.remove(str(REPO))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = convert_checkpoint.main([str(a) for a in args])
+    return subprocess.CompletedProcess(list(args), rc, out.getvalue(), err.getvalue())
+

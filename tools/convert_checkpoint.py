@@ -10,6 +10,8 @@
     python tools/convert_checkpoint.py inspect         PATH [--json]
     python tools/convert_checkpoint.py upgrade-universal PATH    # older universal: no pickles,
                                                                  # checksums added
+    python tools/convert_checkpoint.py ds-to-torch     SRC DST   # DeepSpeed tag saved with
+                                                  # DataStates -> DeepSpeed's torch.save files
 
 Reading a checkpoint never runs code from it: a file whose pickle names anything but tensors,
 containers, numbers, strings and numpy RNG states is refused, naming the file and the object.
@@ -216,6 +218,23 @@ def _upgrade(args):
           f"{path}: has checksums; nothing to do")
 
 
+def _ds_to_torch(args):
+    from datastates import CheckpointError
+    import importlib
+    try:  # DeepSpeed's loss scaler and slice mappings are rebuilt as its own classes
+        for module in ("deepspeed", "deepspeed.runtime.fp16.loss_scaler",
+                       "deepspeed.utils.tensor_fragment", "deepspeed.runtime.zero.config"):
+            importlib.import_module(module)
+    except ImportError as e:
+        raise CheckpointError(f"ds-to-torch needs deepspeed installed ({e})") from None
+    from datastates.deepspeed_engine import export_torch
+
+    tag, names = export_torch(args.src, args.dst, allow_pickle=args.allow_unsafe_pickle)
+    print(f"wrote {len(names)} file(s) of tag {tag} to {os.path.join(args.dst, tag)} and "
+          f"{os.path.join(args.dst, 'latest')}; DeepSpeed's tools read it, e.g. python "
+          f"zero_to_fp32.py {args.dst} OUTPUT_DIR")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -248,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-approximate-gelu", action="store_true",
                    help="convert a GPT-2 with a tanh-approximate GELU (the original GPT-2's "
                         "gelu_new) although megatron's GPT computes the exact one")
+    s = sub.add_parser("ds-to-torch", help="a DeepSpeed tag saved with DataStates (its save "
+                       "directory: `latest` picks the tag; or the tag directory) -> DeepSpeed's "
+                       "own torch.save files in DST/<tag>, for zero_to_fp32.py and ds_to_universal")
+    s.add_argument("src")
+    s.add_argument("dst")
     s = sub.add_parser("inspect", help="iteration, tensors, shapes, dtypes, sizes, layout")
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -290,6 +314,8 @@ def _run(args) -> int:
         _from_hf(args)
     elif args.command == "upgrade-universal":
         _upgrade(args)
+    elif args.command == "ds-to-torch":
+        _ds_to_torch(args)
     else:
         _inspect(args)
     return 0
