@@ -11,6 +11,10 @@ Typical use, per rank::
 
     reader = CheckpointReader(step_dir("ckpt", step))                 # committed versions only
     state = reader.load_state(rank=r)
+
+DeepSpeed's own DataStatesCheckpointEngine (its "datastates_ckpt" config section) calls
+`CheckpointEngine(deepspeed_config, rank)`: that builds the DeepSpeed-facing engine of
+`datastates.deepspeed_engine` on top of this one (docs/DEEPSPEED.md).
 """
 from .config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from .engine import CheckpointEngine, SaveHandle
