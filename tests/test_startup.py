@@ -31,7 +31,7 @@ def test_deferred_compile_compiles_once_at_first_call_and_passes_modules_through
     assert calls[-1] == (module, {})  # a module is compiled as before, at once
 
 
-def test_megatron_core_imports_without_the_compiler():
+def test_megatron_core_imports_without_the_compiler_and_without_wandb():
     code = ("import sys, torch; real = torch.compile\n"
             "from megatron.training.startup import import_megatron_core\n"
             "import_megatron_core()\n"
@@ -39,6 +39,10 @@ def test_megatron_core_imports_without_the_compiler():
             "assert torch.compile is real\n"
             "assert 'torch._inductor.compile_fx' not in sys.modules\n"
             "assert callable(f.bias_gelu_impl) or callable(f.bias_gelu)\n"
+            "import megatron.core.timers as timers\n"
+            "assert 'wandb' not in sys.modules and timers.wandb is None\n"
+            "import wandb  # our --wandb-project logging still imports it\n"
+            "assert wandb.init is not None\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)

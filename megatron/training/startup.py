@@ -8,6 +8,11 @@ read. torch.compile only compiles at a function's first call anyway; `import_meg
 megatron-core a `torch.compile` that waits for that first call too, so the compiler is imported
 when a fused kernel is first used (the `--bias-*-fusion` flags; none by default), and compiles
 exactly what it compiled before. Nothing else changes: torch.compile is restored right after.
+
+It also imports `wandb` (0.4 s with the protobuf it pulls in, in every process) only to compare a
+timer writer with it and to log its inference engine's metrics, neither of which this trainer
+uses: during the import, `import wandb` fails there, as if wandb were not installed. Our own
+`--wandb-project` logging imports it for real when asked (`metrics.py`).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["compile_deferred", "exit_without_final_gc", "import_megatron_core"]
+__all__ = ["compile_deferred", "exit_without_final_gc", "import_megatron_core", "wandb_skipped"]
 
 
 def import_megatron_core() -> None:
@@ -30,7 +35,7 @@ def import_megatron_core() -> None:
     warning_filters.install()  # before the import: its import-time warnings are the loudest
     if "megatron.core" in sys.modules:
         return
-    with compile_deferred():
+    with compile_deferred(), wandb_skipped():
         importlib.import_module("megatron.core")
 
 
@@ -45,6 +50,21 @@ def compile_deferred() -> Iterator[None]:
         yield
     finally:
         torch.compile = real
+
+
+@contextlib.contextmanager
+def wandb_skipped() -> Iterator[None]:
+    """While inside, `import wandb` raises ImportError (unless it is imported already); after, it
+    imports as usual."""
+    if "wandb" in sys.modules:
+        yield
+        return
+    sys.modules["wandb"] = None  # the import system's "not importable" marker
+    try:
+        yield
+    finally:
+        if "wandb" in sys.modules and sys.modules["wandb"] is None:
+            del sys.modules["wandb"]
 
 
 def exit_without_final_gc(code: int) -> None:
