@@ -31,7 +31,7 @@ def test_deferred_compile_compiles_once_at_first_call_and_passes_modules_through
     assert calls[-1] == (module, {})  # a module is compiled as before, at once
 
 
-def test_megatron_core_imports_without_the_compiler_and_without_wandb():
+def test_megatron_core_imports_without_the_compiler_wandb_and_tensorboard():
     code = ("import sys, torch; real = torch.compile\n"
             "from megatron.training.startup import import_megatron_core\n"
             "import_megatron_core()\n"
@@ -41,8 +41,11 @@ def test_megatron_core_imports_without_the_compiler_and_without_wandb():
             "assert callable(f.bias_gelu_impl) or callable(f.bias_gelu)\n"
             "import megatron.core.timers as timers\n"
             "assert 'wandb' not in sys.modules and timers.wandb is None\n"
+            "assert 'torch.utils.tensorboard' not in sys.modules\n"
+            "assert timers.SummaryWriter is None\n"
             "import wandb  # our --wandb-project logging still imports it\n"
-            "assert wandb.init is not None\n"
+            "from torch.utils.tensorboard import SummaryWriter  # and --tensorboard-dir\n"
+            "assert wandb.init is not None and SummaryWriter is not None\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)

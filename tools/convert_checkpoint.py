@@ -288,13 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron.training import warning_filters
-    from megatron.training.startup import compile_deferred, wandb_skipped
+    from megatron.training.startup import compile_deferred, unused_imports_skipped
 
     warning_filters.install()  # megatron-core, if a subcommand imports it, stays quiet
     from datastates import CheckpointError
 
     try:
-        with compile_deferred(), wandb_skipped():  # reading a saved `args` imports megatron-core
+        with compile_deferred(), unused_imports_skipped():  # reading a saved `args` imports megatron-core
             return _run(args)
     except CheckpointError as err:
         print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)

@@ -9,10 +9,10 @@ megatron-core a `torch.compile` that waits for that first call too, so the compi
 when a fused kernel is first used (the `--bias-*-fusion` flags; none by default), and compiles
 exactly what it compiled before. Nothing else changes: torch.compile is restored right after.
 
-It also imports `wandb` (0.4 s with the protobuf it pulls in, in every process) only to compare a
-timer writer with it and to log its inference engine's metrics, neither of which this trainer
-uses: during the import, `import wandb` fails there, as if wandb were not installed. Our own
-`--wandb-project` logging imports it for real when asked (`metrics.py`).
+It also imports `wandb` and `torch.utils.tensorboard` (0.3 s and 0.2 s, in every process) only to
+compare a timer writer with them and to log its inference engine's metrics, neither of which this
+trainer uses: during the import they fail to import there, as if not installed. Our own
+`--wandb-project` and `--tensorboard-dir` logging imports them for real when asked (`metrics.py`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["compile_deferred", "exit_without_final_gc", "import_megatron_core", "wandb_skipped"]
+__all__ = ["compile_deferred", "exit_without_final_gc", "import_megatron_core",
+           "unused_imports_skipped"]
 
 
 def import_megatron_core() -> None:
@@ -35,7 +36,7 @@ def import_megatron_core() -> None:
     warning_filters.install()  # before the import: its import-time warnings are the loudest
     if "megatron.core" in sys.modules:
         return
-    with compile_deferred(), wandb_skipped():
+    with compile_deferred(), unused_imports_skipped():
         importlib.import_module("megatron.core")
 
 
@@ -52,19 +53,23 @@ def compile_deferred() -> Iterator[None]:
         torch.compile = real
 
 
+#: What megatron-core imports but this trainer does not use from it (see the module doc).
+UNUSED_BY_MEGATRON = ("wandb", "torch.utils.tensorboard")
+
+
 @contextlib.contextmanager
-def wandb_skipped() -> Iterator[None]:
-    """While inside, `import wandb` raises ImportError (unless it is imported already); after, it
-    imports as usual."""
-    if "wandb" in sys.modules:
-        yield
-        return
-    sys.modules["wandb"] = None  # the import system's "not importable" marker
+def unused_imports_skipped(names=UNUSED_BY_MEGATRON) -> Iterator[None]:
+    """While inside, importing one of `names` raises ImportError (unless it is imported already);
+    after, they import as usual."""
+    skipped = [n for n in names if n not in sys.modules]
+    for name in skipped:
+        sys.modules[name] = None  # the import system's "not importable" marker
     try:
         yield
     finally:
-        if "wandb" in sys.modules and sys.modules["wandb"] is None:
-            del sys.modules["wandb"]
+        for name in skipped:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 def exit_without_final_gc(code: int) -> None:
