@@ -594,6 +594,7 @@ class DeepSpeedCheckpointEngine:
                      and all(h.id in self._durable for h in t.files.values())]
             for t in ready:
                 t.marked = True
+                self._durable.difference_update(h.id for h in t.files.values())
             marked = [t for t in self._pending if t.marked]
         for t in ready:
             try:
