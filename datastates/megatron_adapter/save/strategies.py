@@ -308,6 +308,16 @@ def read_sharded_tensor(sh: ShardedTensor, saved_shape, saved_dtype: torch.dtype
 
 def _read_shard(reader: CheckpointReader, sh: ShardedTensor) -> torch.Tensor:
     meta = reader.tensor_meta(sh.key)
+    data = sh.data
+    box = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    if (isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.dtype == meta.dtype
+            and data.is_contiguous() and tuple(data.shape) == tuple(sh.local_shape)
+            and tuple(meta.global_shape) == tuple(sh.global_shape)
+            and sh.flattened_range is None):
+        # Into the tensor the state dict already holds, as torch_dist's load does: no new
+        # allocation, and the reader's buffer is reused from one read to the next.
+        reader.read(sh.key, tuple(sh.global_offset), box, out=data.detach().view(box))
+        return data
     return read_sharded_tensor(sh, meta.global_shape, meta.dtype,
                                lambda off, shape: reader.read(sh.key, off, shape),
                                where=reader.directory)
