@@ -22,8 +22,8 @@ import torch
 pytest.importorskip("deepspeed")
 
 from datastates import CheckpointEngine, CheckpointError, faults  # noqa: E402
-from datastates.deepspeed_engine import (DeepSpeedCheckpointEngine, read_file,  # noqa: E402
-                                         tag_commit, tag_is_committed)
+from datastates.deepspeed_engine import DeepSpeedCheckpointEngine  # noqa: E402
+from datastates.deepspeed_tags import read_file, tag_commit, tag_is_committed  # noqa: E402
 from datastates.safe_load import UnsafePickleError  # noqa: E402
 from tests.trainer_launch import REPO, _kill_tree, convert_in_process, launch  # noqa: E402
 

@@ -227,7 +227,7 @@ def _ds_to_torch(args):
             importlib.import_module(module)
     except ImportError as e:
         raise CheckpointError(f"ds-to-torch needs deepspeed installed ({e})") from None
-    from datastates.deepspeed_engine import export_torch
+    from datastates.deepspeed_tags import export_torch
 
     tag, names = export_torch(args.src, args.dst, allow_pickle=args.allow_unsafe_pickle)
     print(f"wrote {len(names)} file(s) of tag {tag} to {os.path.join(args.dst, tag)} and "
