@@ -71,11 +71,19 @@ def test_background_merge_of_every_commit(saved):
             assert torch.equal(u.read(name), reader.read(key)), key
 
 
-@pytest.mark.parametrize("layout", ["tp1pp1dp2_distopt", "tp2pp1dp1_plain"])
+@pytest.mark.parametrize("layout", ["tp1pp1dp2_distopt", "tp2pp1dp1_plain",
+                                    "datastates_tp1pp1dp2_distopt"])
 def test_load_at_another_layout_bit_exact_then_same_loss(saved, tmp_path, layout):
+    """The merged universal checkpoint, or (datastates_*) the DataStates checkpoint it was merged
+    from, whose distributed-optimizer state each DP rank reads straight into its own ranges."""
     run, root = saved
     merged = root / "universal" / "iter_0000003"
-    if layout == "tp1pp1dp2_distopt":
+    if layout == "datastates_tp1pp1dp2_distopt":
+        extra = ["--use-distributed-optimizer"]
+        load = tmp_path / "root"
+        shutil.copytree(root / "iter_0000003", load / "iter_0000003")
+        (load / "latest_checkpointed_iteration.txt").write_text("3")
+    elif layout == "tp1pp1dp2_distopt":
         extra = ["--use-distributed-optimizer"]
         load = tmp_path / "uroot"  # a universal root with its tracker, as --load usually is
         shutil.copytree(merged, load / "iter_0000003")
@@ -87,7 +95,8 @@ def test_load_at_another_layout_bit_exact_then_same_loss(saved, tmp_path, layout
     probe = _probe(2, TINY_MODEL + NO_DROPOUT + FOUR + extra + [
         "--load", str(load), "--save", str(dump)])
     assert probe.returncode == 0, probe.describe()
-    assert "loaded universal checkpoint" in probe.stdout and "optimizer restored" in probe.stdout
+    kind = "format datastates" if layout.startswith("datastates") else "loaded universal"
+    assert kind in probe.stdout and "optimizer restored" in probe.stdout, probe.stdout[-3000:]
     assert_close({4: probe.losses()[4]}, {4: run.losses()[4]})
     if layout == "tp2pp1dp1_plain":
         # The resume line's bytes: what the two TP ranks read out of the memory-mapped files,

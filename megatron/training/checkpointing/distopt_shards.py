@@ -10,15 +10,18 @@ The boxes are views of the live tensors, copied by the engine while the next for
 A parameter that megatron-core saves through a ShardedTensorFactory (swiglu's fc1, whose local rows
 are two slices of the global tensor) is cut into the pieces the factory builds first.
 
-Loading is unchanged: megatron's `fully_reshardable` load asks for whole TP-local boxes of those
-keys, and the DataStates reader assembles any box from the saved pieces, at any TP/PP/DP. A
-node-local version (whose node holds only its ranks' pieces) is loaded at its own layout by
-`load_own_boxes`: each rank reads back exactly the boxes it saved.
+Loading a DataStates checkpoint is the same in reverse (`param_state_sharded_tensors`): each DP
+rank asks for the boxes of its own ranges at the run's layout, as ShardedTensors whose data are
+views of the optimizer's tensors, and the reader assembles each box from the saved pieces (any
+TP/PP/DP) straight into the optimizer. megatron's `fully_reshardable` load instead has every rank
+read the whole TP-local tensors of every parameter into zero-filled buffers the size of the model
+(`get_parameter_state_dp_zero`) and keep 1/DP of them. A node-local version (whose node holds only
+its ranks' pieces) loads the same way: at its own layout each rank's boxes are the ones it saved.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
 import torch
 
@@ -123,30 +126,45 @@ def param_state_boxes(optimizer, model_sharded_state_dict) -> List[Tuple[str, to
     by_param = {id(sh.data): sh for sh in nested_values(model_sharded_state_dict)
                 if isinstance(sh, (ShardedTensor, ShardedTensorFactory))}
     out = []
+    for model_param, prange, tensors in _own_ranges(dopt):
+        entry = by_param.get(id(model_param))
+        if entry is None:
+            raise ValueError("a parameter of the distributed optimizer is missing from the "
+                             "model's sharded state dict")
+        for key, gshape, goff, shape, flat in param_range_boxes(entry, model_param, prange.start,
+                                                                prange.end):
+            first, n = flat - prange.start, math.prod(shape)
+            for k in STATE_KEYS:
+                view = tensors[k].detach().view(-1)[first:first + n].view(shape)
+                out.append((f"optimizer.state.{k}.{key}", view, gshape, goff))
+    return out
+
+
+def _own_ranges(dopt) -> Iterator[tuple]:
+    """(model param, this DP rank's flat range of it, its main param and Adam moments) for every
+    parameter of the distributed optimizer `dopt`, in its buffers' order."""
     for gbuf_range_maps in dopt.gbuf_ranges:
         for bucket_maps in gbuf_range_maps.values():
             for bucket in bucket_maps:
                 for model_param, ranges in bucket["param_map"].items():
-                    entry = by_param.get(id(model_param))
-                    if entry is None:
-                        raise ValueError("a parameter of the distributed optimizer is missing from "
-                                         "the model's sharded state dict")
-                    prange = ranges["param"]
-                    tensors = dopt._get_main_param_and_optimizer_states(model_param)
-                    for key, gshape, goff, shape, flat in param_range_boxes(
-                            entry, model_param, prange.start, prange.end):
-                        first, n = flat - prange.start, math.prod(shape)
-                        for k in STATE_KEYS:
-                            view = tensors[k].detach().view(-1)[first:first + n].view(shape)
-                            out.append((f"optimizer.state.{k}.{key}", view, gshape, goff))
-    return out
+                    yield (model_param, ranges["param"],
+                           dopt._get_main_param_and_optimizer_states(model_param))
 
 
-def load_own_boxes(optimizer, model_sharded_state_dict,
-                   read: Callable[[str, Tuple[int, ...], Tuple[int, ...]], torch.Tensor]) -> None:
-    """Fill this DP rank's main params and Adam moments with `read(key, global offset, shape)`
-    of the boxes `param_state_boxes` describes (saved at this same layout). Call it after the
-    optimizer's `load_state_dict` (which allocates the state these boxes view)."""
-    with torch.no_grad():  # fp32 main params are leaf tensors that require grad
-        for key, view, _, goff in param_state_boxes(optimizer, model_sharded_state_dict):
-            view.copy_(read(key, goff, tuple(view.shape)))
+def param_state_sharded_tensors(optimizer, model_sharded_state_dict) -> list:
+    """The boxes `param_state_boxes` describes, as ShardedTensors whose data are views of this DP
+    rank's main params and Adam moments: a load reads each box in place. The optimizer's state
+    must exist (`init_distributed_optimizer_state`) and be kept by its `load_state_dict`
+    (`state_pointers` checks it)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return [ShardedTensor(key, view, view.dtype, tuple(view.shape), tuple(gshape), tuple(goff),
+                          axis_fragmentations=None)
+            for key, view, gshape, goff in param_state_boxes(optimizer, model_sharded_state_dict)]
+
+
+def state_pointers(optimizer) -> List[int]:
+    """Where each of this DP rank's main params and Adam moments lives, in a fixed order: equal
+    before and after a load when the optimizer kept the tensors a load read into."""
+    return [tensors[k].data_ptr() for _, _, tensors in _own_ranges(_distributed(optimizer))
+            for k in STATE_KEYS]

@@ -153,16 +153,22 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                                                              run_layout, directory)
     if load_optim and config.parallel.use_distributed_optimizer:
         init_distributed_optimizer_state(state.optimizer)
-    # A node-local version holds only its node's ranks' pieces of the distributed optimizer's
-    # state: each rank reads back its own boxes instead of megatron's whole TP-local tensors.
     node_local = root != ckpt.load and ckpt.non_persistent_node_local
-    own_boxes = (node_local and load_optim and config.parallel.use_distributed_optimizer
+    # Ours, with the distributed optimizer: each rank reads its own ranges of the optimizer's
+    # state straight into the optimizer, at any layout (distopt_shards), instead of megatron's
+    # whole-model buffers on every rank. A node-local version holds only its node's ranks'
+    # pieces of that state, which are exactly those ranges at its own layout.
+    own_boxes = (load_optim and config.parallel.use_distributed_optimizer
+                 and kind is paths.Format.DATASTATES and _fully_reshardable(common)
                  and distopt_shards.supported(state.optimizer))
     if fmt is CkptFormat.TORCH_DIST:
         sd = build_sharded_state_dict(state, config, is_loading=True,
                                       include_optim=load_optim and not own_boxes,
                                       include_rng=load_rng, optimizer_metadata=optimizer_metadata,
                                       rng_layout=rng_layout)
+        if own_boxes:
+            sd[_OWN_BOXES] = distopt_shards.param_state_sharded_tensors(state.optimizer, sd)
+            pointers = distopt_shards.state_pointers(state.optimizer)
         # A node-local version is read from this node's directory alone; the peer replicas and
         # --lazy-save-local-dir copies are of --save's versions.
         peers = None if node_local else restore_peer_copies(config, directory, sd)
@@ -175,24 +181,20 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     else:
         loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
                                  unsafe)
-    if own_boxes:  # param groups, step, scaler here; the parameter state from the boxes below
+    count_loaded(loaded)
+    if own_boxes:  # param groups, step, scaler here; the parameter state is in place already
+        del loaded[_OWN_BOXES]
         for key in ("param_state", "param_state_sharding_type"):
             loaded["optimizer"].pop(key, None)
-    count_loaded(loaded)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                                    finetune=ckpt.finetune,
                                    schedule=config.optimizer.scheduler_on_resume, path=directory,
                                    allow_unsafe_pickle=unsafe)
-    if own_boxes:
-        model_sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=False,
-                                            include_rng=False)
-        try:
-            with datastates.CheckpointReader(directory) as reader:
-                distopt_shards.load_own_boxes(state.optimizer, model_sd,
-                                              lambda *box: count_loaded(reader.read(*box)))
-        except datastates.CheckpointError as err:
-            raise CheckpointError(f"could not load the distributed optimizer's state: {err}"
-                                  + _hint(directory), path=directory) from err
+    if own_boxes and distopt_shards.state_pointers(state.optimizer) != pointers:
+        raise CheckpointError("megatron-core's DistributedOptimizer.load_state_dict replaced the "
+                              "optimizer's state tensors that the load read into; this version "
+                              "of megatron-core is not supported by the in-place load",
+                              path=directory)
     if release:
         state.iteration = 0
     if note:
@@ -381,6 +383,18 @@ def _layout_of(saved: dict) -> dict:
     tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
     return {"tp": tp, "pp": pp, "vpp": p["virtual_pipeline_model_parallel_size"],
             "dp": p["world_size"] // (tp * pp)}
+
+
+#: Where a load's sharded state dict holds the distributed optimizer's own boxes.
+_OWN_BOXES = "datastates_distributed_optimizer_boxes"
+
+
+def _fully_reshardable(common: Optional[dict]) -> bool:
+    """Whether a checkpoint's common state describes the distributed optimizer's state in
+    megatron's `fully_reshardable` form (one global tensor per parameter and moment)."""
+    optimizer = (common or {}).get("optimizer")
+    return (isinstance(optimizer, dict)
+            and optimizer.get("param_state_sharding_type") == "fully_reshardable")
 
 
 def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool = False,
