@@ -163,6 +163,30 @@ def param_state_sharded_tensors(optimizer, model_sharded_state_dict) -> list:
             for key, view, gshape, goff in param_state_boxes(optimizer, model_sharded_state_dict)]
 
 
+def allocate_state(optimizer) -> bool:
+    """Give a fresh distributed optimizer's torch Adam/AdamW its state tensors, uninitialized,
+    through the optimizer's own `load_state_dict`, for a load that then reads every element of
+    them in place (`param_state_sharded_tensors` covers each main param's whole range). What
+    megatron-core does instead on CPU is a dummy optimizer step over zero gradients (~0.4 s per
+    60M parameters here). False, and nothing done, for another inner optimizer (TE's or Apex's
+    FusedAdam, the hybrid CPU offload) or one that already has state."""
+    inner = _distributed(optimizer).optimizer
+    if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or inner.state:
+        return False
+    current = inner.state_dict()
+    state, index = {}, 0
+    for group in inner.param_groups:
+        for param in group["params"]:
+            entry = {"step": torch.tensor(0.0), "exp_avg": torch.empty_like(param),
+                     "exp_avg_sq": torch.empty_like(param)}
+            if group.get("amsgrad"):
+                entry["max_exp_avg_sq"] = torch.zeros_like(param)
+            state[index] = entry
+            index += 1
+    inner.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+    return True
+
+
 def state_pointers(optimizer) -> List[int]:
     """Where each of this DP rank's main params and Adam moments lives, in a fixed order: equal
     before and after a load when the optimizer kept the tensors a load read into."""

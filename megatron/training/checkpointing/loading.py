@@ -151,8 +151,6 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     if megatron_lm is not None and load_optim and config.parallel.use_distributed_optimizer:
         optimizer_metadata = _megatron_lm_optimizer_metadata(megatron_lm, saved_layout,
                                                              run_layout, directory)
-    if load_optim and config.parallel.use_distributed_optimizer:
-        init_distributed_optimizer_state(state.optimizer)
     node_local = root != ckpt.load and ckpt.non_persistent_node_local
     # Ours, with the distributed optimizer: each rank reads its own ranges of the optimizer's
     # state straight into the optimizer, at any layout (distopt_shards), instead of megatron's
@@ -161,6 +159,9 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     own_boxes = (load_optim and config.parallel.use_distributed_optimizer
                  and kind is paths.Format.DATASTATES and _fully_reshardable(common)
                  and distopt_shards.supported(state.optimizer))
+    if load_optim and config.parallel.use_distributed_optimizer and not (
+            own_boxes and distopt_shards.allocate_state(state.optimizer)):
+        init_distributed_optimizer_state(state.optimizer)
     if fmt is CkptFormat.TORCH_DIST:
         sd = build_sharded_state_dict(state, config, is_loading=True,
                                       include_optim=load_optim and not own_boxes,
