@@ -5,12 +5,16 @@
 
 Two "nodes" on this machine (two torchrun agents, one rank each, data parallel with the
 distributed optimizer) train the GPT with --async-lazy-save --lazy-save-peer-replica and
---save-interval auto, then resume the final checkpoint four ways, same run, alternated over
+--save-interval auto, then resume the final checkpoint six ways, same run, alternated over
 --rounds:
 
 - memory: both nodes' memory copies (/dev/shm) intact;
-- peer: node 1's memory copy deleted (a lost node): its rank gets its shards from node 0 over the
-  process group, then reads them from memory;
+- peer: node 1's memory copy deleted (a lost node, replaced): its rank gets its shards from node
+  0 over the process group, then reads them from memory;
+- survivor: node 1 lost with its memory, the same command restarted on node 0 alone (DP1): node
+  0 reads its own shards and node 1's replica from its memory, nothing over the network;
+- survivor_shared: the same restart on node 0 alone from --save (no copy anywhere), page cache
+  dropped first; the survivor's baseline;
 - local: the copies on the machine's disk instead of /dev/shm (`--lazy-save-local-dir` on disk),
   page cache dropped first (as root: /proc/sys/vm/drop_caches);
 - shared: no copy anywhere, every shard from --save, page cache dropped first.
@@ -62,21 +66,27 @@ _RECEIVED = re.compile(r"received saved rank \d+'s shards from peer rank \d+: [\
                        r"([\d.]+) s")
 
 
+#: Restores, alternated in this order every round: both nodes again (memory; peer: node 1's
+#: memory lost; local; shared), then node 0 alone at DP1 (survivor: node 1 lost, node 0 reads its
+#: own shards and node 1's replica from its memory; survivor_shared: the same restart from --save).
+SCENARIOS = ("memory", "peer", "survivor", "survivor_shared", "local", "shared")
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def two_nodes(args: List[str], logs: Path, timeout: float) -> List[str]:
-    """Two torchrun agents of one job (one rank each); their stdout, node 0 first."""
+def run_nodes(args: List[str], logs: Path, timeout: float, nnodes: int = 2) -> List[str]:
+    """`nnodes` torchrun agents of one job (one rank each); their stdout, node 0 first."""
     logs.mkdir(parents=True, exist_ok=True)
     port, procs = _port(), []
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+    for node in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=restore-bench",
                str(REPO / "pretrain_gpt.py")] + args
@@ -88,7 +98,7 @@ def two_nodes(args: List[str], logs: Path, timeout: float) -> List[str]:
         out.close()
         if proc.returncode != 0:
             raise SystemExit(f"a node failed ({proc.returncode}); see {logs}")
-    return [(logs / f"node{n}.out").read_text() for n in (0, 1)]
+    return [(logs / f"node{n}.out").read_text() for n in range(nnodes)]
 
 
 def drop_caches() -> bool:
@@ -136,7 +146,7 @@ def run(a, out: Path, memory: Path, throttle) -> None:
 
         "--use-distributed-optimizer", "--train-iters", str(a.iters), "--async-lazy-save",
         "--lazy-save-peer-replica", "--save", str(save), "--load", str(save)]
-    train = two_nodes(base + ["--save-interval", "auto", "--mtbf-hours", "1",
+    train = run_nodes(base + ["--save-interval", "auto", "--mtbf-hours", "1",
                               "--lazy-save-local-dir", str(memory / "node{node}")],
                       out / "train", a.timeout)
     decisions = _DECISION.findall(train[0])
@@ -149,22 +159,25 @@ def run(a, out: Path, memory: Path, throttle) -> None:
     detail: Dict[str, dict] = {}
     dropped = True
     for r in range(a.rounds):
-        for scenario in ("memory", "peer", "local", "shared"):
-            local = {"memory": memory, "peer": memory, "local": disk,
-                     "shared": out / "no_copy"}[scenario]
-            if scenario == "peer":
-                shutil.rmtree(memory / "node1")
-            if scenario in ("local", "shared"):
+        for scenario in SCENARIOS:
+            local = {"memory": memory, "peer": memory, "survivor": memory, "local": disk,
+                     "shared": out / "no_copy", "survivor_shared": out / "no_copy"}[scenario]
+            if scenario == "memory" and not (memory / "node1").exists():
+                shutil.copytree(disk / "node1", memory / "node1")  # lost in the last round
+            if scenario in ("peer", "survivor"):  # node 1 lost, its memory too
+                shutil.rmtree(memory / "node1", ignore_errors=True)
+            if scenario in ("local", "shared", "survivor_shared"):
                 dropped = drop_caches() and dropped
-            logs = two_nodes(base + ["--save-interval", "1000",
+            logs = run_nodes(base + ["--save-interval", "1000",
                                      "--lazy-save-local-dir", str(local / "node{node}")],
-                             out / f"{scenario}{r}", a.timeout)
+                             out / f"{scenario}{r}", a.timeout,
+                             nnodes=1 if scenario.startswith("survivor") else 2)
             m = _LOAD.search(logs[0])
             times.setdefault(scenario, []).append(float(m.group(2)))
             event = restore_event(save)
             detail[scenario] = {
                 "bytes_read_calls": int(m.group(1)),
-                "peer_transfer_s": [float(x) for x in _RECEIVED.findall(logs[1])],
+                "peer_transfer_s": [float(x) for x in _RECEIVED.findall(logs[-1])],
                 "ranks": event["ranks"]}
             shutil.rmtree(out / "no_copy", ignore_errors=True)
     shared_s = statistics.median(times["shared"])
@@ -173,13 +186,17 @@ def run(a, out: Path, memory: Path, throttle) -> None:
           "before local and shared; disk reads " + (
               f"throttled to {a.throttle_read_mbps} MiB/s (blkio, device {throttle.device})"
               if throttle is not None else "not throttled"))
-    print(f"{'source':8s} {'load (s)':>9s} {'vs shared':>10s} {'peer B':>10s} {'memory B':>10s} "
-          f"{'shared B':>10s} {'read() B':>13s}")
+    print("vs shared: against the restore from --save at the same layout (shared at DP2, "
+          "survivor_shared at DP1)")
+    print(f"{'source':15s} {'load (s)':>9s} {'vs shared':>10s} {'peer B':>10s} "
+          f"{'memory B':>10s} {'shared B':>10s} {'read() B':>13s}")
     for scenario, ts in times.items():
         d, t = detail[scenario], statistics.median(ts)
+        base_s = statistics.median(times["survivor_shared" if scenario.startswith("survivor")
+                                         else "shared"])
         col = {k: sum(v[k] for v in d["ranks"].values())
                for k in ("peer_bytes", "local_bytes", "shared_bytes")}
-        print(f"{scenario:8s} {t:9.3f} {t / shared_s:9.2f}x {col['peer_bytes']:10d} "
+        print(f"{scenario:15s} {t:9.3f} {t / base_s:9.2f}x {col['peer_bytes']:10d} "
               f"{col['local_bytes']:10d} {col['shared_bytes']:10d} "
               f"{d['bytes_read_calls']:13d}")
     memory_s = statistics.median(times["memory"])
