@@ -312,6 +312,7 @@ def _restore_event(save):
     return [json.loads(x) for x in lines if '"restore"' in x][-1]
 
 
+DISTOPT = ["--use-distributed-optimizer"]
 ONE_RANK = TINY_MODEL + NO_DROPOUT + ["--train-iters", "2", "--async-lazy-save",
                                       "--save-interval", "1", "--lazy-save-peer-replica"]
 
@@ -438,12 +439,12 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
 # -- restarts on fewer nodes, at a new layout (issue 31) -----------------------------------------
 
 def _lose_a_node(tmp_path, nnodes, extra=()):
-    """`nnodes` agents of one rank (DP = nnodes, distributed optimizer), saves at 3 and 6 with
+    """`nnodes` agents of one rank (DP = nnodes; `extra` adds flags), saves at 3 and 6 with
     the last rank's copy of 6 held, so that 3 is the newest committed version while its
     replicas complete; then every node is killed and node 1's memory deleted. Returns (flags
     for a restart, --save, memory, the losses the killed run printed: iterations 1 to 6)."""
     save, memory = tmp_path / "save", tmp_path / "memory"
-    flags = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--use-distributed-optimizer",
+    flags = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0",
                                        "--train-iters", "6", "--global-batch-size", "12",
                                        "--async-lazy-save", "--lazy-save-peer-replica",
                                        "--save-interval", "3", *extra]
@@ -505,7 +506,7 @@ def test_lost_node_restores_from_its_peer_and_the_node_left_reads_memory_at_dp1_
     node 0 alone, at DP1 and at TP2 on its two ranks, resumes from node 0's memory (its own
     shards and node 1's replica): 0 bytes from --save. Each prints the losses of a resume from
     --save (no memory anywhere) at its layout (TP2 against DP1's, to fp32 rounding)."""
-    flags, save, memory, uninterrupted = _lose_a_node(tmp_path, 2)
+    flags, save, memory, uninterrupted = _lose_a_node(tmp_path, 2, DISTOPT)
     held = sorted(os.listdir(memory / "node0" / "iter_0000003"))  # the node left holds both
     assert [n for n in held if n.startswith("done_")] == ["done_r00000.json",
                                                            "done_r00001.json"], held
@@ -535,12 +536,13 @@ def test_lost_node_restores_from_its_peer_and_the_node_left_reads_memory_at_dp1_
 
 
 def test_restart_on_two_survivors_of_three_takes_what_each_lacks_from_the_other(tmp_path):
-    """Three nodes at DP3 (ring 0 -> 1 -> 2 -> 0), node 1 lost: the survivors hold saved ranks
+    """Three nodes at DP3 (ring 0 -> 1 -> 2 -> 0) with megatron's plain (not distributed)
+    optimizer, whose state each rank holds whole, node 1 lost: the survivors hold saved ranks
     {0, 2} and {2, 1}. Restarted on the two at DP2 (the machine that was node 2 is node 1 now:
     its memory directory is renamed as a per-machine path would find it), each reads a saved rank
     only the other holds over the process group: 0 bytes from --save, the losses of a resume
     from --save at DP2."""
-    flags, save, memory, _ = _lose_a_node(tmp_path, 3)
+    flags, save, memory, _ = _lose_a_node(tmp_path, 3)  # the other test: distributed
     os.rename(memory / "node2", memory / "node1")
     runs, event = _resume(tmp_path, "dp2", 1, flags, save, memory, nodes=2)
     assert all(e["shared_bytes"] == 0 for e in event["ranks"].values()), event
