@@ -220,6 +220,15 @@ def _memory_restore_worker(rank, port, root, out):
                                          log=lines.append)
         results.append({"iteration": done.iteration, "restored": done.restored,
                         "dropped": done.dropped, "lines": lines})
+    from datastates.megatron_adapter.levels.in_memory_relayout import assemble
+    from datastates.megatron_adapter.levels.peer_replica import bring_needed
+
+    lines = []
+    assembled = assemble(os.path.join(root, "relayout", f"node{rank}"), rank, log=lines.append)
+    version = os.path.join(assembled, "iter_0000007")
+    stats = bring_needed(version, version, 4, {0: [1, 2], 1: [3], 2: [0, 1]}[rank])
+    results.append({"root": assembled, "lines": lines,
+                    "received": {str(s): v[0] for s, v in stats.received.items()}})
     with open(os.path.join(out, f"r{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()
@@ -233,7 +242,11 @@ def test_memory_restore_takes_the_newest_version_every_rank_has_and_never_a_dama
     with its node's small files; version 4, which rank 1 no longer has whole, goes from every
     node, and every node's tracker names 3. Second case: nothing lost, but the job ended after
     nodes 0 and 2 committed version 5 and before node 1 did: node 1 commits it (its files were
-    durable: the agreement precedes every node's commit), with metadata.json from its version 4."""
+    durable: the agreement precedes every node's commit), with metadata.json from its version 4.
+    Third case, a restart at another layout: version 7 saved by four nodes, node 2 lost, the
+    three left assemble it (each gets the indexes it lacks; a damaged replica is never used;
+    version 8, which only node 0 holds, is removed) and each node receives the shard files its
+    rank reads and lacks, from a node that holds them."""
     from datastates.megatron_adapter.paths import tracked_iteration, write_tracker
 
     shards = {}
@@ -257,6 +270,17 @@ def test_memory_restore_takes_the_newest_version_every_rank_has_and_never_a_dama
             write_tracker(str(root), 4)
     shutil.rmtree(tmp_path / "lost" / "node1")
     (tmp_path / "lost" / "node1").mkdir()
+    for current, saved in enumerate((0, 1, 3)):  # saved node 2 lost; saved node 3 is node 2 now
+        root = tmp_path / "relayout" / f"node{current}"
+        shards[saved, 7] = _memory_version(root / "iter_0000007", saved, 7, world=4)
+        pred = (saved - 1) % 4
+        shards[pred, 7] = _memory_version(root / "peer" / "iter_0000007", pred, 7, world=4,
+                                          commit=False)
+        (root / "run_config.json").write_text('{"node": %d}' % saved)
+        write_tracker(str(root), 7)
+    _memory_version(tmp_path / "relayout" / "node0" / "iter_0000008", 0, 8, world=4)
+    (tmp_path / "relayout" / "node1" / "peer" / "iter_0000007" / layout.index_file(0)).write_text(
+        "{}")
     (tmp_path / "lost" / "node2" / "peer" / "iter_0000004" / layout.index_file(1)).write_text("{}")
     out = tmp_path / "out"
     out.mkdir()
@@ -281,6 +305,28 @@ def test_memory_restore_takes_the_newest_version_every_rank_has_and_never_a_dama
     for node in range(3):
         root = tmp_path / "lost" / f"node{node}"
         assert tracked_iteration(str(root)) == 3 and not (root / "iter_0000004").exists(), node
+
+    # A restart at another layout: four nodes saved (ring 0 -> 1 -> 2 -> 3 -> 0), node 2 lost;
+    # the three left hold saved ranks {0, 3}, {1, 0} (a damaged replica of 0) and {3, 2}.
+    relayout = {r: results[r][2] for r in range(3)}
+    assert all(relayout[r]["root"] == str(tmp_path / "relayout" / f"node{r}" / "relayout")
+               for r in range(3)), relayout
+    assert relayout[0]["lines"][-1] == (
+        "in-memory checkpoint of iteration 7 (saved by 4 ranks) assembled on every node for this "
+        "run's layout from the memory of the nodes left; indexes of saved rank(s) [0, 1, 2, 3] "
+        "came from other nodes")
+    assert "[rank 0] in-memory checkpoints: removed iteration(s) [8]" in relayout[0]["lines"][0]
+    assert {r: relayout[r]["received"] for r in range(3)} == {
+        0: {"1": 1, "2": 2}, 1: {"3": 0}, 2: {"0": 0, "1": 1}}
+    for current, reads in ((0, (0, 1, 2, 3)), (1, (1, 3)), (2, (0, 1, 2, 3))):
+        version = tmp_path / "relayout" / f"node{current}" / "relayout" / "iter_0000007"
+        assert layout.is_committed(str(version)) and all(
+            (version / layout.index_file(s)).exists() for s in range(4)), current
+        for s in reads:
+            assert (version / layout.shard_file(s)).read_bytes() == shards[s, 7], (current, s)
+    assert not (tmp_path / "relayout" / "node1" / "relayout" / "iter_0000007" /
+                layout.shard_file(0)).exists()  # its damaged replica is never used
+    assert not (tmp_path / "relayout" / "node0" / "iter_0000008").exists()
 
     second = {r: results[r][1] for r in range(3)}
     assert all(second[r]["iteration"] == 5 and second[r]["restored"] == {}
@@ -367,6 +413,8 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
                     "--non-persistent-ckpt-type", "in_memory",
                     "--non-persistent-save-interval", "1"]
 
+    first_flags = list(flags)
+
     def nodes(name, env=None):
         port, logs = free_port(), tmp_path / name
         logs.mkdir()
@@ -395,6 +443,7 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         held = replicated()
         assert not (save / "latest_checkpointed_iteration.txt").exists()
         shutil.copytree(os.path.join(memory, "node1"), tmp_path / "node1_memory")
+        shutil.copytree(os.path.join(memory, "node0"), tmp_path / "node0_memory")
         shutil.rmtree(os.path.join(memory, "node1"))  # node 1 lost: its memory is gone
 
         second = [n.result(timeout=240) for n in nodes("second")]
@@ -430,10 +479,44 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
                                                  if k in first_losses}, first_losses
         losses = {**second[0].losses(), **second[1].losses()}
         assert losses == after(reference, resumed), (losses, reference)
+
+        # Node 1 lost for good: the same command on node 0 alone (DP1) assembles the newest
+        # version node 0 holds whole (its own files and node 1's replica) for its layout, reads
+        # nothing from --save, and prints the losses of a resume at DP1 from a --save holding
+        # that version (made here by hand from the same files).
+        alone = tmp_path / "alone"
+        alone_memory = shared_memory_dir(str(alone / "save"), "in_memory")
+        shutil.copytree(tmp_path / "node0_memory", os.path.join(alone_memory, "node0"))
+        run = launch(1, [str(alone / "save") if f == str(save) else f for f in first_flags])
+        assert run.returncode == 0, run.describe()
+        assert f"in-memory checkpoint of iteration {held} (saved by 2 ranks) assembled on every " \
+               "node for this run's layout" in run.stdout, run.describe()
+        assert f"loading the in-memory checkpoint of iteration {held} from " in run.stdout
+        event = _restore_event(alone / "save")
+        assert event["iteration"] == held and event["ranks"]["0"]["shared_bytes"] == 0 and \
+            event["ranks"]["0"]["local_bytes"] > 0, event
+        assert not os.path.exists(os.path.join(alone_memory, "node0", "relayout"))
+        by_hand = tmp_path / "by_hand"
+        version = by_hand / f"iter_{held:07d}"
+        for source, ranks in (("", (0,)), ("peer", (1,))):
+            d = tmp_path / "node0_memory" / source / f"iter_{held:07d}"
+            for name in os.listdir(d):
+                if name != layout.COMMIT_FILE and not name.endswith(".tmp") and (
+                        not re.search(r"_r\d{5}\.", name) or
+                        int(re.search(r"_r(\d{5})\.", name).group(1)) in ranks):
+                    version.mkdir(parents=True, exist_ok=True)
+                    if not (version / name).exists():
+                        shutil.copy(d / name, version / name)
+        assert layout.try_commit(str(version), 2)
+        (by_hand / "latest_checkpointed_iteration.txt").write_text(str(held))
+        ref = launch(1, ARGS + ["--load", str(by_hand)])
+        assert ref.returncode == 0 and "format datastates" in ref.stdout, ref.describe()
+        assert run.losses() == ref.losses() and len(ref.losses()) == 6 - held, run.stdout[-3000:]
+        assert_close(run.losses(), after(reference, held))
     finally:
-        shutil.rmtree(os.path.dirname(memory), ignore_errors=True)
-        shutil.rmtree(os.path.dirname(shared_memory_dir(str(tmp_path / "fresh"), "in_memory")),
-                      ignore_errors=True)
+        for root in (save, tmp_path / "fresh", tmp_path / "alone" / "save"):
+            shutil.rmtree(os.path.dirname(shared_memory_dir(str(root), "in_memory")),
+                          ignore_errors=True)
 
 
 # -- restarts on fewer nodes, at a new layout (issue 31) -----------------------------------------

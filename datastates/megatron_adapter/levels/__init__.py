@@ -9,6 +9,9 @@
   peer_replica.py   --lazy-save-peer-replica (a peer node's copy): the ring over nodes, the thread
                     that sends each committed version to the next node, and the restore plan
                     before --load
+  in_memory.py, in_memory_peers.py, in_memory_relayout.py
+                    the in-memory level: its room and retention, a lost node's versions back from
+                    its peer, and its newest version assembled for a restart at another layout
 
 The level in host memory is the engine's cache (`datastates.cache`).
 """

@@ -539,7 +539,21 @@ def restore_before_load(shared_dir: str, local_dir: str, world_size: int,
     if ring is not None:
         received.update(_refill_holders(shared_dir, copy_dir, ring, rank))
         control_plane.barrier()
-    # Phase 2, any layout: who holds what, intact (every rank scans its node-local copy).
+    stats = bring_needed(shared_dir, copy_dir, world_size, needed, nodes)
+    return RestoreStats({**received, **stats.received}, stats.unavailable)
+
+
+def bring_needed(shared_dir: str, copy_dir: str, world_size: int, needed: Sequence[int],
+                 nodes: Optional[List[int]] = None) -> RestoreStats:
+    """Phase 2, every rank, collective, any layout: each node receives, once, every saved rank in
+    `needed` (this rank's) that its `copy_dir` lacks, from a rank that holds an intact copy
+    (its marker naming `shared_dir`'s index); `nodes`: every rank's node index."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = control_plane.all_gather_ints(node_index()) if nodes is None else nodes
+    received: Dict[int, Tuple[int, int, float]] = {}
+    # Who holds what, intact (every rank scans its node-local copy).
     try:
         held = [s for s in range(world_size) if _matches(copy_dir, shared_dir, s)]
     except OSError:

@@ -33,7 +33,7 @@ from datastates import Checksum, TensorShard, control_plane
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
     StructurePolicy, append_telemetry, check_memory_room, expand_local_dir, needed_saved_ranks, \
     MEMORY_VERSIONS_KEPT, PEER_VERSIONS, VERSIONS_HELD_FOR_PEERS, drop_node_local_newer, \
-    node_index, paths, release_memory, restore_before_load
+    bring_needed, node_index, paths, release_memory, restore_before_load
 
 from megatron.training.checkpointing import distopt_shards
 from megatron.training.checkpointing.contents import (
@@ -186,11 +186,17 @@ class PeerRestore:
     `report` says per rank what came from a peer, the node-local copy and --save, and rank 0
     appends it to the telemetry under --save (a `restore` event)."""
 
-    def __init__(self, config: RunConfig, directory: str, world_size: int, sharded_state_dict):
-        self.config, self.directory = config, directory
+    def __init__(self, config: RunConfig, directory: str, world_size: int, sharded_state_dict,
+                 assembled: bool = False):
+        """`assembled`: `directory` is an in-memory version assembled for this run's layout
+        (`assemble_memory_for_layout`): its nodes receive the shard files they lack into it."""
+        self.config, self.directory, self.assembled = config, directory, assembled
         needed = needed_saved_ranks(directory, sharded_state_dict)
-        self.stats = restore_before_load(directory, local_dir_of_this_rank(config), world_size,
-                                         needed)
+        if assembled:
+            self.stats = bring_needed(directory, directory, world_size, needed)
+        else:
+            self.stats = restore_before_load(directory, local_dir_of_this_rank(config),
+                                             world_size, needed)
         rank = dist.get_rank()
         for saved, (frm, nbytes, seconds) in sorted(self.stats.received.items()):
             print(f"[rank {rank}] received saved rank {saved}'s shards from peer rank {frm}: "
@@ -202,6 +208,11 @@ class PeerRestore:
             print(f"no intact memory copy of saved rank(s) {self.stats.unavailable} on any node: "
                   f"read from {self.directory}", flush=True)
         src = last_read["sources"]
+        if self.assembled:  # an in-memory version: every byte read came from this node's memory
+            nbytes, seconds = (sum(v[i] for v in src.values()) for i in (0, 1))
+            src = {"local": (nbytes, seconds)}
+            print(f"[rank {rank}] restored shards from memory {self.directory}: "
+                  f"{nbytes / 2**20:.2f} MiB in {seconds:.3f} s", flush=True)
         mine = [sum(n for _, n, _ in self.stats.received.values()),
                 src.get("local", (0, 0.0))[0], src.get("shared", (0, 0.0))[0],
                 int(1e6 * sum(s for _, s in src.values()))]
@@ -219,19 +230,21 @@ class PeerRestore:
             print(f"WARNING: cannot record the restore in {root}: {err}", flush=True)
 
 
-def restore_peer_copies(config: RunConfig, directory: str,
-                        sharded_state_dict) -> Optional[PeerRestore]:
+def restore_peer_copies(config: RunConfig, directory: str, sharded_state_dict,
+                        assembled: bool = False) -> Optional[PeerRestore]:
     """`PeerRestore` of what loading `sharded_state_dict` reads from a DataStates checkpoint
-    when --lazy-save-peer-replica is on, else None."""
+    when --lazy-save-peer-replica is on, or from an in-memory version `assembled` for this run's
+    layout; else None."""
     ckpt = config.checkpoint
     commit = os.path.join(directory, paths.DATASTATES_COMMIT_FILENAME)
-    if not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica and os.path.isfile(commit)):
+    if not assembled and not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica
+                              and os.path.isfile(commit)):
         return None
-    if ckpt.lazy_save_local_dir is None:  # with the in-memory level, its versions are replicated
-        return None
+    if not assembled and ckpt.lazy_save_local_dir is None:  # the in-memory level's versions
+        return None                                         # are replicated, not --save's
     with open(commit) as f:
         world = int(json.load(f)["world_size"])
-    return PeerRestore(config, directory, world, sharded_state_dict)
+    return PeerRestore(config, directory, world, sharded_state_dict, assembled)
 
 
 def lazy_save_config(config: RunConfig) -> LazySaveConfig:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 # Importing datastates registers its dist_checkpointing load strategy, so megatron-core reads
 # --async-lazy-save checkpoints (metadata.json names the "datastates" backend) like any other.
@@ -17,8 +18,8 @@ import torch.distributed as dist
 import datastates
 from datastates import control_plane
 from datastates.fileio import safe_join
-from datastates.megatron_adapter import load_strategies, newest_on_every_node, paths, \
-    restore_memory_from_peers
+from datastates.megatron_adapter import assemble_memory_for_layout, is_assembled_memory, \
+    load_strategies, newest_on_every_node, paths, restore_memory_from_peers
 from datastates.safe_load import UnsafePickleError
 from datastates.universal import is_universal
 
@@ -171,12 +172,19 @@ def load_checkpoint(state: TrainState, config: RunConfig,
             sd[_OWN_BOXES] = distopt_shards.param_state_sharded_tensors(state.optimizer, sd)
             pointers = distopt_shards.state_pointers(state.optimizer)
         # A node-local version is read from this node's directory alone; the peer replicas and
-        # --lazy-save-local-dir copies are of --save's versions.
-        peers = None if node_local else restore_peer_copies(config, directory, sd)
+        # --lazy-save-local-dir copies are of --save's versions. An in-memory version assembled
+        # for this layout first receives the shard files its node's ranks read and lack.
+        assembled = node_local and is_assembled_memory(root)
+        peers = (restore_peer_copies(config, directory, sd, assembled=True) if assembled
+                 else None if node_local else restore_peer_copies(config, directory, sd))
         loaded = _load_torch_dist(sd, directory, loader, unsafe,
                                   None if node_local else local_dir_of_this_rank(config),
                                   ckpt.ckpt_fully_parallel_load,
                                   on_read=None if peers is None else peers.report)
+        if assembled:  # read: its copies leave memory (the node's own versions stay)
+            control_plane.barrier()
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                shutil.rmtree(root, ignore_errors=True)
         if megatron_lm is not None:
             loaded = upstream_compat.normalize_loaded(loaded, directory)
     else:
@@ -244,15 +252,20 @@ def resume_root(config: RunConfig) -> Optional[str]:
         if ckpt.non_persistent_ckpt_type == "in_memory" and ckpt.async_lazy_save and \
                 ckpt.lazy_save_peer_replica:
             _restore_memory_from_peers(non_persistent)
-        why = _foreign_reason(non_persistent, config)
-        if why is not None:
-            print_rank_0(f"not loading the {level} checkpoint in {non_persistent}: {why}")
-        newer, lacking = newest_on_every_node(non_persistent, dist.get_rank(),
-                                              accept=lambda root: why is None)
-        if lacking and len(lacking) < dist.get_world_size():
-            print_rank_0(f"{level} checkpoints: rank(s) {lacking} do not hold the newest one on "
-                         "their node (or hold it for another model or parallel layout): not "
-                         "loading them")
+        why, other_layout = _foreign_reason(non_persistent, config)
+        assembled = (_memory_at_this_layout(non_persistent, why, other_layout)
+                     if ckpt.non_persistent_ckpt_type == "in_memory" else None)
+        if assembled is not None:  # the same on every rank
+            non_persistent, newer = assembled, paths.tracked_iteration(assembled)
+        else:
+            if why is not None:
+                print_rank_0(f"not loading the {level} checkpoint in {non_persistent}: {why}")
+            newer, lacking = newest_on_every_node(non_persistent, dist.get_rank(),
+                                                  accept=lambda root: why is None)
+            if lacking and len(lacking) < dist.get_world_size():
+                print_rank_0(f"{level} checkpoints: rank(s) {lacking} do not hold the newest one "
+                             "on their node (or hold it for another model or parallel layout): "
+                             "not loading them")
     else:
         newer = paths.tracked_iteration(non_persistent) if non_persistent else None
     if newer is None:
@@ -288,28 +301,50 @@ def _restore_memory_from_peers(root: str) -> None:
 _LEVEL_NAMES = {"global": "non-persistent", "local": "non-persistent", "in_memory": "in-memory"}
 
 
-def _foreign_reason(root: str, config: RunConfig) -> Optional[str]:
-    """Why the node-local versions under `root` (this rank's node's) are not this job's to load,
-    or None: none there, or saved by a run of this model at this parallel layout (each rank
-    reads its own files, so a node-local version loads only there). Another --save's memory is
-    in another root altogether (`config.shared_memory_dir`)."""
+def _foreign_reason(root: str, config: RunConfig) -> Tuple[Optional[str], bool]:
+    """(why the node-local versions under `root` (this rank's node's) are not this job's to load
+    as they are, or None: none there, or saved by a run of this model at this parallel layout;
+    whether the only reason is the layout). Each rank reads its own files of a node-local
+    version, so it loads as it is only at its layout. Another --save's memory is in another root
+    altogether (`config.shared_memory_dir`)."""
     if paths.tracked_iteration(root) is None:
-        return None
+        return None, False
     try:
         with open(os.path.join(root, paths.RUN_CONFIG_FILENAME)) as f:
             saved = json.load(f)
         layout = _layout_of(saved)
         shape = model_shape_of(saved)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"its {paths.RUN_CONFIG_FILENAME} is missing or unreadable ({err})"
-    if layout != parallel_layout(config):
-        return f"saved at parallel layout {layout}, this run is {parallel_layout(config)}"
+        return f"its {paths.RUN_CONFIG_FILENAME} is missing or unreadable ({err})", False
     ours = model_shape(config)
     differ = sorted(k for k, v in ours.items() if shape.get(k) != v)
     if differ:
         return "saved by another model (" + ", ".join(
-            f"{k}: {shape.get(k)} there, {ours[k]} here" for k in differ) + ")"
-    return None
+            f"{k}: {shape.get(k)} there, {ours[k]} here" for k in differ) + ")", False
+    if layout != parallel_layout(config):
+        return f"saved at parallel layout {layout}, this run is {parallel_layout(config)}", True
+    return None, False
+
+
+def _memory_at_this_layout(root: str, why: Optional[str], other_layout: bool) -> Optional[str]:
+    """Every rank (collective): where some node holds the in-memory level's versions of this
+    model at another parallel layout and none holds anything else foreign, their newest version
+    the nodes hold whole, assembled on every node for this run's layout
+    (`datastates.megatron_adapter.levels.in_memory_relayout`); None otherwise, or when that
+    failed on any rank (agreed, and warned about: the levels are then read as they are)."""
+    codes = control_plane.all_gather_ints(1 if other_layout else 2 if why is not None else 0)
+    if 1 not in codes or 2 in codes:
+        return None
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        return assemble_memory_for_layout(root, dist.get_rank(), log=log)
+    except datastates.CheckpointError as err:
+        print_rank_0(f"WARNING: the in-memory checkpoint was not assembled for this run's "
+                     f"layout: {err}")
+        return None
 
 
 def _newest_intact(root: str, iteration: int, config: RunConfig):
@@ -419,8 +454,9 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
                 sharded, ps.get_data_parallel_group(with_context_parallel=True))
         loaded = dist_checkpointing.load(sd, directory, sharded_strategy=strategy,
                                          common_strategy=common)
-        if local_dir is not None and getattr(sharded, "last_read", None) is not None:
-            _report_sources(directory, sharded.last_read)
+        if getattr(sharded, "last_read", None) is not None:
+            if local_dir is not None:
+                _report_sources(directory, sharded.last_read)
             if on_read is not None:
                 on_read(sharded.last_read)
         return loaded
