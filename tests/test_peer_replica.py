@@ -584,12 +584,13 @@ def _losses(runs):
 
 def test_lost_node_restores_from_its_peer_and_the_node_left_reads_memory_at_dp1_and_tp2(
         tmp_path):
-    """Two nodes at DP2, node 1 killed mid-run and its memory deleted. Both nodes again: node 1's
+    """Two nodes at DP2 with megatron's plain optimizer (the three-node test below has the
+    distributed one), node 1 killed mid-run and its memory deleted. Both nodes again: node 1's
     rank gets its shards back from node 0 and nothing is read from --save. The same command on
     node 0 alone, at DP1 and at TP2 on its two ranks, resumes from node 0's memory (its own
     shards and node 1's replica): 0 bytes from --save. Each prints the losses of a resume from
     --save (no memory anywhere) at its layout (TP2 against DP1's, to fp32 rounding)."""
-    flags, save, memory, uninterrupted = _lose_a_node(tmp_path, 2, DISTOPT)
+    flags, save, memory, uninterrupted = _lose_a_node(tmp_path, 2)  # the plain optimizer
     held = sorted(os.listdir(memory / "node0" / "iter_0000003"))  # the node left holds both
     assert [n for n in held if n.startswith("done_")] == ["done_r00000.json",
                                                            "done_r00001.json"], held
@@ -619,13 +620,14 @@ def test_lost_node_restores_from_its_peer_and_the_node_left_reads_memory_at_dp1_
 
 
 def test_restart_on_two_survivors_of_three_takes_what_each_lacks_from_the_other(tmp_path):
-    """Three nodes at DP3 (ring 0 -> 1 -> 2 -> 0) with megatron's plain (not distributed)
-    optimizer, whose state each rank holds whole, node 1 lost: the survivors hold saved ranks
+    """Three nodes at DP3 (ring 0 -> 1 -> 2 -> 0) with the distributed optimizer, node 1 lost
+    (each survivor then reads its own ranges of the optimizer's state, at DP2, out of saved
+    ranks' files that partly only the other survivor holds): the survivors hold saved ranks
     {0, 2} and {2, 1}. Restarted on the two at DP2 (the machine that was node 2 is node 1 now:
     its memory directory is renamed as a per-machine path would find it), each reads a saved rank
     only the other holds over the process group: 0 bytes from --save, the losses of a resume
     from --save at DP2."""
-    flags, save, memory, _ = _lose_a_node(tmp_path, 3)  # the other test: distributed
+    flags, save, memory, _ = _lose_a_node(tmp_path, 3, DISTOPT)
     os.rename(memory / "node2", memory / "node1")
     runs, event = _resume(tmp_path, "dp2", 1, flags, save, memory, nodes=2)
     assert all(e["shared_bytes"] == 0 for e in event["ranks"].values()), event
