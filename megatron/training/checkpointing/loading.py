@@ -181,10 +181,9 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                                   None if node_local else local_dir_of_this_rank(config),
                                   ckpt.ckpt_fully_parallel_load,
                                   on_read=None if peers is None else peers.report)
-        if assembled:  # read: its copies leave memory (the node's own versions stay)
+        if assembled:  # read by every rank: its copies leave memory
             control_plane.barrier()
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-                shutil.rmtree(root, ignore_errors=True)
+            _drop_assembled(root)
         if megatron_lm is not None:
             loaded = upstream_compat.normalize_loaded(loaded, directory)
     else:
@@ -275,6 +274,8 @@ def resume_root(config: RunConfig) -> Optional[str]:
     if persistent is not None and newer < persistent:
         print_rank_0(f"{level} checkpoint (iteration {newer} in {non_persistent}) is older "
                      f"than the persistent one (iteration {persistent}): loading {ckpt.load}")
+        if is_assembled_memory(non_persistent):
+            _drop_assembled(non_persistent)
         return ckpt.load
     print_rank_0(f"loading the {level} checkpoint of iteration {newer} from "
                  f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
@@ -299,6 +300,13 @@ def _restore_memory_from_peers(root: str) -> None:
 
 #: How a resume names the level of the non-persistent checkpoint it takes or skips.
 _LEVEL_NAMES = {"global": "non-persistent", "local": "non-persistent", "in_memory": "in-memory"}
+
+
+def _drop_assembled(root: str) -> None:
+    """An in-memory version assembled for this layout, once nothing reads it, leaves memory (by
+    one rank per node; the node's own versions stay where they were)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _foreign_reason(root: str, config: RunConfig) -> Tuple[Optional[str], bool]:
