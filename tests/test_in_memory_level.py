@@ -106,19 +106,22 @@ def test_memory_of_another_model_or_layout_is_skipped_with_its_reason(tmp_path):
     ours = config("--save /s --async-lazy-save --non-persistent-save-interval 1 "
                   "--non-persistent-ckpt-type in_memory")
     root = str(tmp_path / "mem")
-    assert _foreign_reason(root, ours) is None  # nothing there
+    assert _foreign_reason(root, ours) == (None, False)  # nothing there
     saved = json.loads(ours.to_json())
     _fake_version(root, 7, saved)
-    assert _foreign_reason(root, ours) is None
+    assert _foreign_reason(root, ours) == (None, False)
     saved["parallel"]["tensor_model_parallel_size"] = 2
     saved["parallel"]["world_size"] = 2
     _fake_version(str(tmp_path / "tp2"), 7, saved)
-    assert "saved at parallel layout {'tp': 2" in _foreign_reason(str(tmp_path / "tp2"), ours)
+    why, other_layout = _foreign_reason(str(tmp_path / "tp2"), ours)
+    assert "saved at parallel layout {'tp': 2" in why and other_layout  # assembled for ours
     wider = json.loads(ours.to_json())
     wider["model"]["hidden_size"] *= 2
+    wider["parallel"]["world_size"] = 2  # another model at another layout: the model decides
     _fake_version(str(tmp_path / "wider"), 7, wider)
-    why = _foreign_reason(str(tmp_path / "wider"), ours)
+    why, other_layout = _foreign_reason(str(tmp_path / "wider"), ours)
     assert why.startswith("saved by another model (hidden_size: ") and " here" in why
+    assert not other_layout
 
 
 def test_memory_is_given_back_only_when_save_is_as_new(tmp_path):
