@@ -13,6 +13,7 @@ from typing import Callable, Optional, Tuple
 
 # Importing datastates registers its dist_checkpointing load strategy, so megatron-core reads
 # --async-lazy-save checkpoints (metadata.json names the "datastates" backend) like any other.
+import torch
 import torch.distributed as dist
 
 import datastates
@@ -170,6 +171,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                                       rng_layout=rng_layout)
         if own_boxes:
             sd[_OWN_BOXES] = distopt_shards.param_state_sharded_tensors(state.optimizer, sd)
+            views = [sh.data for sh in sd[_OWN_BOXES]]
             pointers = distopt_shards.state_pointers(state.optimizer)
         # A node-local version is read from this node's directory alone; the peer replicas and
         # --lazy-save-local-dir copies are of --save's versions. An in-memory version assembled
@@ -191,7 +193,10 @@ def load_checkpoint(state: TrainState, config: RunConfig,
                                  unsafe)
     count_loaded(loaded)
     if own_boxes:  # param groups, step, scaler here; the parameter state is in place already
-        del loaded[_OWN_BOXES]
+        with torch.no_grad():  # except where the reader could not read in place (GPU tensors)
+            for view, got in zip(views, loaded.pop(_OWN_BOXES)):
+                if got is not view:
+                    view.copy_(got)
         for key in ("param_state", "param_state_sharding_type"):
             loaded["optimizer"].pop(key, None)
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
