@@ -65,6 +65,9 @@ FAULT_ENV = {"DATASTATES_FAULT_DELAY_COPY": f"3@{FAULT_ITERATION}"}
 ITERATIONS = 6
 SIX = ["--train-iters", str(ITERATIONS), "--eval-interval", "0"]
 LAZY = ["--async-lazy-save", "--save-interval", "1"]
+# b and c train with the distributed optimizer: c's resume then reads each rank's ranges of its
+# state straight into the optimizer, copied there from the reader on CUDA (loading.py).
+DISTOPT = ["--use-distributed-optimizer"]
 _STALL = re.compile(r" checkpoint iteration\s+(\d+) \|.*? stall \(ms\): ([\d.]+)")
 _BACKEND = re.compile(r"> GPT model: .*backend (\w+)")
 
@@ -256,7 +259,8 @@ def step_engine_cuda_tests(ck: Check) -> Step:
 def _lazy_run(ck: Check) -> Optional[Run]:
     """Six iterations, a lazy save every iteration, iteration 3's copy delayed (shared by b, c)."""
     if "lazy" not in ck.runs:  # once, even if it failed: c reports b's failure, not a rerun
-        ck.train("lazy", TINY_MODEL + NO_DROPOUT + SIX + LAZY + ["--save", str(ck.work / "lazy")],
+        ck.train("lazy", TINY_MODEL + NO_DROPOUT + SIX + LAZY + DISTOPT +
+                 ["--save", str(ck.work / "lazy")],
                  cap=150, extra_env=FAULT_ENV)
     return ck.trainer_runs.get("lazy")
 
@@ -272,7 +276,7 @@ def step_lazy_vs_torch_dist(ck: Check) -> Step:
     t = time.time()
     step = Step()
     lazy = _lazy_run(ck)
-    ref = ck.train("torch_dist", TINY_MODEL + NO_DROPOUT + SIX + [
+    ref = ck.train("torch_dist", TINY_MODEL + NO_DROPOUT + SIX + DISTOPT + [
         "--exit-interval", str(FAULT_ITERATION), "--save-interval", str(FAULT_ITERATION),
         "--save", str(ck.work / "torch_dist")], cap=150)
     name = f"iter_{FAULT_ITERATION:07d}"
@@ -322,7 +326,7 @@ def step_lazy_resume(ck: Check) -> Step:
     load = ck.work / "resume"
     load.mkdir()
     copy_checkpoints(str(ck.work / "lazy"), [FAULT_ITERATION], FAULT_ITERATION, str(load))
-    resumed = ck.train("resume", TINY_MODEL + NO_DROPOUT + SIX + LAZY +
+    resumed = ck.train("resume", TINY_MODEL + NO_DROPOUT + SIX + LAZY + DISTOPT +
                        ["--load", str(load), "--save", str(load)], cap=150)
     if resumed is None or resumed.returncode != 0:
         step.detail = _describe_failed_run("resume", resumed)

@@ -4,7 +4,7 @@
 # The CUDA/NCCL check, prepared for a machine with ONE CUDA GPU where python3 is 3.12 with a CUDA
 # build of torch 2.11, without network and without megatron-core. It installs the wheels carried
 # in .whl/ into /tmp/site, then runs scripts/gpu_check.py: (a) tests/test_engine_cuda.py, (b) a
-# tiny GPT on NCCL with --bf16 and --async-lazy-save, iteration 3's copy delayed while iteration 4
+# tiny GPT on NCCL with --bf16, the distributed optimizer and --async-lazy-save, iteration 3's copy delayed while iteration 4
 # runs, its checkpoint compared bit for bit with torch_dist sync's, (c) a bit-exact resume from it,
 # (d) the engine's device-to-host snapshot rate against pinned torch copies, (e) the cost of a save
 # in the background, (f) the 117M GPT with an in-memory checkpoint every iteration against none;
