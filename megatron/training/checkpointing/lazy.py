@@ -237,11 +237,11 @@ def restore_peer_copies(config: RunConfig, directory: str, sharded_state_dict,
     layout; else None."""
     ckpt = config.checkpoint
     commit = os.path.join(directory, paths.DATASTATES_COMMIT_FILENAME)
-    if not assembled and not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica
-                              and os.path.isfile(commit)):
-        return None
-    if not assembled and ckpt.lazy_save_local_dir is None:  # the in-memory level's versions
-        return None                                         # are replicated, not --save's
+    if not assembled:
+        if not (ckpt.async_lazy_save and ckpt.lazy_save_peer_replica and os.path.isfile(commit)):
+            return None
+        if ckpt.lazy_save_local_dir is None:  # with the in-memory level, its versions are
+            return None                       # replicated, not --save's
     with open(commit) as f:
         world = int(json.load(f)["world_size"])
     return PeerRestore(config, directory, world, sharded_state_dict, assembled)

@@ -288,16 +288,18 @@ def resume_root(config: RunConfig) -> Optional[str]:
     return non_persistent
 
 
+def _log(line: str) -> None:
+    """A line of a level's restore, from every rank that has one (they name their rank)."""
+    print(line, flush=True)
+
+
 def _restore_memory_from_peers(root: str) -> None:
     """--lazy-save-peer-replica with the in-memory level, every rank (collective): a node that
     lost its memory gets its ranks' newest in-memory version back from the next node's replica
     (`datastates.megatron_adapter.levels.in_memory_peers`). A failure is agreed on by every rank
     and only warned about: the levels are then read as they are."""
-    def log(line: str) -> None:
-        print(line, flush=True)
-
     try:
-        restore_memory_from_peers(root, dist.get_world_size(), dist.get_rank(), log=log)
+        restore_memory_from_peers(root, dist.get_world_size(), dist.get_rank(), log=_log)
     except datastates.CheckpointError as err:
         print_rank_0(f"WARNING: the in-memory checkpoints were not restored from peer replicas: "
                      f"{err}")
@@ -349,11 +351,8 @@ def _memory_at_this_layout(root: str, why: Optional[str], other_layout: bool) ->
     if 1 not in codes or 2 in codes:
         return None
 
-    def log(line: str) -> None:
-        print(line, flush=True)
-
     try:
-        return assemble_memory_for_layout(root, dist.get_rank(), log=log)
+        return assemble_memory_for_layout(root, dist.get_rank(), log=_log)
     except datastates.CheckpointError as err:
         print_rank_0(f"WARNING: the in-memory checkpoint was not assembled for this run's "
                      f"layout: {err}")
