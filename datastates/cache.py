@@ -78,9 +78,11 @@ class HostCache:
             return None
         return self._head if self._head + size <= tail else None
 
-    def alloc(self, nbytes: int, abort: Callable[[], bool] = lambda: False) -> int:
-        """Offset of a free block of at least `nbytes`; waits while the cache is full.
-        Raises CheckpointError if `abort()` becomes true while waiting."""
+    def alloc(self, nbytes: int, abort: Callable[[], bool] = lambda: False,
+              wait: bool = True) -> Optional[int]:
+        """Offset of a free block of at least `nbytes`; waits while the cache is full (None
+        instead, with `wait=False`). Raises CheckpointError if `abort()` becomes true while
+        waiting."""
         size = self.round(nbytes)
         if size > self.capacity:
             raise CheckpointError(f"internal: block of {size} bytes exceeds cache of "
@@ -90,6 +92,8 @@ class HostCache:
                 start = self._try_place(size)
                 if start is not None:
                     break
+                if not wait:
+                    return None
                 if abort():
                     raise CheckpointError("save aborted while waiting for cache space")
                 self._cond.wait(0.1)

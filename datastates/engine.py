@@ -36,12 +36,15 @@ from .mapped import MappedShard, SlotPool, map_new_file
 from .job import FILE_ALIGN, SaveHandle, SaveJob, Segment, is_small, plan_layout
 from .flatten import FlatState, TensorEntry, flatten_state
 from .telemetry import SaveRecord, append_record
-from .transfer import Copier, iter_pieces
+from .transfer import Copier, InFlight, iter_pieces
 
 logger = logging.getLogger(__name__)
 
 
 _STOP = object()
+#: Device-to-host copies a copy thread keeps queued on its copy stream before it waits for the
+#: oldest (`InFlight`): enough that the copy engine always has the next one.
+COPIES_IN_FLIGHT = 4
 
 
 class CheckpointEngine:
@@ -429,24 +432,34 @@ class CheckpointEngine:
             if item is _STOP:
                 return
             sv, groups = item
+            inflight = InFlight(COPIES_IN_FLIGHT)
             for group in groups:
-                self._copy_group(sv, group)
+                self._copy_group(sv, group, inflight)
+            inflight.drain()
 
-    def _copy_group(self, sv: SaveJob, group: List[int]) -> None:
+    def _copy_group(self, sv: SaveJob, group: List[int], inflight: InFlight) -> None:
+        """Issue the group's copies into `inflight`, then, once they have landed, count its
+        tensors as copied (in that order: `wait_for_snapshot` returns only after)."""
         try:
             if group[0] == 0:
                 fault_point("copy", sv.handle.step, self.cfg.rank)
             if sv.error is None:
                 if not is_small(sv.entries[group[0]].nbytes, self._max_piece()):
-                    self._copy_large(sv, group[0])
+                    self._copy_large(sv, group[0], inflight)
                 else:
-                    self._copy_bundle(sv, group)
+                    self._copy_bundle(sv, group, inflight)
         except CheckpointError as e:
             self._fail(sv, e)
         except Exception as e:  # noqa: BLE001 - re-raised in the caller as CheckpointError
-            self._fail(sv, CheckpointError(f"copy to host cache failed: {e!r}",
-                                           rank=self.cfg.rank, file=sv.shard_path,
-                                           tensor=sv.entries[group[0]].key))
+            self._copy_failed(sv, group[0], e)
+        inflight.add((), lambda: self._group_copied(sv, group), None)
+
+    def _copy_failed(self, sv: SaveJob, i: int, err: BaseException) -> None:
+        self._fail(sv, CheckpointError(f"copy to host cache failed: {err!r}",
+                                       rank=self.cfg.rank, file=sv.shard_path,
+                                       tensor=sv.entries[i].key))
+
+    def _group_copied(self, sv: SaveJob, group: List[int]) -> None:
         with self._cond:
             sv.entries_copied += len(group)
             if sv.entries_copied == len(sv.entries):
@@ -465,7 +478,7 @@ class CheckpointEngine:
             sv.inflight += 1
         self._write_q.put((sv, segments, start, total))
 
-    def _copy_large(self, sv: SaveJob, i: int) -> None:
+    def _copy_large(self, sv: SaveJob, i: int, inflight: InFlight) -> None:
         """One big tensor, streamed through the cache in pieces of at most `_max_piece()`."""
         t = sv.entries[i].tensor.detach()  # may be a parameter (see TensorEntry)
         ready = sv.ready_events.get(t.device) if t.is_cuda else None
@@ -473,40 +486,62 @@ class CheckpointEngine:
             nbytes = piece.numel() * piece.element_size()
             if sv.mapped:  # straight into the shard's pages; the writer only checksums
                 start = sv.file_offsets[i] + off
-                crc = sv.copier.copy(piece, start, ready)
-                self._hand_over(sv, [Segment(i, off, nbytes, 0, crc)], start, nbytes)
-                continue
-            start = self._alloc(sv, nbytes)
-            try:
-                crc = self._copier.copy(piece, start, ready)
-            except BaseException:
-                self._cache.free(start)
-                raise
-            self._hand_over(sv, [Segment(i, off, nbytes, 0, crc)], start, nbytes)
+                crc, landed = sv.copier.issue(piece, start, ready)
+            else:
+                start = self._take_cache(sv, nbytes, inflight)
+                try:
+                    crc, landed = self._copier.issue(piece, start, ready)
+                except BaseException:
+                    self._cache.free(start)
+                    raise
+            self._land(sv, i, [Segment(i, off, nbytes, 0, crc)], start, nbytes,
+                       [] if landed is None else [landed], inflight)
 
-    def _copy_bundle(self, sv: SaveJob, group: List[int]) -> None:
+    def _copy_bundle(self, sv: SaveJob, group: List[int], inflight: InFlight) -> None:
         """Small tensors packed into one cache block and written with one write, as laid out
         contiguously in the file by `plan_layout`."""
         base = sv.file_offsets[group[0]]
         total = sv.file_offsets[group[-1]] + sv.entries[group[-1]].nbytes - base
         if total == 0:
             return
-        start = base if sv.mapped else self._alloc(sv, total)
+        start = base if sv.mapped else self._take_cache(sv, total, inflight)
         copier = sv.copier if sv.mapped else self._copier
-        segments = []
+        segments, events = [], []
         try:
             for i in group:
                 e = sv.entries[i]
                 if e.nbytes:
                     pos = sv.file_offsets[i] - base
                     ready = sv.ready_events.get(e.tensor.device) if e.tensor.is_cuda else None
-                    crc = copier.copy(e.tensor.detach(), start + pos, ready)
+                    crc, landed = copier.issue(e.tensor.detach(), start + pos, ready)
                     segments.append(Segment(i, 0, e.nbytes, pos, crc))
+                    if landed is not None:
+                        events.append(landed)
         except BaseException:
-            if not sv.mapped:
-                self._cache.free(start)
+            try:  # copies already queued must land before their block can be reused
+                for ev in events:
+                    ev.synchronize()
+            finally:
+                if not sv.mapped:
+                    self._cache.free(start)
             raise
-        self._hand_over(sv, segments, start, total)
+        self._land(sv, group[0], segments, start, total, events, inflight)
+
+    def _take_cache(self, sv: SaveJob, nbytes: int, inflight: InFlight) -> int:
+        """A host cache block; with none free, the copies in flight are handed over first (only
+        handed-over blocks are ever freed, by the writers) and then the cache is waited for."""
+        start = self._cache.alloc(nbytes, wait=False)
+        if start is None:
+            inflight.drain()
+            start = self._alloc(sv, nbytes)
+        return start
+
+    def _land(self, sv: SaveJob, i: int, segments: List[Segment], start: int, total: int,
+              events: List, inflight: InFlight) -> None:
+        """Hand the block to a writer once `events` have completed (its bytes are on the host);
+        a copy that failed fails the save, and the writer then only frees the block."""
+        inflight.add(events, lambda: self._hand_over(sv, segments, start, total),
+                     lambda err: self._copy_failed(sv, i, err))
 
     def _write_loop(self) -> None:
         self._nice()

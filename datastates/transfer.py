@@ -6,8 +6,9 @@ exactly the bytes of `tensor.contiguous()`.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Deque, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -67,14 +68,26 @@ class Copier:
     def copy(self, piece: torch.Tensor, start: int,
              ready_event: Optional["torch.cuda.Event"] = None) -> Optional[int]:
         """Copy `piece` to cache offset `start`; its CRC-32C if computed on the way (see class)."""
+        crc, landed = self.issue(piece, start, ready_event)
+        if landed is not None:
+            landed.synchronize()
+        return crc
+
+    def issue(self, piece: torch.Tensor, start: int,
+              ready_event: Optional["torch.cuda.Event"] = None
+              ) -> Tuple[Optional[int], Optional["torch.cuda.Event"]]:
+        """Start copying `piece` to cache offset `start`: (its CRC-32C if computed on the way,
+        an event that completes once the bytes are on the host, or None when they already
+        are). A CUDA piece's copy is only queued on the copy stream: its source must stay alive
+        and its bytes unread until the event completes (`InFlight`)."""
         nbytes = piece.numel() * piece.element_size()
         if not piece.is_cuda and piece.is_contiguous():
             # No OpenMP team (see below), ~1 us of overhead per tensor, and ctypes drops the GIL
             # for the call.
             if self.fused:
-                return copycrc.copy_crc32c(self._base + start, piece.data_ptr(), nbytes)
+                return copycrc.copy_crc32c(self._base + start, piece.data_ptr(), nbytes), None
             ctypes.memmove(self._base + start, piece.data_ptr(), nbytes)
-            return None
+            return None, None
         dst = self.cache.view(start, nbytes).view(piece.dtype).view(piece.shape)
         if piece.is_cuda:
             stream = self._stream(piece.device)
@@ -82,16 +95,57 @@ class Copier:
                 if ready_event is not None:
                     stream.wait_event(ready_event)
                 dst.copy_(piece, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            # The writer reads the host bytes next, so they must have landed.
-            done.synchronize()
-            return None
-        else:
-            # numpy's copy is single-threaded and drops the GIL. torch's copy_ would start an
-            # OpenMP team from this thread whose spin-waiting competes with training on few cores.
-            np.copyto(_as_numpy(dst), _as_numpy(piece), casting="no")
-            return None
+                landed = torch.cuda.Event()
+                landed.record(stream)
+            return None, landed
+        # numpy's copy is single-threaded and drops the GIL. torch's copy_ would start an
+        # OpenMP team from this thread whose spin-waiting competes with training on few cores.
+        np.copyto(_as_numpy(dst), _as_numpy(piece), casting="no")
+        return None, None
+
+
+class InFlight:
+    """Copies issued but not yet landed, in issue order, each with what runs once it has landed
+    (hand the bytes to a writer; count a tensor as copied and drop the reference to it) or failed.
+
+    A copy thread that waited for each device-to-host copy before issuing the next left the copy
+    engine idle while it woke up, handed the piece over and issued the next one, per piece and,
+    in a bundle, per small tensor. Here up to `depth` landing events are outstanding: the thread
+    waits for the oldest only when one more would exceed that, or when `drain` is called (before
+    it blocks on anything else, e.g. host cache space, which only handed-over pieces free). An
+    entry without events (a CPU copy is done when issued) runs as soon as every entry before it
+    has."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self._q: Deque[Tuple[Sequence, Callable[[], None], Callable[[BaseException], None]]] = \
+            collections.deque()
+        self._events = 0
+
+    def add(self, events: Sequence, landed: Callable[[], None],
+            failed: Callable[[BaseException], None]) -> None:
+        """`landed()` once every event of `events` has completed (at once if there are none and
+        nothing is pending); `failed(error)` first if waiting for one raised, then `landed()`
+        all the same (it hands over or frees what the copy used)."""
+        self._q.append((events, landed, failed))
+        self._events += len(events)
+        while self._q and (not self._q[0][0] or self._events > self.depth):
+            self._pop()
+
+    def drain(self) -> None:
+        while self._q:
+            self._pop()
+
+    def _pop(self) -> None:
+        events, landed, failed = self._q.popleft()
+        self._events -= len(events)
+        try:
+            for ev in events:
+                ev.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported through `failed`, then handed on
+            failed(e)
+        landed()
+
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -162,3 +162,41 @@ def test_build_script_builds_the_library_the_engine_loads(tmp_path):
     dst = ctypes.create_string_buffer(len(data))
     assert fn(ctypes.addressof(dst), data, len(data), 0, 1) == crc32c.crc32c(data)
     assert dst.raw == data
+
+
+class _Landing:
+    """What `InFlight` needs of a CUDA event: synchronize(), which records the order of the
+    waits (or raises, as a failed device-to-host copy would)."""
+
+    def __init__(self, name, log, error=None):
+        self.name, self.log, self.error = name, log, error
+
+    def synchronize(self):
+        self.log.append(f"wait {self.name}")
+        if self.error is not None:
+            raise self.error
+
+
+def test_in_flight_copies_land_in_issue_order_with_at_most_depth_outstanding():
+    """The copy thread's window (`transfer.InFlight`): nothing is waited for until more than
+    `depth` copies are outstanding; hand-overs run in issue order, an entry without events (a CPU
+    copy, a group's end) only after every entry before it; a failed copy is reported and its
+    block still handed on; `drain` empties it."""
+    from datastates.transfer import InFlight
+
+    log = []
+    w = InFlight(depth=2)
+    ev = {n: _Landing(n, log) for n in "abcd"}
+    w.add([ev["a"]], lambda: log.append("land a"), log.append)
+    w.add([ev["b"]], lambda: log.append("land b"), log.append)
+    w.add([], lambda: log.append("group 1 done"), None)
+    assert log == []  # two outstanding: nothing waited for yet
+    w.add([ev["c"], ev["d"]], lambda: log.append("land cd"), log.append)
+    assert log == ["wait a", "land a", "wait b", "land b", "group 1 done"]
+    boom = RuntimeError("copy failed")
+    w.add([_Landing("e", log, boom)], lambda: log.append("land e"),
+          lambda err: log.append(f"failed {err}"))
+    w.drain()
+    assert log[5:] == ["wait c", "wait d", "land cd", "wait e", "failed copy failed", "land e"]
+    w.add([], lambda: log.append("cpu copy"), None)
+    assert log[-1] == "cpu copy"  # nothing pending: handed over at once
