@@ -4,7 +4,7 @@ Usage:
   python benchmarks/engine_bench.py [--dir DIR] [--size-gb 1.0] [--tensors 64] [--rounds 2]
                                     [--cache-mb MB] [--writers 1] [--modes buffered,direct]
                                     [--checksums crc32c] [--json out.json]
-                                    [--device cpu|cuda] [--snapshot-only]
+                                    [--device cpu|cuda] [--snapshot-only [--mapped-dir DIR]]
                                     [--no-torch-save]
 
 Each round runs, in this order, on the same directory: for each engine write mode, a raw write
@@ -18,10 +18,15 @@ waits for, the copy into host memory: engine save + wait_for_snapshot against pl
 (`copy_(non_blocking=True)` into one preallocated host buffer, pinned on CUDA, then a
 synchronize), both in each round, and prints engine GB/s / torch GB/s:
   python benchmarks/engine_bench.py --snapshot-only --device cuda --size-gb 2 --rounds 3
+With --mapped-dir (a directory on /dev/shm), each round also times the in-memory level's engine:
+WriteMode.MAPPED, copying straight into a reused shard file there (a slot, registered with CUDA
+for DMA); its slot is made in an untimed warm-up save of the whole state, as in training, where
+the level's slots are reused from the third save on.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -139,12 +144,21 @@ def snapshot_bench(args) -> dict:
     buffer.fill_(0)  # touch the pages once, as the engine does with its cache
     target = os.path.join(args.dir, "engine_snapshot")
     rounds = []
-    with CheckpointEngine(EngineConfig(host_cache_bytes=nbytes + (16 << 20))) as eng:
+    mapped = contextlib.nullcontext()
+    if args.mapped_dir:
+        mapped = CheckpointEngine(EngineConfig(
+            host_cache_bytes=64 << 10, write_mode=WriteMode.MAPPED,
+            mapped_slot_dir=os.path.join(args.mapped_dir, "slots")))
+    with CheckpointEngine(EngineConfig(host_cache_bytes=nbytes + (16 << 20))) as eng, \
+            mapped as meng:
         cache_pinned = eng._cache.pinned  # what the D2H copy lands in (pinned when CUDA exists)
         # Warm-up, untimed: the copy stream, events and the first pinned copies.
         first = {"layer000": state["layer000"]}
         torch_copy(first, buffer, args.device)
         engine_snapshot(eng, first, target, 0, args.device)
+        if meng is not None:
+            mtarget = os.path.join(args.mapped_dir, "engine_snapshot")
+            engine_snapshot(meng, state, mtarget, 0, args.device)  # makes the slot
         for r in range(args.rounds):
             torch_s = torch_copy(state, buffer, args.device)
             engine_s = engine_snapshot(eng, state, target, r + 1, args.device)
@@ -152,9 +166,17 @@ def snapshot_bench(args) -> dict:
                            "torch_copy_gbps": nbytes / torch_s / 1e9,
                            "engine_snapshot_gbps": nbytes / engine_s / 1e9,
                            "engine_vs_torch": torch_s / engine_s})
+            if meng is not None:
+                mapped_s = engine_snapshot(meng, state, mtarget, r + 1, args.device)
+                rounds[-1].update({"mapped_snapshot_s": mapped_s,
+                                   "mapped_snapshot_gbps": nbytes / mapped_s / 1e9,
+                                   "mapped_vs_torch": torch_s / mapped_s})
+        slots = meng._slots.slots if meng is not None else []
+        registered = bool(slots) and all(s.registered for s in slots)
     median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "round"}
     return {"mode": "snapshot", "device": args.device, "pinned_baseline": pinned,
             "engine_cache_pinned": cache_pinned, "state_bytes": nbytes,
+            "mapped_slots": len(slots), "mapped_registered": registered,
             "tensors": args.tensors, "rounds": rounds, "median": median}
 
 
@@ -166,6 +188,10 @@ def print_snapshot(res: dict) -> None:
           f"| {m['torch_copy_gbps']:.2f} |")
     print(f"| engine save + wait_for_snapshot (GB/s) | {m['engine_snapshot_gbps']:.2f} |")
     print(f"| engine GB/s / torch GB/s | {m['engine_vs_torch']:.2f} |")
+    if "mapped_snapshot_gbps" in m:
+        print(f"| engine into a /dev/shm slot{' (registered)' if res['mapped_registered'] else ''}"
+              f" (GB/s) | {m['mapped_snapshot_gbps']:.2f} |")
+        print(f"| mapped GB/s / torch GB/s | {m['mapped_vs_torch']:.2f} |")
 
 
 def raw_dd(path: str, nbytes: int) -> float:
@@ -261,6 +287,9 @@ def main() -> None:
                    help="where the saved state lives")
     p.add_argument("--snapshot-only", action="store_true",
                    help="compare only the copy into host memory with plain torch copies")
+    p.add_argument("--mapped-dir", default=None,
+                   help="with --snapshot-only: also time the in-memory level's engine copying "
+                        "into a reused shard file in this directory (on /dev/shm)")
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     if args.snapshot_only:

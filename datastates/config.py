@@ -35,7 +35,8 @@ class WriteMode(enum.Enum):
     #: save call, never a copy): each byte is copied once, from the live tensor into the file's
     #: pages, and the host cache is not used. Meant for memory file systems (tmpfs, /dev/shm),
     #: where those pages are the level itself (the in-memory level). CUDA tensors are copied
-    #: into the mapping too, without pinning it (pageable memory: slower than the pinned cache).
+    #: into the mapping too: by DMA into a slot of `mapped_slot_dir` (registered with CUDA),
+    #: staged by the driver into a file of its own (pageable memory).
     MAPPED = "mapped"
 
 

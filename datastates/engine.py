@@ -87,8 +87,10 @@ class CheckpointEngine:
         self._slots: Optional[SlotPool] = None  # WriteMode.MAPPED with a slot directory
         if config.write_mode is WriteMode.MAPPED and config.mapped_slot_dir is not None:
             try:
+                # Registered for DMA under the same rule as the cache is pinned.
                 self._slots = SlotPool(config.mapped_slot_dir, config.rank,
-                                       config.mapped_slots)
+                                       config.mapped_slots,
+                                       register_with_cuda=torch.cuda.is_available())
             except OSError as e:
                 raise CheckpointError(f"cannot prepare the slot directory: {e}",
                                       rank=config.rank, file=config.mapped_slot_dir) from e

@@ -6,7 +6,8 @@
 # in .whl/ into /tmp/site, then runs scripts/gpu_check.py: (a) tests/test_engine_cuda.py, (b) a
 # tiny GPT on NCCL with --bf16, the distributed optimizer and --async-lazy-save, iteration 3's copy delayed while iteration 4
 # runs, its checkpoint compared bit for bit with torch_dist sync's, (c) a bit-exact resume from it,
-# (d) the engine's device-to-host snapshot rate against pinned torch copies, (e) the cost of a save
+# (d) the engine's device-to-host snapshot rate against pinned torch copies, into its pinned cache
+# and into a /dev/shm slot registered with CUDA (the in-memory level's one copy), (e) the cost of a save
 # in the background, (f) the 117M GPT with an in-memory checkpoint every iteration against none;
 # 8 minutes at most.
 # Results: $OUT/gpu_check.json when $OUT is set, gpu_check_results.json otherwise (logs beside

@@ -79,3 +79,53 @@ def test_deepspeed_call_shape_snapshots_cuda_state_before_the_optimizer_step(tmp
     assert torch.equal(optim["state"][0]["exp_avg"], expected["exp_avg"])
     assert not torch.equal(opt.state[w]["exp_avg"].cpu(), expected["exp_avg"])
     engine.close()
+
+
+def _shm_dir(name):
+    """A new directory in /dev/shm (the in-memory level's file system); the caller removes it."""
+    import os
+    import shutil
+    d = f"/dev/shm/datastates-test-{os.getpid()}-{name}"
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    return d
+
+
+def test_mapped_slots_are_registered_and_take_device_copies_by_dma():
+    """The in-memory level's engine on CUDA (issue 30): the probe passes on /dev/shm; each slot's
+    mapping is registered (seen as pinned), copies land in it bit-exactly from CUDA tensors, a
+    small and a large one, contiguous or not, through more pieces than `COPIES_IN_FLIGHT`; a
+    change after `wait_for_snapshot` does not reach the version; closing unregisters."""
+    import shutil
+
+    from datastates import WriteMode
+    from datastates.engine import COPIES_IN_FLIGHT
+    from datastates.mapped import cuda_dma_probe
+
+    root = _shm_dir("mapped")
+    try:
+        assert cuda_dma_probe(root) is None
+        g = torch.Generator(device="cuda").manual_seed(1)
+        state = {"w": torch.randn(2048, 1024, device="cuda", generator=g),
+                 "t": torch.randn(512, 300, device="cuda", generator=g).to(torch.bfloat16).t(),
+                 "b": torch.randn(7, device="cuda", generator=g)}
+        cfg = EngineConfig(host_cache_bytes=64 * 1024, chunk_bytes=1 << 18,
+                           write_mode=WriteMode.MAPPED, mapped_slot_dir=f"{root}/slots")
+        assert state["w"].nbytes // cfg.chunk_bytes > COPIES_IN_FLIGHT
+        with CheckpointEngine(cfg) as eng:
+            for step in (1, 2):
+                expected = {k: v.cpu() for k, v in state.items()}
+                h = eng.save(state, f"{root}/v{step}", step=step)
+                eng.wait_for_snapshot()
+                for t in state.values():
+                    t.add_(1)
+                eng.wait_for_durable(h)
+                slots = eng._slots.slots
+                assert slots and all(s.registered and s.mapping.is_pinned() for s in slots)
+                loaded = CheckpointReader(f"{root}/v{step}").load_state()
+                for k in expected:
+                    assert torch.equal(loaded[k], expected[k]), (step, k)
+            slots = list(eng._slots.slots)
+        assert all(not s.registered and s.mapping is None for s in slots)  # closed
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

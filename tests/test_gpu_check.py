@@ -46,6 +46,7 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert d["engine_snapshot_gbps"] > 0 and d["torch_copy_gbps"] > 0
     assert d["engine_vs_torch"] == pytest.approx(d["engine_snapshot_gbps"] / d["torch_copy_gbps"],
                                                  rel=0.5)  # medians of ratios vs ratio of medians
+    assert d["mapped_snapshot_gbps"] > 0 and d["mapped_registered"] is False  # no CUDA here
     e = steps["e_background_cost"]["figures"]
     assert len(e["slowdown"]) == len(e["bare_slowdown"]) == len(e["idle_compute_s"]) >= 1
     assert e["median_slowdown"] == pytest.approx(e["slowdown"][0], abs=1e-3)  # one pair on CPU

@@ -41,8 +41,8 @@ still drains to a slow file system. `busy(root)` says whether a lane holds a sav
 committed (the trainer defers a persistent save then: latest wins). In-memory versions (the
 `in_memory` type) commit the previous one right before the next save (it is durable by then) and
 each node's leader removes the older ones at once, before every rank goes on, so memory holds two
-versions and, on CPU-only hosts, the engine's two reusable shard files (`WriteMode.MAPPED`
-slots) take turns.
+versions and the engine's two reusable shard files (`WriteMode.MAPPED` slots, registered for
+DMA with CUDA) take turns.
 """
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ from ...storage_errors import advice, explain, kind, root_os_error
 from ...fileio import atomic_write, fsync_file, make_spare, naming, release_spare
 from ...flatten import TensorShard
 from ...layout import COMMIT_FILE, is_committed, try_commit
+from ...mapped import cuda_dma_probe
 from ..levels import local_tier
 from .payload import PayloadPlan
 from .replica_check import ReplicaCheck, ReplicaMismatch
@@ -155,9 +156,9 @@ class LazySaveConfig:
 
     non_persistent_in_memory: bool = False
     """The node-local versions are in memory (Megatron-LM's `in_memory` type, a tmpfs such as
-    /dev/shm): on a CPU-only host their engine copies each tensor straight into the shard file's
-    pages (`WriteMode.MAPPED`: one copy, no host cache); with CUDA, through the pinned host cache
-    (a device-to-host copy into the pageable mapping would be slower)."""
+    /dev/shm): their engine copies each tensor straight into the shard file's pages
+    (`WriteMode.MAPPED`: one copy, no host cache); with CUDA, those pages are registered for DMA,
+    and where that fails (`cuda_dma_probe`) the copy goes through the pinned host cache."""
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -296,10 +297,11 @@ class LazyCheckpointer:
         self.lanes: List[_Lane] = [self.persistent]
         self.node_lane: Optional[_Lane] = None
         if self.node is not None:  # node-local versions: their own engine and threads
-            mapped = config.non_persistent_in_memory and not torch.cuda.is_available()
+            slot_dir = os.path.join(config.non_persistent_root, SLOT_DIR)
+            mapped = config.non_persistent_in_memory and self._copies_once_into(slot_dir)
             self.node_lane = _Lane("node-local", self._new_engine(
-                None, mapped, os.path.join(config.non_persistent_root, SLOT_DIR) if mapped
-                else None, self.memory_replicator is not None), *self._lane_threads("-node"))
+                None, mapped, slot_dir if mapped else None, self.memory_replicator is not None),
+                *self._lane_threads("-node"))
             self.lanes.append(self.node_lane)
         # Errors this rank hit since the last agreement, in order (a full disk can fail both
         # common.pt of the next save and the flush of the previous one: all are reported).
@@ -317,6 +319,21 @@ class LazyCheckpointer:
                          "newest_complete": complete[-1] if complete else None})
         if config.universal_every_n:
             self._start_mergers(log)
+
+    def _copies_once_into(self, slot_dir: str) -> bool:
+        """In-memory versions: whether this rank's engine copies each tensor straight into the
+        shard files' pages (`WriteMode.MAPPED`). With CUDA, only where a device-to-host copy can
+        land in them by DMA (`cuda_dma_probe`); otherwise it copies through the pinned host cache
+        and says why in one line."""
+        if not torch.cuda.is_available():
+            return True
+        why = cuda_dma_probe(slot_dir)
+        if why is None:
+            return True
+        self._warn(f"[rank {self.rank}] WARNING: in-memory versions go through the pinned host "
+                   f"cache (two copies): a device-to-host copy cannot land in pages under "
+                   f"{slot_dir} ({why})")
+        return False
 
     def _new_engine(self, local_dir: Optional[str], mapped: bool = False,
                     slot_dir: Optional[str] = None, replicated: bool = False) -> CheckpointEngine:
