@@ -229,6 +229,22 @@ def _memory_restore_worker(rank, port, root, out):
     stats = bring_needed(version, version, 4, {0: [1, 2], 1: [3], 2: [0, 1]}[rank])
     results.append({"root": assembled, "lines": lines,
                     "received": {str(s): v[0] for s, v in stats.received.items()}})
+    # Node 1 replaced: hosts a, c and a new d are nodes 0, 1, 2 now; host c holds what it saved
+    # as node 2. Each host has a directory of its own here (its /dev/shm).
+    from datastates.megatron_adapter.levels.in_memory import adopt_left_memory
+    from datastates.megatron_adapter.levels.in_memory_relayout import holds_other_ranks
+
+    host = "acd"[rank]
+    root = os.path.join(root, "renumbered", host, f"node{rank}")
+    lines = []
+    adopted = adopt_left_memory(root, rank, rank, host=host, log=lines.append)
+    other = holds_other_ranks(root, rank, 3)
+    assembled = assemble(root, rank, log=lines.append)
+    version = os.path.join(assembled, "iter_0000006")
+    stats = bring_needed(version, version, 3, [rank])
+    results.append({"adopted": {str(k): v for k, v in adopted.items()}, "other": other,
+                    "lines": lines, "root": assembled,
+                    "received": {str(s): v[0] for s, v in stats.received.items()}})
     with open(os.path.join(out, f"r{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()
@@ -246,7 +262,10 @@ def test_memory_restore_takes_the_newest_version_every_rank_has_and_never_a_dama
     Third case, a restart at another layout: version 7 saved by four nodes, node 2 lost, the
     three left assemble it (each gets the indexes it lacks; a damaged replica is never used;
     version 8, which only node 0 holds, is removed) and each node receives the shard files its
-    rank reads and lacks, from a node that holds them."""
+    rank reads and lacks, from a node that holds them. Fourth case, node indices given anew: of
+    hosts a, b, c (nodes 0, 1, 2), b is replaced by d and the hosts are numbered a, c, d: host c
+    takes over its node2 directory as node1 (one line; its reusable shard files go), the version
+    is assembled at the same layout from what a and c hold, and d receives its rank's files."""
     from datastates.megatron_adapter.paths import tracked_iteration, write_tracker
 
     shards = {}
@@ -279,6 +298,16 @@ def test_memory_restore_takes_the_newest_version_every_rank_has_and_never_a_dama
         (root / "run_config.json").write_text('{"node": %d}' % saved)
         write_tracker(str(root), 7)
     _memory_version(tmp_path / "relayout" / "node0" / "iter_0000008", 0, 8, world=4)
+    for saved, host in ((0, "a"), (2, "c")):  # saved node 1 (host b) lost
+        root = tmp_path / "renumbered" / host / f"node{saved}"
+        shards[saved, 6] = _memory_version(root / "iter_0000006", saved, 6)
+        pred = (saved - 1) % 3
+        shards[pred, 6] = _memory_version(root / "peer" / "iter_0000006", pred, 6, commit=False)
+        (root / "run_config.json").write_text('{"node": %d}' % saved)
+        (root / ".datastates_slots").mkdir()
+        (root / ".datastates_slots" / "r00002-0.bin").write_bytes(b"slot")
+        (root / f".datastates_node_{saved}").write_text(str(saved))
+        write_tracker(str(root), 6)
     (tmp_path / "relayout" / "node1" / "peer" / "iter_0000007" / layout.index_file(0)).write_text(
         "{}")
     (tmp_path / "lost" / "node2" / "peer" / "iter_0000004" / layout.index_file(1)).write_text("{}")
@@ -327,6 +356,22 @@ def test_memory_restore_takes_the_newest_version_every_rank_has_and_never_a_dama
     assert not (tmp_path / "relayout" / "node1" / "relayout" / "iter_0000007" /
                 layout.shard_file(0)).exists()  # its damaged replica is never used
     assert not (tmp_path / "relayout" / "node0" / "iter_0000008").exists()
+
+    # Renumbered: host c, node 2 when it saved, is node 1 now; the new host d is node 2.
+    renumbered = {r: results[r][3] for r in range(3)}
+    assert all(renumbered[r]["adopted"] == {"1": 2} for r in range(3)), renumbered
+    assert renumbered[1]["lines"][0] == (
+        "[rank 1] node 1 takes over the in-memory checkpoints that node 2 of an earlier launch "
+        "left on this host (c): node indices are assigned anew at each launch")
+    c = tmp_path / "renumbered" / "c"
+    assert sorted(os.listdir(c)) == ["node1"] and not (c / "node1" / ".datastates_slots").exists()
+    assert not (c / "node1" / ".datastates_node_2").exists()
+    assert [renumbered[r]["other"] for r in range(3)] == [False, True, False]
+    assert {r: renumbered[r]["received"] for r in range(3)} == {0: {}, 1: {}, 2: {"2": 0}}
+    for r, host in enumerate("acd"):
+        version = tmp_path / "renumbered" / host / f"node{r}" / "relayout" / "iter_0000006"
+        assert layout.is_committed(str(version)), r
+        assert (version / layout.shard_file(r)).read_bytes() == shards[r, 6], r
 
     second = {r: results[r][1] for r in range(3)}
     assert all(second[r]["iteration"] == 5 and second[r]["restored"] == {}
@@ -401,9 +446,11 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
     of in-memory iteration 5 stalls (the job cannot go past it), both nodes are killed and node
     1's memory is deleted (a lost node): the restart brings rank 1's shards back from node 0,
     resumes from memory (not from --save, which holds nothing) and prints the losses of an
-    uninterrupted run (the third run's, from scratch). Then node 1's memory as the kill left it, without its replica of node
-    0's, under a fresh --save: no version every rank has, so the run starts from scratch, and
-    node 1's versions it would save again are removed first (one line), not rewritten."""
+    uninterrupted run (the third run's, from scratch). Then node 1's memory as the kill left it,
+    without its replica of node 0's, under a fresh --save: no version every rank has, so the run
+    starts from scratch, and node 1's versions it would save again are removed first (one line),
+    not rewritten. Then node 0's memory alone, at DP1; and node 0's memory under node 1's index
+    (node 1 replaced by a machine numbered first): assembled at the same layout, bit-exact."""
     from megatron.training.config import shared_memory_dir
 
     save = tmp_path / "save"
@@ -513,8 +560,25 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         assert ref.returncode == 0 and "format datastates" in ref.stdout, ref.describe()
         assert run.losses() == ref.losses() and len(ref.losses()) == 6 - held, run.stdout[-3000:]
         assert_close(run.losses(), after(reference, held))
+
+        # Node 1 replaced by a machine that is numbered first: node 0's memory is under node 1's
+        # index now (what `adopt_left_memory` makes of it on a real cluster) and node 0 holds
+        # nothing. The restart assembles the version at the same layout from node 1's memory,
+        # node 0 receives its rank's files from it, and the losses are the uninterrupted run's.
+        moved = tmp_path / "moved" / "save"
+        shutil.copytree(tmp_path / "node0_memory",
+                        os.path.join(shared_memory_dir(str(moved), "in_memory"), "node1"),
+                        ignore=shutil.ignore_patterns(".datastates_node_*", ".datastates_slots"))
+        flags = [str(moved) if f == str(save) else f for f in first_flags]
+        fourth = [n.result(timeout=240) for n in nodes("moved")]
+        assert all(r.returncode == 0 for r in fourth), fourth[0].describe() + fourth[1].describe()
+        assert f"in-memory checkpoint of iteration {held} (saved by 2 ranks) assembled on every " \
+               "node for this run's layout" in fourth[0].stdout, fourth[0].describe()
+        assert f"loading the in-memory checkpoint of iteration {held} from " in fourth[0].stdout
+        assert {**fourth[0].losses(), **fourth[1].losses()} == after(reference, held)
     finally:
-        for root in (save, tmp_path / "fresh", tmp_path / "alone" / "save"):
+        for root in (save, tmp_path / "fresh", tmp_path / "alone" / "save", tmp_path / "moved" /
+                     "save"):
             shutil.rmtree(os.path.dirname(shared_memory_dir(str(root), "in_memory")),
                           ignore_errors=True)
 

@@ -9,21 +9,33 @@ same newest one. What this module adds is the memory they hold:
     versions of all of its ranks (the one being written and the newest complete one), or every
     rank stops with one error naming the node, the size needed and what is free;
   - `release` after a clean end of training (the node's leader): the memory is given back once
-    --save holds a version at least as new as the newest one in memory.
+    --save holds a version at least as new as the newest one in memory;
+  - `adopt_left_memory` before a restart reads the level (collective): node indices are given
+    anew at each launch (torchrun's rendezvous numbers nodes by host name, Slurm by its node
+    list), so when a node is replaced the hosts that are left may hold their memory under
+    another node's index. Each node whose own directory is missing takes over the one its host
+    holds for an index that no node on this host has now; the ranks' files in it are then other
+    saved ranks' files, and the restart assembles the version from what the nodes hold
+    (`in_memory_relayout`), as at a new layout.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
+import socket
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 from ... import control_plane
 from ...errors import CheckpointError
 from ..paths import TRACKER_FILENAME, tracked_iteration
 from .local_tier import local_iterations
+from .node_local import forget_node_marks
 
-__all__ = ["FLAG", "Room", "VERSIONS_KEPT", "check_room", "held_bytes", "release"]
+__all__ = ["FLAG", "Room", "SLOT_DIR", "VERSIONS_KEPT", "adopt_left_memory", "check_room",
+           "held_bytes", "release"]
 
 FLAG = "--non-persistent-ckpt-type in_memory"
 
@@ -43,6 +55,12 @@ VERSIONS_HELD_FOR_PEERS = 2
 PEER_VERSIONS = 2
 
 MiB = 1 << 20
+
+#: Where a node's in-memory engines keep their reusable shard files (`datastates/mapped.py`),
+#: under the node's directory of the level.
+SLOT_DIR = ".datastates_slots"
+#: The name of a node's directory of the level (`megatron.training.config`: in_memory/node{node}).
+_NODE_DIR = re.compile(r"node(\d+)")
 
 
 @dataclass(frozen=True)
@@ -145,3 +163,70 @@ def release(root: str, persistent_root: Optional[str]) -> List[int]:
             break
         parent = os.path.dirname(parent)
     return iterations
+
+
+def host_id(host: Optional[str] = None) -> int:
+    """A 56-bit number naming `host` (default: this machine's host name)."""
+    name = socket.gethostname() if host is None else host
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "big")
+
+
+def adopt_left_memory(root: str, rank: int, node: int, host: Optional[str] = None,
+                      log: Callable[[str], None] = print) -> Dict[int, int]:
+    """Collective (control plane), before a restart reads the level: see the module doc. `root`
+    is this rank's node's directory (`.../node{node}`; another name: nothing is done), `host`
+    this machine's name (a test's stand-in for several machines). The first rank of each host,
+    for every node of that host whose directory does not exist, renames to it a sibling
+    `node{j}` directory that no node on this host has now (the newest one first, by its
+    tracker) and removes the reusable shard files in it (named after the ranks that made them)
+    and the old index's node mark (`node_local.discover`).
+    Returns {node: the index its directory had}, the same on every rank; an error on any rank
+    is agreed on (a CheckpointError naming it) and nothing more is renamed."""
+    parent, name = os.path.split(os.path.normpath(root))
+    m = _NODE_DIR.fullmatch(name)
+    mine = host_id(host)
+    rows = control_plane.all_gather_ints([node if m and int(m.group(1)) == node else -1, mine])
+    if any(n < 0 for n, _ in rows):  # a directory of the user's naming on some rank
+        return {}
+    here = sorted({n for n, h in rows if h == mine})
+    first = min(r for r, (_, h) in enumerate(rows) if h == mine) == rank
+
+    def take() -> List[int]:
+        if not first or not os.path.isdir(parent):
+            return []
+        present = sorted(int(x.group(1)) for x in map(_NODE_DIR.fullmatch, os.listdir(parent))
+                         if x and os.path.isdir(os.path.join(parent, x.group(0))))
+        needing = [n for n in here if n not in present]
+        left = sorted((j for j in present if j not in here),
+                      key=lambda j: (-_newest(os.path.join(parent, f"node{j}")), j))
+        moves = []
+        for n, j in zip(needing, left):
+            target = os.path.join(parent, f"node{n}")
+            os.rename(os.path.join(parent, f"node{j}"), target)
+            shutil.rmtree(os.path.join(target, SLOT_DIR), ignore_errors=True)
+            forget_node_marks(target)
+            moves += [n, j]
+        return moves
+
+    moves = control_plane.agree(take, "taking over the in-memory checkpoints left on a host "
+                                      "under another node's index")
+    every = control_plane.all_gather_ints(_padded(moves, 2 * len(rows)))
+    adopted = {row[k]: row[k + 1] for row in every for k in range(0, len(row), 2) if row[k] >= 0}
+    for n, j in sorted(adopted.items()):
+        if n in here and first:
+            log(f"[rank {rank}] node {n} takes over the in-memory checkpoints that node {j} of "
+                f"an earlier launch left on this host ({host or socket.gethostname()}): node "
+                "indices are assigned anew at each launch")
+    return adopted
+
+
+def _newest(directory: str) -> int:
+    try:
+        newest = tracked_iteration(directory)
+    except (CheckpointError, OSError, ValueError):
+        return -1
+    return -1 if newest is None else newest
+
+
+def _padded(values: List[int], width: int) -> List[int]:
+    return values + [-1] * (width - len(values))

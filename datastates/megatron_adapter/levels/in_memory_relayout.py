@@ -32,13 +32,14 @@ from typing import Dict, List, Optional, Set, Tuple
 from ... import control_plane, layout
 from ...errors import CheckpointError
 from ...fileio import atomic_write
-from ..paths import COMMON_FILENAME, METADATA_FILENAME, checkpoint_dir, write_tracker
+from ..paths import COMMON_FILENAME, METADATA_FILENAME, checkpoint_dir, tracked_iteration, \
+    write_tracker
 from .in_memory_peers import PEER_DIR, _intact
 from .local_tier import local_iterations
 from .node_local import drop_newer
 from .peer_replica import _Incoming, _Outgoing, _bit, _bitmap, _rank_names, _transfer, node_index
 
-__all__ = ["RELAYOUT_DIR", "assemble", "is_assembled"]
+__all__ = ["RELAYOUT_DIR", "assemble", "holds_other_ranks", "is_assembled"]
 
 #: Under a node's directory of the level: the version assembled for a restart at a new layout.
 RELAYOUT_DIR = "relayout"
@@ -52,6 +53,24 @@ _MARKER = re.compile(r"done_r(\d{5})\.json$")
 def is_assembled(root: str) -> bool:
     """Whether `root` is a version assembled by `assemble`."""
     return os.path.basename(os.path.normpath(root)) == RELAYOUT_DIR
+
+
+def holds_other_ranks(root: str, rank: int, world_size: int) -> bool:
+    """Whether the newest version `root`'s tracker names holds other saved ranks' intact files
+    but not `rank`'s: the node's memory was saved under another node index
+    (`in_memory.adopt_left_memory`), so it is read as at a new layout (`assemble`)."""
+    try:
+        iteration = tracked_iteration(root)
+        if iteration is None:
+            return False
+        directory = checkpoint_dir(root, iteration)
+        names = os.listdir(directory)
+    except (CheckpointError, OSError, ValueError):
+        return False
+    if _intact(directory, rank, world_size):
+        return False
+    return any(m and int(m.group(1)) != rank and _intact(directory, int(m.group(1)), world_size)
+               for m in map(_MARKER.match, names))
 
 
 def _sources(root: str, iteration: int) -> List[str]:

@@ -80,6 +80,14 @@ def discover(root: str, rank: int) -> Node:
     return me
 
 
+def forget_node_marks(root: str) -> None:
+    """Remove the marks `discover` left in `root` (a directory another node index made: it is
+    this node's now, and an old index's mark would read as a shared directory)."""
+    for name in os.listdir(root):
+        if name.startswith(_NODE_MARK.format("")):
+            os.unlink(os.path.join(root, name))
+
+
 def claim_every_replica(sharded_state_dict: Any) -> None:
     """Mark every shard and object of this rank's state as one it writes (replica id 0), in
     place: the node-local version of each rank then holds all it needs to load back."""

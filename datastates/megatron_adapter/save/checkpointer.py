@@ -73,6 +73,7 @@ from ...flatten import TensorShard
 from ...layout import COMMIT_FILE, is_committed, try_commit
 from ...mapped import cuda_dma_probe
 from ..levels import local_tier
+from ..levels.in_memory import SLOT_DIR
 from .payload import PayloadPlan
 from .replica_check import ReplicaCheck, ReplicaMismatch
 from .plan import SavePlanCache, StructurePolicy
@@ -84,9 +85,6 @@ __all__ = ["COMMIT_RESERVE_BYTES", "FailurePolicy", "LazyCheckpointer", "LazySav
 
 TELEMETRY_FILENAME = "datastates_checkpoints.jsonl"
 _ITER_IN_PATH = re.compile(r"iter_(\d{7,})(?:/|$)")
-#: Where an in-memory level's engine keeps its reusable shard files (`datastates/mapped.py`),
-#: under the node's root of the level.
-SLOT_DIR = ".datastates_slots"
 #: The host cache of an engine in WriteMode.MAPPED: the smallest the engine takes (unused).
 MAPPED_CACHE_BYTES = 64 * 1024
 #: Space set aside per version, at its save call, for each of metadata.json and COMMIT.json.

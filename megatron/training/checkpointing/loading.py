@@ -19,8 +19,9 @@ import torch.distributed as dist
 import datastates
 from datastates import control_plane
 from datastates.fileio import safe_join
-from datastates.megatron_adapter import assemble_memory_for_layout, is_assembled_memory, \
-    load_strategies, newest_on_every_node, paths, restore_memory_from_peers
+from datastates.megatron_adapter import adopt_left_memory, assemble_memory_for_layout, \
+    is_assembled_memory, load_strategies, memory_holds_other_ranks, newest_on_every_node, \
+    node_index, paths, restore_memory_from_peers
 from datastates.safe_load import UnsafePickleError
 from datastates.universal import is_universal
 
@@ -253,12 +254,17 @@ def resume_root(config: RunConfig) -> Optional[str]:
     non_persistent = non_persistent_root_of_this_rank(config, ckpt.load, saving=False)
     if non_persistent and ckpt.non_persistent_node_local:
         level = _LEVEL_NAMES[ckpt.non_persistent_ckpt_type]
-        if ckpt.non_persistent_ckpt_type == "in_memory" and ckpt.async_lazy_save and \
-                ckpt.lazy_save_peer_replica:
+        in_memory = ckpt.non_persistent_ckpt_type == "in_memory"
+        if in_memory:
+            _adopt_left_memory(non_persistent)
+        if in_memory and ckpt.async_lazy_save and ckpt.lazy_save_peer_replica:
             _restore_memory_from_peers(non_persistent)
         why, other_layout = _foreign_reason(non_persistent, config)
+        if in_memory and why is None and memory_holds_other_ranks(
+                non_persistent, dist.get_rank(), dist.get_world_size()):
+            other_layout = True  # saved under another node index: assembled as at a new layout
         assembled = (_memory_at_this_layout(non_persistent, why, other_layout)
-                     if ckpt.non_persistent_ckpt_type == "in_memory" else None)
+                     if in_memory else None)
         if assembled is not None:  # the same on every rank
             non_persistent, newer = assembled, paths.tracked_iteration(assembled)
         else:
@@ -291,6 +297,17 @@ def resume_root(config: RunConfig) -> Optional[str]:
 def _log(line: str) -> None:
     """A line of a level's restore, from every rank that has one (they name their rank)."""
     print(line, flush=True)
+
+
+def _adopt_left_memory(root: str) -> None:
+    """Every rank (collective): a node whose in-memory directory is missing takes over the one
+    its host holds under another node's index (`datastates.megatron_adapter.levels.in_memory`);
+    a failure is agreed on and only warned about."""
+    try:
+        adopt_left_memory(root, dist.get_rank(), node_index(), log=_log)
+    except datastates.CheckpointError as err:
+        print_rank_0(f"WARNING: the in-memory checkpoints left on a host under another node's "
+                     f"index were not taken over: {err}")
 
 
 def _restore_memory_from_peers(root: str) -> None:
