@@ -123,10 +123,11 @@ class InFlight:
         self._events = 0
 
     def add(self, events: Sequence, landed: Callable[[], None],
-            failed: Callable[[BaseException], None]) -> None:
+            failed: Optional[Callable[[BaseException], None]]) -> None:
         """`landed()` once every event of `events` has completed (at once if there are none and
         nothing is pending); `failed(error)` first if waiting for one raised, then `landed()`
-        all the same (it hands over or frees what the copy used)."""
+        all the same (it hands over or frees what the copy used). `failed` may be None only
+        without events."""
         self._q.append((events, landed, failed))
         self._events += len(events)
         while self._q and (not self._q[0][0] or self._events > self.depth):

@@ -459,6 +459,10 @@ def step_in_memory_every_iteration(ck: Check) -> Step:
         step.figures = {"iterations": iters, "none_ms": a, "in_memory_ms": b,
                         "ratio": round(b / a, 4) if a and b else None,
                         "in_memory_versions_committed": committed,
+                        # One copy into /dev/shm pages (registered with CUDA), or the fallback
+                        # through the pinned host cache, which says why in one line.
+                        "one_copy_into_memory": "go through the pinned host cache"
+                                                not in memory.stdout,
                         "stall_ms": [float(x) for x in _STALL_ANY.findall(memory.stdout)]}
         if committed < iters - 2:
             problems.append(f"only {committed} in-memory versions were committed in {iters} "

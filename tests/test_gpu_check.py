@@ -55,6 +55,7 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert f["in_memory_versions_committed"] >= 4 and f["none_ms"] > 0 and f["in_memory_ms"] > 0
     assert f["ratio"] == pytest.approx(f["in_memory_ms"] / f["none_ms"], rel=1e-3)
     assert len(f["stall_ms"]) == f["in_memory_versions_committed"]
+    assert f["one_copy_into_memory"] is True
     assert {"f_none.out", "f_in_memory.out", "lazy.out", "torch_dist.out", "stock_load.out",
             "resume.out", "engine_bench.out",
             "engine_overlap.out", "engine_bench_cpu.out"} <= {p.name for p in logs.iterdir()}

@@ -73,7 +73,6 @@ from ...flatten import TensorShard
 from ...layout import COMMIT_FILE, is_committed, try_commit
 from ...mapped import cuda_dma_probe
 from ..levels import local_tier
-from ..levels.in_memory import SLOT_DIR
 from .payload import PayloadPlan
 from .replica_check import ReplicaCheck, ReplicaMismatch
 from .plan import SavePlanCache, StructurePolicy
@@ -295,6 +294,8 @@ class LazyCheckpointer:
         self.lanes: List[_Lane] = [self.persistent]
         self.node_lane: Optional[_Lane] = None
         if self.node is not None:  # node-local versions: their own engine and threads
+            from ..levels.in_memory import SLOT_DIR
+
             slot_dir = os.path.join(config.non_persistent_root, SLOT_DIR)
             mapped = config.non_persistent_in_memory and self._copies_once_into(slot_dir)
             self.node_lane = _Lane("node-local", self._new_engine(
