@@ -1,14 +1,18 @@
 """Kill trials of the in-memory level with peer replicas on two nodes (issue 30's kill trials
 across in-memory, persistent and replica saves).
 
-    python benchmarks/peer_kill_trials.py --trials 20 --seed 0 [--workdir DIR]
+    python benchmarks/peer_kill_trials.py --trials 20 --seed 0 [--workdir DIR] [--renumber]
 
 Each trial runs the tiny GPT as two torchrun agents on this machine (two "nodes", one rank each,
 DP2 with the distributed optimizer) with an in-memory version every iteration, its peer replica
 (`--lazy-save-peer-replica`) and `--save` every 4. At a seeded point (after a seeded iteration's
 loss line, plus a seeded fraction of an iteration) both agents are SIGKILLed; in half the trials
-(seeded) one node's memory is then deleted as well, as if the node were lost. The restart runs
-to the end. A trial passes when:
+(seeded) one node's memory is then deleted as well, as if the node were lost. With --renumber,
+in half of those (seeded) the replacement is numbered before the survivor, as torchrun or Slurm
+would number a new host whose name sorts first: the survivor's memory is then under the other
+node's index, as `adopt_left_memory` leaves it on a real cluster (`take_over`; one machine here,
+where every index is present, so the restart itself renames nothing). The restart runs to the
+end. A trial passes when:
   - the restart resumes from at least the newest version that was complete on some level before
     the kill: --save's tracker, the in-memory version both nodes' trackers name, or, with a lost
     node, the newest version whose replica of the lost node's rank the survivor held whole next
@@ -78,7 +82,8 @@ def _replica_floor(memory: str, lost: int) -> int:
     return best
 
 
-def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, log) -> dict:
+def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, log,
+              renumber: bool = False) -> dict:
 
     save = os.path.join(workdir, f"trial{k}", "save")
     memory = memory_of(save)
@@ -88,6 +93,7 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
                     "--non-persistent-save-interval", "1"]
     kill_after, frac = rng.randint(2, ITERS - 2), rng.random()
     lost = rng.choice([None, 0, 1])
+    renumbered = renumber and lost is not None and rng.random() < 0.5
 
     def nodes(name):
         port, logs = free_port(), os.path.join(workdir, f"trial{k}", name)
@@ -116,6 +122,10 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
         if lost is not None:
             floor = max(persistent, _replica_floor(memory, lost))
             shutil.rmtree(os.path.join(memory, f"node{lost}"), ignore_errors=True)
+            if renumbered:  # the survivor is numbered as the lost node was
+                from datastates.megatron_adapter.levels.in_memory import take_over
+
+                take_over(memory, 1 - lost, lost)
         corrupt = verify_committed(save) if os.path.isdir(save) else []
         for n in (0, 1):
             root = os.path.join(memory, f"node{n}")
@@ -132,7 +142,7 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
         ok = (all(r.returncode == 0 for r in second) and resumed >= floor and losses == expected
               and not corrupt)
         result = dict(trial=k, kill_after=kill_after, frac=round(frac, 2), lost_node=lost,
-                      last_logged=last, persistent=persistent, in_memory=in_memory, floor=floor,
+                      renumbered=renumbered, last_logged=last, persistent=persistent, in_memory=in_memory, floor=floor,
                       resumed=resumed, level=level, lost_iterations=max(0, last - resumed),
                       bit_identical=losses == expected, corrupt=corrupt, ok=ok)
         if not ok:
@@ -148,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
+    p.add_argument("--renumber", action="store_true",
+                   help="in half the trials with a lost node, the survivor is numbered anew")
     a = p.parse_args(argv)
     from megatron.training.config import shared_memory_dir
 
@@ -161,13 +173,15 @@ def main(argv=None) -> int:
     reference = ref.losses()
     rng = random.Random(a.seed)
     results = [run_trial(k, rng, workdir, lambda s: shared_memory_dir(s, "in_memory"),
-                         reference, lambda m: print(m, flush=True)) for k in range(a.trials)]
+                         reference, lambda m: print(m, flush=True), a.renumber)
+               for k in range(a.trials)]
     lost = [r["lost_iterations"] for r in results]
     levels = {lv: sum(r["level"] == lv for r in results) for lv in ("memory", "--save", "scratch")}
     print(f"trials: {len(results)}, passed: {sum(r['ok'] for r in results)}, bit-identical: "
           f"{sum(r['bit_identical'] for r in results)}, corrupt: "
           f"{sum(bool(r['corrupt']) for r in results)}, node lost: "
-          f"{sum(r['lost_node'] is not None for r in results)}, resumed from: {levels}, "
+          f"{sum(r['lost_node'] is not None for r in results)} (renumbered: "
+          f"{sum(r['renumbered'] for r in results)}), resumed from: {levels}, "
           f"iterations lost: mean {sum(lost) / len(lost):.2f} max {max(lost)}")
     print(f"wall time: {time.time() - t0:.0f} s, workdir {workdir}")
     for r in results:

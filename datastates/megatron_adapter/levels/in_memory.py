@@ -35,7 +35,7 @@ from .local_tier import local_iterations
 from .node_local import forget_node_marks
 
 __all__ = ["FLAG", "Room", "SLOT_DIR", "VERSIONS_KEPT", "adopt_left_memory", "check_room",
-           "held_bytes", "release"]
+           "held_bytes", "release", "take_over"]
 
 FLAG = "--non-persistent-ckpt-type in_memory"
 
@@ -201,10 +201,7 @@ def adopt_left_memory(root: str, rank: int, node: int, host: Optional[str] = Non
                       key=lambda j: (-_newest(os.path.join(parent, f"node{j}")), j))
         moves = []
         for n, j in zip(needing, left):
-            target = os.path.join(parent, f"node{n}")
-            os.rename(os.path.join(parent, f"node{j}"), target)
-            shutil.rmtree(os.path.join(target, SLOT_DIR), ignore_errors=True)
-            forget_node_marks(target)
+            take_over(parent, j, n)
             moves += [n, j]
         return moves
 
@@ -218,6 +215,15 @@ def adopt_left_memory(root: str, rank: int, node: int, host: Optional[str] = Non
                 f"an earlier launch left on this host ({host or socket.gethostname()}): node "
                 "indices are assigned anew at each launch")
     return adopted
+
+
+def take_over(parent: str, old: int, new: int) -> None:
+    """Node `new` takes the directory `node{old}` under `parent` for its own (renamed), without
+    the reusable shard files the old index's ranks made in it, nor its node mark."""
+    target = os.path.join(parent, f"node{new}")
+    os.rename(os.path.join(parent, f"node{old}"), target)
+    shutil.rmtree(os.path.join(target, SLOT_DIR), ignore_errors=True)
+    forget_node_marks(target)
 
 
 def _newest(directory: str) -> int:
