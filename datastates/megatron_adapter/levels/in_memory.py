@@ -60,7 +60,7 @@ MiB = 1 << 20
 #: under the node's directory of the level.
 SLOT_DIR = ".datastates_slots"
 #: The name of a node's directory of the level (`megatron.training.config`: in_memory/node{node}).
-_NODE_DIR = re.compile(r"node(\d+)")
+_NODE_DIR = re.compile(r"node(0|[1-9][0-9]*)")  # as node{node} writes it
 
 
 @dataclass(frozen=True)
@@ -194,10 +194,10 @@ def adopt_left_memory(root: str, rank: int, node: int, host: Optional[str] = Non
     def take() -> List[int]:
         if not first or not os.path.isdir(parent):
             return []
-        present = sorted(int(x.group(1)) for x in map(_NODE_DIR.fullmatch, os.listdir(parent))
-                         if x and os.path.isdir(os.path.join(parent, x.group(0))))
+        present = {int(x.group(1)): os.path.join(parent, x.group(0))
+                   for x in map(_NODE_DIR.fullmatch, os.listdir(parent)) if x}
         needing = [n for n in here if n not in present]
-        left = sorted((j for j in present if j not in here),
+        left = sorted((j for j, path in present.items() if j not in here and _real_dir(path)),
                       key=lambda j: (-_newest(os.path.join(parent, f"node{j}")), j))
         moves = []
         for n, j in zip(needing, left):
@@ -224,6 +224,11 @@ def take_over(parent: str, old: int, new: int) -> None:
     os.rename(os.path.join(parent, f"node{old}"), target)
     shutil.rmtree(os.path.join(target, SLOT_DIR), ignore_errors=True)
     forget_node_marks(target)
+
+
+def _real_dir(path: str) -> bool:
+    """A directory, not a link to one (a link's target would be renamed into and emptied)."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def _newest(directory: str) -> int:
