@@ -148,7 +148,6 @@ class InFlight:
         landed()
 
 
-
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
