@@ -65,3 +65,38 @@ def test_swiglu_fc1_boxes_land_in_both_global_halves():
             mask = ~torch.isnan(got)
             assert mask.sum() == b - a and bool(mask[layer].any()) and mask.sum() == mask[layer].sum()
             assert torch.equal(got[layer][mask[layer]], expected[mask[layer]]), (rank, a, b)
+
+
+def test_a_save_reuses_the_boxes_only_while_the_optimizer_holds_the_same_tensors(monkeypatch):
+    """The lazy save keeps the last save's boxes (views of the optimizer's tensors) while the
+    optimizer holds the same tensor objects at the same addresses; a replaced tensor, or one
+    whose storage moved (`.data =`), makes it build them again."""
+    from types import SimpleNamespace
+
+    from megatron.training.checkpointing import distopt_shards
+    from megatron.training.checkpointing.lazy import LazyCheckpointManager
+
+    held = [torch.zeros(4), torch.zeros(6)]
+    built = []
+
+    def boxes(optimizer, sd):
+        built.append(len(built))
+        return [(f"k{i}", t.view(-1)[:2], (len(t),), (0,)) for i, t in enumerate(held)]
+
+    monkeypatch.setattr(distopt_shards, "state_tensors", lambda optimizer: list(held))
+    monkeypatch.setattr(distopt_shards, "param_state_boxes", boxes)
+    manager = SimpleNamespace(_boxes_of=None)
+
+    def save():
+        return LazyCheckpointManager._optimizer_boxes(manager, None, {})
+
+    first = save()
+    held[0].add_(1)  # an optimizer step: in place
+    assert save() is first and len(built) == 1
+    held[1] = torch.ones(6)  # a new tensor
+    second = save()
+    assert len(built) == 2 and second[1].data.data_ptr() == held[1].data_ptr()
+    held[0].data = torch.full((4,), 3.0)  # same object, other storage
+    third = save()
+    assert len(built) == 3 and torch.equal(third[0].data, torch.full((2,), 3.0))
+    assert save() is third

@@ -140,6 +140,13 @@ def param_state_boxes(optimizer, model_sharded_state_dict) -> List[Tuple[str, to
     return out
 
 
+def state_tensors(optimizer) -> List[torch.Tensor]:
+    """Every tensor `param_state_boxes` takes views of, in its order (a save keeps its boxes
+    while these are the same tensors at the same addresses, `lazy.LazyCheckpointManager`)."""
+    return [tensors[k] for _, _, tensors in _own_ranges(_distributed(optimizer))
+            for k in STATE_KEYS]
+
+
 def _own_ranges(dopt) -> Iterator[tuple]:
     """(model param, this DP rank's flat range of it, its main param and Adam moments) for every
     parameter of the distributed optimizer `dopt`, in its buffers' order."""

@@ -279,6 +279,8 @@ class LazyCheckpointManager(CheckpointManager):
     def __init__(self, config: RunConfig):
         super().__init__(config)
         self._merges_retained = 0  # merges whose universal retention has run (rank 0)
+        #: (optimizer tensors, their addresses, the boxes of them) of the last save.
+        self._boxes_of: Optional[tuple] = None
         # Rank 0: checkpoints retention renamed away are deleted here, off the training thread
         # (~200 ms per commit for the 117M GPT); drained by `finalize`.
         self._trash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
@@ -360,12 +362,25 @@ class LazyCheckpointManager(CheckpointManager):
                                       include_rng=self.ckpt.save_rng)
         if not lazy_optim:
             return sd, ()
-        # Rebuilt every save (cheap): views must follow the optimizer's current tensors.
-        boxes = [TensorShard(view, key, gshape, goff) for key, view, gshape, goff
-                 in distopt_shards.param_state_boxes(state.optimizer, sd)]
+        boxes = self._optimizer_boxes(state.optimizer, sd)
         sd["optimizer"] = distopt_shards.optimizer_common_state(state.optimizer)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
         return sd, boxes
+
+    def _optimizer_boxes(self, optimizer, sd) -> List[TensorShard]:
+        """This DP rank's boxes of the distributed optimizer's state: the last save's, while the
+        optimizer holds the same tensors at the same addresses (the boxes are views of them),
+        else built anew. Building them took 2.4 of the 8.7 ms a save cost the training loop per
+        iteration (the 27M GPT on our CPU), and an in-memory level saves every iteration."""
+        held = distopt_shards.state_tensors(optimizer)
+        addresses = [t.data_ptr() for t in held]
+        cached = self._boxes_of
+        if cached is None or len(cached[0]) != len(held) or cached[1] != addresses or \
+                any(a is not b for a, b in zip(cached[0], held)):
+            boxes = [TensorShard(view, key, gshape, goff) for key, view, gshape, goff
+                     in distopt_shards.param_state_boxes(optimizer, sd)]
+            self._boxes_of = cached = (held, addresses, boxes)
+        return cached[2]
 
     def validation_done(self, iteration: int, t_start: float, t_end: float) -> None:
         self.checkpointer.record({"event": "validation", "iteration": iteration,
