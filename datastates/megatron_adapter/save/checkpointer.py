@@ -999,10 +999,13 @@ class LazyCheckpointer:
         write_tracker(p.root, p.iteration, self.config.run_config_json)
 
     def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
-        (total,) = control_plane.all_reduce([float(record.bytes)], dtype=torch.float64)
-        stall, copy, durable, local = control_plane.all_reduce(
-            [p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0],
-            op=dist.ReduceOp.MAX, dtype=torch.float64)
+        # One collective, not two (the in-memory level commits every iteration): every rank's
+        # bytes and times (ns), summed and maxed here.
+        rows = control_plane.all_gather_ints(
+            [int(record.bytes)] + [int(round(s * 1e9)) for s in (
+                p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0)])
+        total = sum(r[0] for r in rows)
+        stall, copy, durable, local = (max(r[k] for r in rows) / 1e9 for k in range(1, 5))
         stats = {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
                  "stall_ms": stall * 1e3, "copy_ms": copy * 1e3, "durable_s": durable,
                  "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,
