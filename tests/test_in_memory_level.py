@@ -34,7 +34,10 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
     memory = _memory_root(save)
     flags = TINY_MODEL + ["--save", save, "--save-interval", "4", "--async-lazy-save",
                           "--lazy-save-cache-mb", "8", "--non-persistent-ckpt-type", "in_memory",
-                          "--non-persistent-save-interval", "1"]
+                          "--non-persistent-save-interval", "1",
+                          # Megatron-LM's manual collection, as a user saving every iteration at
+                          # GPU speed would run it: the resume must not change.
+                          "--manual-gc", "--manual-gc-interval", "5"]
     seen = {"committed": False, "loss": False}
 
     def kill_when_ahead(line, proc):

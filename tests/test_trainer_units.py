@@ -38,6 +38,7 @@ def config(extra="", world_size=1):
     ("--async-lazy-save --load /tmp/x", 1, "--async-lazy-save writes checkpoints under --save, "
      "which is not given"),
     ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist"),
+    ("--manual-gc --manual-gc-interval -1", 1, "--manual-gc-interval must be >= 0, got -1"),
     ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),
     ("--lazy-save-local-keep 3", 1, "--lazy-save-local-keep configure --async-lazy-save"),
     ("--async-lazy-save --lazy-save-local-keep 3", 1,
@@ -256,3 +257,49 @@ def test_sequence_parallel_on_a_gpu_without_fused_norms_is_one_line(monkeypatch)
     with pytest.raises(ArgumentError, match="--sequence-parallel on a GPU needs "
                                             "transformer-engine or apex"):
         config(sp, world_size=2)
+
+
+def test_manual_gc_collects_at_the_same_points_on_every_rank(monkeypatch):
+    """Megatron-LM's --manual-gc flags: automatic collection off while training, a collection
+    every --manual-gc-interval iterations, a full one before each validation and a young one
+    after it (unless --no-manual-gc-eval); automatic collection back on at the end. Without
+    --manual-gc nothing is touched."""
+    from megatron.training import training
+
+    calls = []
+
+    class Recorder:
+        def disable(self):
+            calls.append("disable")
+
+        def enable(self):
+            calls.append("enable")
+
+        def collect(self, generation=2):
+            calls.append(f"collect{generation}")
+
+    monkeypatch.setattr(training, "gc", Recorder())
+    monkeypatch.setattr(training, "evaluate", lambda trainer, **kw: calls.append("evaluate"))
+    t = config("--manual-gc --manual-gc-interval 3").training
+    assert (t.manual_gc, t.manual_gc_interval, t.manual_gc_eval) == (True, 3, True)
+    policy = training._ManualGC(t)
+    policy.start()
+    for it in range(1, 7):
+        policy.after_iteration(it)
+    policy.validate(None)
+    policy.stop()
+    assert calls == ["disable", "collect2", "collect2", "collect2", "collect2", "evaluate",
+                     "collect0", "enable"]
+    calls.clear()
+    quiet = training._ManualGC(config("--manual-gc --no-manual-gc-eval").training)
+    quiet.start()
+    quiet.after_iteration(3)
+    quiet.validate(None)
+    assert calls == ["disable", "collect2", "evaluate"]
+    calls.clear()
+    off = training._ManualGC(config("--manual-gc-interval 3").training)
+    off.start()
+    off.after_iteration(3)
+    off.validate(None)
+    off.stop()
+    assert calls == ["evaluate"]

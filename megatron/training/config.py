@@ -254,6 +254,13 @@ class TrainingConfig:
     """Stop (after saving if --save is set) when the iteration is a multiple of this."""
     exit_signal_handler: bool = False
     """On SIGTERM: save a checkpoint at the end of the current iteration and exit 0."""
+    manual_gc: bool = False
+    """Python's automatic garbage collection is off while training; it runs at the points below,
+    the same iterations on every rank (Megatron-LM's --manual-gc)."""
+    manual_gc_interval: int = 0
+    """With manual_gc: a collection every this many iterations (0: none between iterations)."""
+    manual_gc_eval: bool = True
+    """With manual_gc: a collection before and after each validation."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
