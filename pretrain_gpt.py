@@ -8,6 +8,10 @@ summary of failed workers).
 """
 import os
 import sys
+import time
+
+#: How long a rank other than 0 waits, after a flag error, for rank 0 to print it and exit.
+RANK0_REPORTS_WITHIN_S = 60
 
 
 def main(argv=None) -> int:
@@ -21,9 +25,16 @@ def main(argv=None) -> int:
     try:
         config = build_run_config(parse_args(argv))
     except (ArgumentError, ValueError) as err:
-        # Every rank finds the same mistake; one copy of the message is enough.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        # Every rank finds the same mistake; one copy of the message is enough. The other ranks
+        # must not end first: the launcher (torchrun, srun) would stop rank 0 before its line is
+        # out, and rank 0 may reach the same error seconds later on a loaded machine (its
+        # imports). The launcher stops them once rank 0 has exited; a rank still running after
+        # the wait has a mistake of its own (e.g. its node's memory) and says it itself.
+        rank = os.environ.get("RANK", "0")
+        if rank != "0":
+            time.sleep(RANK0_REPORTS_WITHIN_S)
+        print(f"pretrain_gpt.py: error: {'' if rank == '0' else f'[rank {rank}] '}{err}",
+              file=sys.stderr, flush=True)
         return 2
     from megatron.training.initialize import destroy_distributed
     from megatron.training.training import setup, train
