@@ -49,8 +49,8 @@ class Copier:
     the bytes are on the host.
 
     With `crc32c=True` (and the `copycrc` library built), a contiguous CPU piece is copied and
-    checksummed in one pass, and `copy` returns the piece's CRC-32C; otherwise it returns None and
-    the writer checksums the cached bytes."""
+    checksummed in one pass, and `issue` returns the piece's CRC-32C; otherwise None, and the
+    writer checksums the cached bytes."""
 
     def __init__(self, cache: HostCache, crc32c: bool = False):
         self.cache = cache
@@ -64,14 +64,6 @@ class Copier:
             s = torch.cuda.Stream(device=device)
             self._streams[device] = s
         return s
-
-    def copy(self, piece: torch.Tensor, start: int,
-             ready_event: Optional["torch.cuda.Event"] = None) -> Optional[int]:
-        """Copy `piece` to cache offset `start`; its CRC-32C if computed on the way (see class)."""
-        crc, landed = self.issue(piece, start, ready_event)
-        if landed is not None:
-            landed.synchronize()
-        return crc
 
     def issue(self, piece: torch.Tensor, start: int,
               ready_event: Optional["torch.cuda.Event"] = None

@@ -137,8 +137,9 @@ def test_only_crc32c_engines_fuse(fused):
     assert Copier(cache, crc32c=True).fused
     assert not Copier(cache, crc32c=False).fused
     src = torch.arange(1000, dtype=torch.int32)
-    assert Copier(cache, crc32c=True).copy(src, 0) == crc32c.crc32c(src.numpy().tobytes())
-    assert Copier(cache, crc32c=False).copy(src, 4096) is None
+    assert Copier(cache, crc32c=True).issue(src, 0) == (crc32c.crc32c(src.numpy().tobytes()),
+                                                         None)  # a CPU copy has landed
+    assert Copier(cache, crc32c=False).issue(src, 4096) == (None, None)
     assert bytes(cache.memview(4096, src.nbytes)) == src.numpy().tobytes()
     # An engine checksumming with zlib's CRC-32 leaves the checksum to its writer.
     with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 16, checksum=Checksum.CRC32)) as eng:
