@@ -33,6 +33,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 _TIMES: Dict[str, List[float]] = defaultdict(list)
 _ORDER: List[str] = []
+#: Control-plane collectives the training thread issued (see `count_collectives`).
+_COLLECTIVES: List[str] = []
+_AT_SAVE: List[int] = []  # len(_COLLECTIVES) when each save call started
 
 
 def _wrap(owner, attr: str, label: str) -> None:
@@ -42,6 +45,8 @@ def _wrap(owner, attr: str, label: str) -> None:
 
     @functools.wraps(fn)
     def timed(*args, **kwargs):
+        if label == "save call":
+            _AT_SAVE.append(len(_COLLECTIVES))
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -96,8 +101,8 @@ def install_spans() -> None:
         (engine.CheckpointEngine, "start_copies", "    engine.start_copies"),
         (mgr, "before_optimizer_step", "wait before step"),
         (mgr, "after_iteration", "poll (end of iteration)"),
+        (checkpointer.LazyCheckpointer, "_agree", "  agreement (all-gather: durable, figures)"),
         (checkpointer.LazyCheckpointer, "_commit", "  commit (finalize, start commit thread)"),
-        (checkpointer.LazyCheckpointer, "_gather_stats", "    stats all-reduce"),
         (checkpointer.LazyCheckpointer, "_settle", "  commit agreed (all-reduce, then below)"),
         (mgr, "_after_commit", "    retention"),
         (checkpointer.LazyCheckpointer, "_publish", "commit thread (rank 0, off the loop)"),
@@ -109,6 +114,26 @@ def install_spans() -> None:
     ]
     for owner, attr, label in spans:
         _wrap(owner, attr, label)
+
+
+def count_collectives() -> None:
+    """Count the control plane's collectives (`datastates.control_plane`) issued by the main
+    thread: at scale each is a round over every rank that the training loop waits for, however
+    small its values (a peer replica's own thread and group are not counted)."""
+    import threading
+
+    from datastates import control_plane
+
+    main = threading.main_thread()
+    for name in ("all_reduce", "all_gather_ints", "barrier"):
+        fn = getattr(control_plane, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            if threading.current_thread() is main:
+                _COLLECTIVES.append(_name)
+            return _fn(*args, **kwargs)
+
+        setattr(control_plane, name, counted)
 
 
 def install_cprofile(skip: int):
@@ -135,7 +160,7 @@ def install_cprofile(skip: int):
     return prof
 
 
-def report(skip: int) -> None:
+def report(skip: int, iters: int) -> None:
     print(f"\nper-call medians over calls after the first {skip} "
           f"(load average {os.getloadavg()[0]:.2f}):")
     print(f"{'phase':46s} {'ms':>8s} {'calls':>6s}")
@@ -152,6 +177,13 @@ def report(skip: int) -> None:
     if total:
         print(f"{'training thread per save (stall + poll)':46s} "
               f"{statistics.median(total) * 1e3:8.2f}")
+    steady = [b - a for a, b in zip(_AT_SAVE[skip:], _AT_SAVE[skip + 1:])]
+    if steady:
+        names = _COLLECTIVES[_AT_SAVE[-2]:_AT_SAVE[-1]]
+        print(f"{'control-plane collectives per iteration':46s} {statistics.median(steady):8g}"
+              f"   (the last: {', '.join(names)})")
+    print(f"control-plane collectives over {iters} iterations, start-up included: "
+          f"{len(_COLLECTIVES)}")
 
 
 def main(argv=None) -> int:
@@ -178,6 +210,7 @@ def main(argv=None) -> int:
         save_plan.SavePlanCache.confirm = save_plan.SavePlanCache.forget
     prof = install_cprofile(skip=1) if a.cprofile else None
     install_spans()
+    count_collectives()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with tempfile.TemporaryDirectory(dir=str(REPO / "runs") if (REPO / "runs").is_dir()
                                      else None) as save:
@@ -185,7 +218,7 @@ def main(argv=None) -> int:
                 "--save", save, "--save-interval", "1", "--keep-last-n-checkpoints", "2"]
                 + a.extra.split())
         rc = pretrain_gpt.main(args)
-    report(skip=1)
+    report(skip=1, iters=a.iters)
     if prof is not None:
         import pstats
 

@@ -16,8 +16,8 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
      and its writers drain the cache to storage.
   3) `before_optimizer_step()` before step i+1 waits for the snapshot only if it is not done.
   4) `poll(iteration)` at the end of every iteration: a non-blocking local poll plus one
-     all-reduce (MIN of "durable here": shards, index, marker and, on rank 0, common.pt) while a
-     save is pending. Once every rank is durable:
+     all-gather (each rank's "durable here": shards, index, marker and, on rank 0, common.pt;
+     with the figures the commit reports) while a save is pending. Once every rank is durable:
      rank 0's commit thread, off the training loop (its unlink and fsyncs cost ~30 ms per save
      on our VMs), writes metadata.json (what megatron's finalize would write there; its barrier
      is replaced by the agreements), fsyncs it, writes the commit marker (`try_commit`) and
@@ -465,8 +465,12 @@ class LazyCheckpointer:
             from ..levels.node_local import claim_every_replica
 
             claim_every_replica(sharded_state_dict)
+            # In memory, the plan check's all-reduce also orders every leader's retention of the
+            # older version (`_after_publish`) before any rank takes a slot of it (the engine's
+            # save, below); without it, a slot still linked would be passed over.
             plan = self.node_plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
-                                           agree=iteration in self.leftovers.get(root, ()))
+                                           agree=iteration in self.leftovers.get(root, ())
+                                           or self.config.non_persistent_in_memory)
             if not plan.reuse_distribution:
                 payloads.forget()
             strategy, base = save_strategy(lane.engine, iteration, None, None,
@@ -766,15 +770,19 @@ class LazyCheckpointer:
                 p.errors.append(err)
         return True
 
-    def _agree(self, p: _Pending, local_done: bool) -> bool:
-        """All ranks: True when every rank has `p` durable (or committed); raises the same
-        CheckpointError on every rank if any rank recorded an error."""
+    def _agree(self, p: _Pending, local_done: bool, record=None) -> Optional[List[List[int]]]:
+        """All ranks: every rank's figures of `p` (`_figures`: what this rank's `record` says,
+        zeros without one) when every rank has `p` durable (or committed), None while some rank
+        has not; raises the same CheckpointError on every rank if any rank recorded an error.
+        One all-gather: the in-memory level agrees every iteration, and at scale each collective
+        is a round over every rank that the training loop waits for."""
         errors = self._local_errors + p.errors  # a later save's own errors wait for its turn
         err = errors[0] if errors else None
         code = -1 if err is not None else int(local_done)
-        (agreed,) = control_plane.all_reduce([code], op=dist.ReduceOp.MIN)
+        rows = control_plane.all_gather_ints([code] + _figures(p, record))
+        agreed = min(row[0] for row in rows)
         if agreed >= 0:
-            return bool(agreed)
+            return [row[1:] for row in rows] if agreed else None
         root = p.root
         where = "--save" if root == self.config.root else f"non-persistent root {root}"
         failure = control_plane.agreed_failure(
@@ -832,14 +840,15 @@ class LazyCheckpointer:
                     head.handle, timeout=self.config.drain_timeout_s)
                 for record in self._guard(wait) or []:
                     self.durable[os.path.normpath(record.directory)] = record
-            if not self._agree(head, key in self.durable
-                               and self._files_durable(head, blocking)):
+            rows = self._agree(head, key in self.durable and self._files_durable(head, blocking),
+                               self.durable.get(key))
+            if rows is None:
                 return
             lane.pending.popleft()
-            record = self.durable.pop(key)
+            self.durable.pop(key)
             if head.replica_check is not None:
                 self._verify_replicas(head)  # raises ReplicaMismatch: never committed
-            self._commit(lane, head, record)
+            self._commit(lane, head, rows)
             if not blocking:
                 return  # its commit thread has just started: agreed on at the next poll
 
@@ -871,7 +880,7 @@ class LazyCheckpointer:
         raise ReplicaMismatch(f"{failure.reason}; {_state_of(p, p.root)}", rank=self.rank,
                               file=p.directory, ranks=failure.ranks) from err
 
-    def _commit(self, lane: _Lane, p: _Pending, record) -> None:
+    def _commit(self, lane: _Lane, p: _Pending, rows: List[List[int]]) -> None:
         publishes = self.rank == 0 or (p.node_local and self.rank == self.node.leader)
         # megatron's only finalize function writes metadata.json on rank 0, then meets the others
         # in a barrier. The commit thread writes the same file instead, off the training loop
@@ -891,7 +900,7 @@ class LazyCheckpointer:
                 self._local_errors.append(naming(err, os.path.join(p.directory,
                                                                    METADATA_FILENAME)))
                 dist.barrier()  # the one megatron's finalize would have reached (its group)
-        stats = self._gather_stats(p, record)
+        stats = self._stats(p, rows)
         future = None
         if publishes and not self._local_errors:
             future = lane.publisher.submit(self._publish, p, own_metadata or self.rank != 0)
@@ -951,10 +960,10 @@ class LazyCheckpointer:
                         self.universal.on_commit(p.iteration, p.directory)
             except (OSError, RuntimeError, CheckpointError) as err:
                 self._local_errors.append(err)
-        if p.node_local and self.config.non_persistent_in_memory:
-            # Every node's leader has removed the older versions (retention, done at once for
-            # this level): every rank's shard-file slots are free for the next save.
-            control_plane.barrier()
+        # The in-memory level's leaders have just removed its older version (retention, done at
+        # once for this level), so every rank's shard-file slots are free for the next save once
+        # every leader is past this point: the next save's plan check, its first collective, is
+        # that point (`save` asks for it under ASSUME_CONSTANT too).
         if p.node_local:
             return  # the shared versions' local copies and replicas are not touched
         self._last_committed = p.iteration
@@ -998,12 +1007,9 @@ class LazyCheckpointer:
         fail_point("tracker", p.iteration, self.rank, os.path.join(p.root, TRACKER_FILENAME))
         write_tracker(p.root, p.iteration, self.config.run_config_json)
 
-    def _gather_stats(self, p: _Pending, record) -> Dict[str, float]:
-        # One collective, not two (the in-memory level commits every iteration): every rank's
-        # bytes and times (ns), summed and maxed here.
-        rows = control_plane.all_gather_ints(
-            [int(record.bytes)] + [int(round(s * 1e9)) for s in (
-                p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0)])
+    def _stats(self, p: _Pending, rows: List[List[int]]) -> Dict[str, float]:
+        """The record of a commit from every rank's `_figures` (gathered by `_agree`): bytes
+        summed, times the slowest rank's."""
         total = sum(r[0] for r in rows)
         stall, copy, durable, local = (max(r[k] for r in rows) / 1e9 for k in range(1, 5))
         stats = {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
@@ -1063,6 +1069,15 @@ def append_telemetry(root: str, record: Dict[str, Any]) -> None:
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, TELEMETRY_FILENAME), "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _figures(p: _Pending, record) -> List[int]:
+    """What this rank reports of `p` when agreeing on it: its bytes and its times in ns (stall,
+    copy, durable, node-local durable); zeros while it has no durable `record`."""
+    if record is None:
+        return [0] * 5
+    return [int(record.bytes)] + [int(round(s * 1e9)) for s in (
+        p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0)]
 
 
 def _state_of(p: _Pending, root: str) -> str:
