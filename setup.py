@@ -22,7 +22,7 @@ setup(
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is unrelated); build it from
         # https://github.com/NVIDIA/apex with CUDA. transformer-engine needs CUDA at install time.
         "gpu": ["transformer-engine[pytorch]"],
-        "test": ["pytest", "tensorboard", "wandb", "transformers==5.24.0"],
+        "test": ["pytest", "pytest-xdist", "tensorboard", "wandb", "transformers==5.24.0"],
         "plot": ["matplotlib"],
         # --tensorboard-dir and --wandb-project; each flag is refused at start-up without its
         # package.

@@ -14,7 +14,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 # Install only what is missing so a reused venv costs a second, not a minute.
-if ! "$PY" -c "import torch, megatron.core, psutil, pytest, safetensors, crc32c, matplotlib, importlinter, tensorboard, wandb, transformers, deepspeed" >/dev/null 2>&1; then
+if ! "$PY" -c "import torch, megatron.core, psutil, pytest, xdist, safetensors, crc32c, matplotlib, importlinter, tensorboard, wandb, transformers, deepspeed" >/dev/null 2>&1; then
   # One resolver run for torch and the rest (two cost ~10 s more on a fresh venv).
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0 -r "$ROOT/requirements.txt"
 fi

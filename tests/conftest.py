@@ -13,3 +13,22 @@ def one_rank_group(tmp_path):
                             world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """Every test starts without a default process group, whichever tests ran before it in this
+    process (the suite runs its files on two workers, in no fixed order): a converter called
+    in-process makes the one-process group it needs and, as the one-shot process it is written
+    for, leaves it to the interpreter's exit."""
+    yield
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from megatron.training.initialize import destroy_distributed
+
+        destroy_distributed()

@@ -187,19 +187,26 @@ def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):
     assert int(check.stdout.split("MATCH")[1].split()[0]) > 20  # model and optimizer tensors
 
 
-@pytest.mark.parametrize("imports", ["import datastates.megatron_adapter.save.strategies",
-                                     "import datastates.megatron_adapter.save.payload",
-                                     "import datastates.megatron_adapter",
-                                     "import datastates; import megatron.core",
-                                     "import megatron.core; import datastates"])
-def test_load_strategy_registered_in_any_import_order(imports):
+IMPORT_ORDERS = ("import datastates.megatron_adapter.save.strategies",
+                 "import datastates.megatron_adapter.save.payload",
+                 "import datastates.megatron_adapter",
+                 "import datastates; import megatron.core",
+                 "import megatron.core; import datastates")
+
+
+def test_load_strategy_registered_in_any_import_order():
     """Whichever of megatron-core and our adapter is imported first, stock load finds our backend
-    (importing the adapter first used to fail with a circular import)."""
-    code = (imports + "\nfrom megatron.core.dist_checkpointing.strategies.base import "
+    (importing the adapter first used to fail with a circular import). Each order in a fresh
+    interpreter; they run side by side."""
+    code = ("\nfrom megatron.core.dist_checkpointing.strategies.base import "
             "default_strategies as d\nprint(sorted(d['load_sharded']))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "('datastates', 1)" in out.stdout, out.stdout
+    procs = {imports: subprocess.Popen([sys.executable, "-c", imports + code], text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for imports in IMPORT_ORDERS}
+    for imports, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (imports, err[-2000:])
+        assert "('datastates', 1)" in out, (imports, out)
 
 
 def test_leftovers_of_an_unfinished_save_are_set_aside_not_mixed(tmp_path):
