@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .errors import CheckpointError
 
 __all__ = ["agree", "agreed_failure", "all_gather_ints", "all_reduce", "barrier",
-           "control_group", "exchange", "new_side_group", "post_exchange"]
+           "control_group", "exchange", "new_side_group", "padded", "post_exchange"]
 
 T = TypeVar("T")
 
@@ -129,6 +129,15 @@ def all_gather_ints(value, group=None) -> List:
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t, group=group or control_group())
     return [int(x.item()) if isinstance(value, int) else x.tolist() for x in out]
+
+
+def padded(values: Sequence[int], width: int, fill: int = -1) -> List[int]:
+    """`values` filled up to `width` with `fill`: a row of the same length on every rank for
+    `all_gather_ints`, when ranks have different numbers of things to report. More than `width`
+    is a bug of the caller (the rows would no longer line up): ValueError."""
+    if len(values) > width:
+        raise ValueError(f"{len(values)} values do not fit a row of {width}")
+    return list(values) + [fill] * (width - len(values))
 
 
 def new_side_group():

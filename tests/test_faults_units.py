@@ -107,3 +107,12 @@ def test_free_space_in_a_failed_save_names_the_root_it_measured(tmp_path):
     assert f"; under --lazy-save-local-dir {local}: " in text
     assert _free_space(str(tmp_path)).startswith(" (free space under --save: ")
     assert _free_space(str(tmp_path / "missing")) == ""
+
+
+def test_control_plane_rows_are_padded_to_one_width_and_never_cut():
+    from datastates import control_plane
+
+    assert control_plane.padded([3, 1], 4) == [3, 1, -1, -1]
+    assert control_plane.padded([], 2, fill=0) == [0, 0]
+    with pytest.raises(ValueError, match="3 values do not fit a row of 2"):
+        control_plane.padded([1, 2, 3], 2)  # the ranks' rows would no longer line up

@@ -207,7 +207,7 @@ def adopt_left_memory(root: str, rank: int, node: int, host: Optional[str] = Non
 
     moves = control_plane.agree(take, "taking over the in-memory checkpoints left on a host "
                                       "under another node's index")
-    every = control_plane.all_gather_ints(_padded(moves, 2 * len(rows)))
+    every = control_plane.all_gather_ints(control_plane.padded(moves, 2 * len(rows)))
     adopted = {row[k]: row[k + 1] for row in every for k in range(0, len(row), 2) if row[k] >= 0}
     for n, j in sorted(adopted.items()):
         if n in here and first:
@@ -238,6 +238,3 @@ def _newest(directory: str) -> int:
         return -1
     return -1 if newest is None else newest
 
-
-def _padded(values: List[int], width: int) -> List[int]:
-    return values + [-1] * (width - len(values))

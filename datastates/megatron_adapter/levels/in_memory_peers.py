@@ -116,10 +116,6 @@ def _copy_metadata(root: str, directory: str) -> None:
                           f"version under {root} has one", file=directory)
 
 
-def _pad(values: List[int]) -> List[int]:
-    return values + [-1] * (_REPORTED - len(values))
-
-
 def restore_memory_from_peers(root: str, world_size: int, rank: int,
                               log=print) -> MemoryRestore:
     """Every rank, collective (control plane): see the module doc. `root` is this rank's node's
@@ -136,7 +132,8 @@ def restore_memory_from_peers(root: str, world_size: int, rank: int,
         own, committed, replica = _held(root, rank, leader, pred, pred_leads, world_size)
     except OSError:
         own, committed, replica = [], [], []
-    rows = control_plane.all_gather_ints(_pad(own) + _pad(committed) + _pad(replica))
+    rows = control_plane.all_gather_ints([v for kind in (own, committed, replica)
+                                          for v in control_plane.padded(kind, _REPORTED)])
     n = _REPORTED
     owns = {r: {i for i in row[:n] if i >= 0} for r, row in enumerate(rows)}
     committed_by = {r: {i for i in row[n:2 * n] if i >= 0} for r, row in enumerate(rows)}

@@ -139,7 +139,7 @@ def assemble(root: str, rank: int, log=print) -> Optional[str]:
     row: List[int] = []
     for it, (w, where, common) in sorted(held.items(), reverse=True):
         row += [it, w, int(common is not None)] + _bitmap(sorted(where), most)
-    rows = control_plane.all_gather_ints(row + [-1] * (width * _REPORTED - len(row)))
+    rows = control_plane.all_gather_ints(control_plane.padded(row, width * _REPORTED))
     holds: Dict[Tuple[int, int], Dict[int, Set[int]]] = {}  # (it, world) -> rank -> saved ranks
     commons: Dict[Tuple[int, int], List[int]] = {}
     for r, values in enumerate(rows):
@@ -199,7 +199,7 @@ def assemble(root: str, rank: int, log=print) -> Optional[str]:
         most_sends = max([sum(1 for p in plan if p[1] == r) for r in range(world)] + [0])
         sizes_of_mine = [n for tag, to in mine for n in sends[(to, tag)].sizes]
         sizes = control_plane.all_gather_ints(
-            sizes_of_mine + [0] * (2 * most_sends - len(sizes_of_mine)))
+            control_plane.padded(sizes_of_mine, 2 * most_sends, fill=0))
         recvs = {}
         for tag, frm, to in plan:
             if to == rank:  # `frm` gathered its streams' sizes in plan order
