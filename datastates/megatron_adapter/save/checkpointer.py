@@ -307,6 +307,7 @@ class LazyCheckpointer:
         self._local_errors: List[BaseException] = []
         self._telemetry_off = False
         self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
+        self._ahead_s: Dict[str, float] = {}  # per root: commit time carried to its next save
         self._last_published: Optional[_Pending] = None  # the newest committed save, any lane
         self.disabled = False  # FailurePolicy.CONTINUE after a failure: no more saves
         self.universal = None  # rank 0: the background universal merges, when asked for
@@ -430,6 +431,9 @@ class LazyCheckpointer:
         from .strategies import durable_common_save, quiet_overwrite_warning, save_strategy
 
         t0, wall0 = time.perf_counter(), time.time()
+        # The in-memory level's previous version, committed before this step (`_commit_ahead`):
+        # training waited for that too, counted in this save's stall as when it ran here.
+        t0 -= self._ahead_s.pop(root, 0.0)
         root = root or self.config.root
         if root not in (self.config.root, self.config.non_persistent_root):
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
@@ -594,6 +598,11 @@ class LazyCheckpointer:
             if check is not None:  # it reads the live tensors: done before they change
                 self._guard(check.wait)
             lane.pending[-1].stall_s += time.perf_counter() - t0
+            if self._commits_ahead(lane) and self._failed is None and not self.disabled:
+                t1 = time.perf_counter()
+                self._apply_policy(lambda: self._commit_ahead(lane))
+                root = self.config.non_persistent_root
+                self._ahead_s[root] = self._ahead_s.get(root, 0.0) + time.perf_counter() - t1
 
     def record(self, event: Dict[str, Any]) -> None:
         """Rank 0: one more event (a JSON object with "event" and "time") in the telemetry the
@@ -606,7 +615,7 @@ class LazyCheckpointer:
         if self.rank == 0:
             self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
         if self._uncommitted():
-            self._apply_policy(lambda: self._commit_ready(blocking=False))
+            self._apply_policy(lambda: self._commit_ready(blocking=False, iteration=iteration))
         for merger in (self.universal, self._merge_follower):
             if merger is not None:
                 merger.poll()
@@ -818,39 +827,69 @@ class LazyCheckpointer:
         """Saves not yet committed: the one being published, then those in flight."""
         return [p for lane in self.lanes for p in lane.uncommitted()]
 
-    def _commit_ready(self, blocking: bool) -> None:
+    def _commit_ready(self, blocking: bool, iteration: Optional[int] = None) -> None:
         """Every rank: each lane's saves, in the same lane order everywhere (their agreements are
-        collectives); a lane whose head is not durable yet never holds back the next one."""
+        collectives); a lane whose head is not durable yet never holds back the next one. At the
+        end of `iteration` (a poll), the in-memory level's lane is left alone while it holds
+        only that iteration's save: its copies run in the next forward/backward, and it is
+        committed right after them (`before_optimizer_step`), so agreeing now would only learn
+        "not yet"."""
         for lane in self.lanes:
+            if iteration is not None and self._commits_ahead(lane) and \
+                    lane.publishing is None and all(p.iteration == iteration
+                                                    for p in lane.pending):
+                continue
             self._commit_lane(lane, blocking)
 
+    def _commits_ahead(self, lane: _Lane) -> bool:
+        """The in-memory level's lane: its version is durable once copied (`WriteMode.MAPPED`
+        into shared memory), and committed before the next optimizer step."""
+        return lane is self.node_lane and self.config.non_persistent_in_memory
+
     def _commit_lane(self, lane: _Lane, blocking: bool) -> None:
-        for record in self._guard(lane.engine.poll) or []:
-            self.durable[os.path.normpath(record.directory)] = record
+        self._poll_engine(lane)
         while True:
             if lane.publishing is not None and not self._settle(lane, blocking):
                 return
-            if not lane.pending:
+            if not lane.pending or not self._commit_head(lane, blocking):
                 return
-            head = lane.pending[0]
-            key = os.path.normpath(head.directory)
-            if (blocking and key not in self.durable and head.handle is not None
-                    and not self._local_errors and not head.errors):
-                wait = lambda: lane.engine.wait_for_durable(  # noqa: E731
-                    head.handle, timeout=self.config.drain_timeout_s)
-                for record in self._guard(wait) or []:
-                    self.durable[os.path.normpath(record.directory)] = record
-            rows = self._agree(head, key in self.durable and self._files_durable(head, blocking),
-                               self.durable.get(key))
-            if rows is None:
-                return
-            lane.pending.popleft()
-            self.durable.pop(key)
-            if head.replica_check is not None:
-                self._verify_replicas(head)  # raises ReplicaMismatch: never committed
-            self._commit(lane, head, rows)
             if not blocking:
                 return  # its commit thread has just started: agreed on at the next poll
+
+    def _commit_ahead(self, lane: _Lane) -> None:
+        """Every rank, in `before_optimizer_step` once the snapshot is copied: the in-memory
+        level's oldest version is agreed on and its commit thread started, to run during the
+        optimizer step; the next save only settles it (the commit marker is written by then)
+        and takes the older version's slots."""
+        self._poll_engine(lane)
+        if lane.publishing is None and lane.pending:
+            self._commit_head(lane, blocking=True)
+
+    def _poll_engine(self, lane: _Lane) -> None:
+        for record in self._guard(lane.engine.poll) or []:
+            self.durable[os.path.normpath(record.directory)] = record
+
+    def _commit_head(self, lane: _Lane, blocking: bool) -> bool:
+        """Every rank: the lane's oldest save agreed on (waiting for it to be durable here if
+        `blocking`) and, when every rank has it, its commit started. False: not yet."""
+        head = lane.pending[0]
+        key = os.path.normpath(head.directory)
+        if (blocking and key not in self.durable and head.handle is not None
+                and not self._local_errors and not head.errors):
+            wait = lambda: lane.engine.wait_for_durable(  # noqa: E731
+                head.handle, timeout=self.config.drain_timeout_s)
+            for record in self._guard(wait) or []:
+                self.durable[os.path.normpath(record.directory)] = record
+        rows = self._agree(head, key in self.durable and self._files_durable(head, blocking),
+                           self.durable.get(key))
+        if rows is None:
+            return False
+        lane.pending.popleft()
+        self.durable.pop(key)
+        if head.replica_check is not None:
+            self._verify_replicas(head)  # raises ReplicaMismatch: never committed
+        self._commit(lane, head, rows)
+        return True
 
     def _verify_replicas(self, p: _Pending) -> None:
         """Every rank, once `p` is durable everywhere and before it commits (collective: its
