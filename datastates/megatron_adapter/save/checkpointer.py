@@ -39,10 +39,14 @@ writer and commit thread, and commits its saves in order; step 4 runs the lanes 
 other, in the same order on every rank, so a version in memory commits while a persistent save
 still drains to a slow file system. `busy(root)` says whether a lane holds a save not yet
 committed (the trainer defers a persistent save then: latest wins). In-memory versions (the
-`in_memory` type) commit the previous one right before the next save (it is durable by then) and
-each node's leader removes the older ones at once, before every rank goes on, so memory holds two
-versions and the engine's two reusable shard files (`WriteMode.MAPPED` slots, registered for
-DMA with CUDA) take turns.
+`in_memory` type) are durable once copied: each is agreed on in `before_optimizer_step`, right
+after its copy, and its commit thread writes during the optimizer step; the next save settles it
+(one all-reduce) and each node's leader removes the older one at once, before any rank takes a
+slot (the plan check's all-reduce orders it), so memory holds two versions and the engine's two
+reusable shard files (`WriteMode.MAPPED` slots, registered for DMA with CUDA) take turns. An
+in-memory version every iteration costs the training thread 4 control-plane collectives per
+iteration on N ranks: that agreement (an all-gather that carries the commit's figures too), the
+settle, the plan check, and Megatron's timer report of the save.
 """
 from __future__ import annotations
 
