@@ -435,10 +435,10 @@ class LazyCheckpointer:
         from .strategies import durable_common_save, quiet_overwrite_warning, save_strategy
 
         t0, wall0 = time.perf_counter(), time.time()
+        root = root or self.config.root
         # The in-memory level's previous version, committed before this step (`_commit_ahead`):
         # training waited for that too, counted in this save's stall as when it ran here.
         t0 -= self._ahead_s.pop(root, 0.0)
-        root = root or self.config.root
         if root not in (self.config.root, self.config.non_persistent_root):
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
                              f"non-persistent root {self.config.non_persistent_root}")
