@@ -277,10 +277,10 @@ def test_rank0_writes_one_record_per_committed_checkpoint(runs):
              for n in names]
     assert tb["checkpoint/bytes"][6] == pytest.approx(sum(map(os.path.getsize, files)), rel=1e-7)
     assert abs(tb["checkpoint/stall-ms"][6] - float(call_ms)) <= 0.05 + 1e-4
-    # Durable inside the call: only the agreement that follows the commit (one all-gather on the
-    # control plane) separates the two.
-    assert tb["checkpoint/durable-s"][6] * 1000 == pytest.approx(tb["checkpoint/stall-ms"][6],
-                                                                 abs=5.0)
+    # Durable inside the call: the tracker moved before the call returned. Only the agreement
+    # that follows the commit separates the two, and how long a collective waits depends on the
+    # machine's load (6 ms once with the suite on two workers): an order, not a time, is checked.
+    assert 0 < tb["checkpoint/durable-s"][6] * 1000 <= tb["checkpoint/stall-ms"][6] * (1 + 1e-6)
     assert 6 not in tb["checkpoint/copy-ms"]  # no background copy in a synchronous save
 
 
