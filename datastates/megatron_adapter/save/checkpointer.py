@@ -311,7 +311,7 @@ class LazyCheckpointer:
         self._local_errors: List[BaseException] = []
         self._telemetry_off = False
         self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
-        self._ahead_s: Dict[str, float] = {}  # per root: commit time carried to its next save
+        self._ahead_s = 0.0  # in-memory commit time carried to the level's next save
         self._last_published: Optional[_Pending] = None  # the newest committed save, any lane
         self.disabled = False  # FailurePolicy.CONTINUE after a failure: no more saves
         self.universal = None  # rank 0: the background universal merges, when asked for
@@ -438,7 +438,8 @@ class LazyCheckpointer:
         root = root or self.config.root
         # The in-memory level's previous version, committed before this step (`_commit_ahead`):
         # training waited for that too, counted in this save's stall as when it ran here.
-        t0 -= self._ahead_s.pop(root, 0.0)
+        if root == self.config.non_persistent_root:
+            t0, self._ahead_s = t0 - self._ahead_s, 0.0
         if root not in (self.config.root, self.config.non_persistent_root):
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
                              f"non-persistent root {self.config.non_persistent_root}")
@@ -605,8 +606,7 @@ class LazyCheckpointer:
             if self._commits_ahead(lane) and self._failed is None and not self.disabled:
                 t1 = time.perf_counter()
                 self._apply_policy(lambda: self._commit_ahead(lane))
-                root = self.config.non_persistent_root
-                self._ahead_s[root] = self._ahead_s.get(root, 0.0) + time.perf_counter() - t1
+                self._ahead_s += time.perf_counter() - t1
 
     def record(self, event: Dict[str, Any]) -> None:
         """Rank 0: one more event (a JSON object with "event" and "time") in the telemetry the
