@@ -59,11 +59,14 @@ def test_dp2_refuses_the_save_and_stops_naming_tensor_and_ranks(tmp_path):
         "the replica check of iteration 4 failed on rank(s) [0, 1]: replicas of "
         "embedding.word_embeddings.weight (global offset [0, 0], bytes 0-") in run.stderr, \
         run.describe()
+    # Every assertion names the run: this test failed once under a loaded two-worker suite,
+    # with nothing to tell which of these it was.
     assert "disagree between rank(s) [0, 1] (no majority tells which copy is corrupted)" in \
-        run.stderr
-    assert run.stderr.count("ReplicaMismatch") == 1  # one line, printed once
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert "(complete: 1; refused, replicas disagreed: 1)" in run.stdout
+        run.stderr, run.describe()
+    assert run.stderr.count("ReplicaMismatch") == 1, run.describe()  # one line, printed once
+    tracker = save / "latest_checkpointed_iteration.txt"
+    assert tracker.is_file() and tracker.read_text().strip() == "2", run.describe()
+    assert "(complete: 1; refused, replicas disagreed: 1)" in run.stdout, run.describe()
 
 
 def test_dp3_names_the_minority_and_with_continue_commits_once_repaired(tmp_path):
