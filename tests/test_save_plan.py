@@ -111,3 +111,37 @@ def test_assume_constant_structure_never_writes_a_stale_payload(tmp_path, one_ra
     assert (ckpt.payloads.built, ckpt.payloads.refilled) == (2, 1)
     _load_and_check(tmp_path / "ckpt", 2, old)
     _load_and_check(tmp_path / "ckpt", 3, new)
+
+
+def _along_worker(rank, store, out):
+    import torch.distributed as dist
+
+    from datastates.megatron_adapter.save.plan import SavePlanCache, StructurePolicy
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        seen = []
+        for policy in StructurePolicy:
+            cache = SavePlanCache(policy)
+            for step in (1, 2):  # the second save reuses the plan: no collective of its own
+                shapes = {"a": (4, 4)}
+                plan = cache.prepare(_state(shapes, step), along=(rank, step * (1 - rank), 0))
+                cache.confirm()
+                seen.append((policy.value, step, plan.along, plan.reuse_distribution))
+        torch.save(seen, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_values_along_the_plan_check_are_reduced_over_every_rank_under_both_policies(tmp_path):
+    """`prepare(along=...)` carries the caller's values in the plan check's all-reduce (the
+    in-memory level settles its previous commit there: one round over every rank instead of
+    two); each comes back as the maximum over the ranks, under ASSUME_CONSTANT too, where a
+    reused plan has no all-reduce of its own. Two gloo processes."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_along_worker, args=(str(tmp_path / "store"), str(tmp_path / "seen")), nprocs=2)
+    seen = [torch.load(f"{tmp_path / 'seen'}.{r}", weights_only=True) for r in (0, 1)]
+    assert seen[0] == seen[1] == [
+        ("check", 1, (1, 1, 0), False), ("check", 2, (1, 2, 0), True),
+        ("assume_constant", 1, (1, 1, 0), False), ("assume_constant", 2, (1, 2, 0), True)]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -63,6 +63,8 @@ class PreparedSave:
     failed: bool = False
     """The caller's own preparation failed on some rank (`prepare(local_failed=...)`): every
     rank that knows it skips the save call (see `prepare`)."""
+    along: Tuple[int, ...] = ()
+    """The caller's values passed as `prepare(along=...)`, each the maximum over every rank."""
 
 
 def fingerprint(sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = ()) -> List[tuple]:
@@ -100,19 +102,24 @@ class SavePlanCache:
         self.reused = 0
 
     def prepare(self, sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = (),
-                local_failed: bool = False, agree: bool = False) -> PreparedSave:
+                local_failed: bool = False, agree: bool = False,
+                along: Sequence[int] = ()) -> PreparedSave:
         """`local_failed`: the caller's preparation of this save (rank 0's directory) failed
         here. Under CHECK it rides on the plan check's all-reduce, so every rank learns it before
         megatron's collectives and skips the save call (`failed`); under ASSUME_CONSTANT only
         `agree=True` (or a first save) adds that all-reduce: otherwise a save has no collective
-        and only the failing rank skips its call."""
+        and only the failing rank skips its call. `along`: more of the caller's own values,
+        reduced (maximum over the ranks) in the same all-reduce, which then runs under
+        ASSUME_CONSTANT too (one round over every rank instead of two)."""
         apply_factories(sharded_state_dict)
         distributed = dist.is_initialized() and dist.get_world_size() > 1
+        along = tuple(int(v) for v in along)
         if self.policy is StructurePolicy.ASSUME_CONSTANT:
             same = self._saved_once
             failed = local_failed
-            if distributed and (agree or not same):
-                (failed,) = control_plane.all_reduce([int(local_failed)], op=dist.ReduceOp.MAX)
+            if distributed and (agree or not same or along):
+                failed, *along = control_plane.all_reduce([int(local_failed), *along],
+                                                          op=dist.ReduceOp.MAX)
         else:
             self._staged = fingerprint(sharded_state_dict, extra_shards)
             same = self._previous is not None and self._staged == self._previous
@@ -120,14 +127,15 @@ class SavePlanCache:
             if distributed:
                 # One rank's change invalidates every rank's plan: the validation and the
                 # distribution are collective.
-                changed, failed = control_plane.all_reduce([0 if same else 1, int(local_failed)],
-                                                           op=dist.ReduceOp.MAX)
+                changed, failed, *along = control_plane.all_reduce(
+                    [0 if same else 1, int(local_failed), *along], op=dist.ReduceOp.MAX)
                 same = not changed
         if same:
             self.reused += 1
         else:
             self.rebuilt += 1
-        return PreparedSave(validate=not same, reuse_distribution=same, failed=bool(failed))
+        return PreparedSave(validate=not same, reuse_distribution=same, failed=bool(failed),
+                            along=tuple(along))
 
     def confirm(self) -> None:
         """3) after `dist_checkpointing.save` returned: the structure just saved (and, on a
