@@ -2,7 +2,8 @@
 survive a SIGKILL of the whole job, committed at their own pace while a persistent save still
 drains (latest wins for --save), resumed from when they are the newest, given back at a clean
 end; memory of another model or layout is never loaded, and too little of it is refused at
-start (~25 s: 2 launches of 2 ranks, and in-process units).
+start, and a failed commit stops every rank with one line (~35 s: 3 launches of 2 ranks, and
+in-process units).
 """
 from __future__ import annotations
 
@@ -77,6 +78,31 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
         assert paths.tracked_iteration(save) == 24
         assert "in-memory checkpoints: removed iteration(s)" in resumed.stdout
         assert not os.path.exists(memory) and not os.path.exists(os.path.dirname(memory))
+    finally:
+        shutil.rmtree(os.path.dirname(os.path.dirname(memory)), ignore_errors=True)
+
+
+def test_a_failed_commit_stops_every_rank_with_one_line_and_keeps_the_newest_version(tmp_path):
+    """2 ranks, an in-memory version every iteration; rank 0's commit of iteration 3 fails. The
+    next save settles that commit inside its plan check (one all-reduce): both ranks stop with
+    one error naming rank 0 and iteration 3, iteration 2 stays the newest complete version, and
+    the directory that next save had prepared (iteration 4) is not left behind."""
+    save = str(tmp_path / "ckpt")
+    memory = _memory_root(save)
+    try:
+        run = launch(2, TINY_MODEL + ["--num-layers", "2", "--train-iters", "6", "--save", save,
+                                      "--save-interval", "100", "--async-lazy-save",
+                                      "--non-persistent-ckpt-type", "in_memory",
+                                      "--non-persistent-save-interval", "1"],
+                     extra_env={"DATASTATES_FAULT_FAIL_COMMIT": "error@3:0"})
+        assert run.returncode != 0, run.describe()
+        errors = [ln for ln in run.stderr.splitlines() if "CheckpointError" in ln]
+        assert len(errors) == 1 and "DataStates save of iteration 3 failed on rank(s) [0]: " \
+            "injected failure of step 'commit'" in errors[0], run.describe()
+        assert paths.tracked_iteration(memory) == 2, run.describe()
+        assert paths.complete_iterations(memory) == [2]
+        assert sorted(n for n in os.listdir(memory) if n.startswith("iter_")) == \
+            ["iter_0000002", "iter_0000003"], run.describe()
     finally:
         shutil.rmtree(os.path.dirname(os.path.dirname(memory)), ignore_errors=True)
 

@@ -40,13 +40,14 @@ other, in the same order on every rank, so a version in memory commits while a p
 still drains to a slow file system. `busy(root)` says whether a lane holds a save not yet
 committed (the trainer defers a persistent save then: latest wins). In-memory versions (the
 `in_memory` type) are durable once copied: each is agreed on in `before_optimizer_step`, right
-after its copy, and its commit thread writes during the optimizer step; the next save settles it
-(one all-reduce) and each node's leader removes the older one at once, before any rank takes a
-slot (the plan check's all-reduce orders it), so memory holds two versions and the engine's two
+after its copy, and its commit thread writes during the optimizer step; in the next save each
+node's leader waits for its own commit thread and removes the older version at once, and the
+plan check's all-reduce both settles the commit (every rank's commit thread succeeded) and orders
+those removals before any rank takes a slot, so memory holds two versions and the engine's two
 reusable shard files (`WriteMode.MAPPED` slots, registered for DMA with CUDA) take turns. An
-in-memory version every iteration costs the training thread 4 control-plane collectives per
+in-memory version every iteration costs the training thread 3 control-plane collectives per
 iteration on N ranks: that agreement (an all-gather that carries the commit's figures too), the
-settle, the plan check, and Megatron's timer report of the save.
+plan check (which carries the settle), and Megatron's timer report of the save.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -195,6 +196,7 @@ class _Pending:
     files: List[Future] = field(default_factory=list)  # rank 0: common.pt written durably
     errors: List[BaseException] = field(default_factory=list)  # this save's own, on this rank
     replica_check: Optional[ReplicaCheck] = None  # --ckpt-verify-replicas, this save's
+    retained: bool = False  # publishing rank: retention ran once it was committed (`_retain`)
 
 
 @dataclass
@@ -227,6 +229,15 @@ class _Publishing:
     pending: _Pending
     stats: Dict[str, float]
     future: Optional[Future]
+
+
+class _Settling(NamedTuple):
+    """This rank's side of settling the in-memory level's commit in flight (`_settle_here`): its
+    commit thread's failure, and the values the next plan check reduces for it (failed here,
+    peer replica busy here)."""
+
+    err: Optional[BaseException]
+    codes: Tuple[int, int]
 
 
 class LazyCheckpointer:
@@ -444,14 +455,22 @@ class LazyCheckpointer:
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
                              f"non-persistent root {self.config.non_persistent_root}")
         lane = self._lane_of(root)
+        settling: Optional[_Settling] = None
         if lane is self.node_lane and self.config.non_persistent_in_memory and \
                 lane.uncommitted():
             # Memory holds two versions: the newest complete one and this one. The previous one
-            # became durable right after its copy (before this iteration's optimizer step), so
-            # committing it now costs the agreements, not a wait for bytes.
-            self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
-            if self.disabled:
-                return
+            # was agreed on and its commit started before this iteration's optimizer step
+            # (`_commit_ahead`): its commit is settled in the plan check's all-reduce, below.
+            # Otherwise (it could not be, e.g. the first save after a failure) it is committed
+            # now, which costs the agreements, not a wait for bytes.
+            if lane.publishing is not None and not lane.pending and self.node is not None \
+                    and lane.publishing.pending.iteration != iteration \
+                    and root == self.config.non_persistent_root:
+                settling = self._settle_here(lane)
+            else:
+                self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
+                if self.disabled:
+                    return
         if any(q.iteration == iteration for q in lane.uncommitted()):
             # The same iteration into the other root of this lane (e.g. the end-of-training save
             # right after a global non-persistent one): both would name the same node-local
@@ -475,11 +494,28 @@ class LazyCheckpointer:
 
             claim_every_replica(sharded_state_dict)
             # In memory, the plan check's all-reduce also orders every leader's retention of the
-            # older version (`_after_publish`) before any rank takes a slot of it (the engine's
-            # save, below); without it, a slot still linked would be passed over.
+            # older version (`_after_publish`, or `_settle_here`) before any rank takes a slot
+            # of it (the engine's save, below); without it, a slot still linked would be passed
+            # over. It also settles the previous version's commit (`settling`).
             plan = self.node_plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
                                            agree=iteration in self.leftovers.get(root, ())
-                                           or self.config.non_persistent_in_memory)
+                                           or self.config.non_persistent_in_memory,
+                                           along=() if settling is None else settling.codes)
+            if settling is not None:
+                failed_any, busy_any = plan.along
+                try:
+                    self._apply_policy(lambda: self._settled(
+                        lane, -1 if failed_any else 1, not busy_any, settling.err))
+                finally:
+                    if self._failed is not None or self.disabled:
+                        # The previous commit failed: this save is not made, nor its directory
+                        # left behind.
+                        self.node_plans.forget()
+                        payloads.forget()
+                        if writer and not prepare_failed:
+                            shutil.rmtree(directory, ignore_errors=True)
+                if self.disabled:
+                    return
             if not plan.reuse_distribution:
                 payloads.forget()
             strategy, base = save_strategy(lane.engine, iteration, None, None,
@@ -953,7 +989,38 @@ class LazyCheckpointer:
         """All ranks: whether the commit in flight is done everywhere (waiting for it if
         `blocking`); then what follows a commit. A failed commit raises the agreed error on every
         rank, like a failed flush."""
+        done, err = self._commit_done(lane.publishing, blocking)
+        # Only this commit's own failure is agreed on here: an error a later save hit meanwhile
+        # is that save's, agreed on (and named) when its turn comes. The same all-reduce says
+        # whether every rank's in-memory peer replica is idle (then this version is handed over).
+        agreed, idle = control_plane.all_reduce(
+            [-1 if err is not None else int(done), int(self._replica_idle(lane))],
+            op=dist.ReduceOp.MIN)
+        return self._settled(lane, agreed, bool(idle), err)
+
+    def _settle_here(self, lane: _Lane) -> _Settling:
+        """Every rank, in the in-memory level's next save: this rank's side of `_settle`, waiting
+        for its own commit thread; the agreement rides on that save's plan check. A publishing
+        rank removes the older version now (retention), once its own commit marker is written:
+        the plan check then orders every node's retention before any rank takes a slot of that
+        version. Removed before every node's commit is known to have succeeded: a restart
+        counts the newer version, committed on this node, as held on every node whose files are
+        intact (`in_memory_peers`)."""
         pub = lane.publishing
+        _, err = self._commit_done(pub, blocking=True)
+        if err is None and pub.future is not None:
+            self._retain(pub.pending)
+        return _Settling(err, (int(err is not None), int(not self._replica_idle(lane))))
+
+    def _replica_idle(self, lane: _Lane) -> bool:
+        """Whether this rank's in-memory peer replica (if `lane` has one) can take a version."""
+        replicator = self.memory_replicator if lane is self.node_lane else None
+        return replicator is None or replicator.idle
+
+    def _commit_done(self, pub: _Publishing, blocking: bool
+                     ) -> Tuple[bool, Optional[BaseException]]:
+        """Whether this rank's commit thread of `pub` is done (waiting for it if `blocking`), and
+        its failure."""
         done, err = True, None
         if pub.future is not None:
             try:
@@ -967,13 +1034,14 @@ class LazyCheckpointer:
                 err = CheckpointError(f"writing the commit marker and tracker took longer than "
                                       f"{self.config.drain_timeout_s:g} s (storage not "
                                       "responding?)", rank=self.rank, file=pub.pending.directory)
-        # Only this commit's own failure is agreed on here: an error a later save hit meanwhile
-        # is that save's, agreed on (and named) when its turn comes. The same all-reduce says
-        # whether every rank's in-memory peer replica is idle (then this version is handed over).
-        replicator = self.memory_replicator if lane is self.node_lane else None
-        agreed, idle = control_plane.all_reduce(
-            [-1 if err is not None else int(done), int(replicator is None or replicator.idle)],
-            op=dist.ReduceOp.MIN)
+        return done, err
+
+    def _settled(self, lane: _Lane, agreed: int, idle: bool,
+                 err: Optional[BaseException]) -> bool:
+        """All ranks, with what every rank said about the commit in flight (`agreed`: the
+        minimum of -1 failed, 0 not done, 1 done; `idle`: every in-memory peer replica idle):
+        raises the agreed failure, or False while not done, or what follows the commit."""
+        pub = lane.publishing
         if agreed < 0:
             if err is not None:
                 self._local_errors.insert(0, err)
@@ -982,9 +1050,22 @@ class LazyCheckpointer:
             return False
         lane.publishing = None
         self._after_publish(pub)
-        if replicator is not None and idle and pub.pending.node_local:
-            replicator.hand_off(pub.pending.iteration)  # after retention: the newest one is held
+        if lane is self.node_lane and self.memory_replicator is not None and idle and \
+                pub.pending.node_local:  # after retention: the newest one is held
+            self.memory_replicator.hand_off(pub.pending.iteration)
         return True
+
+    def _retain(self, p: _Pending) -> None:
+        """A publishing rank, once `p` is committed: retention (`after_commit`), once. Its
+        failure is agreed on at the next poll."""
+        if p.retained:
+            return
+        p.retained = True
+        try:
+            if self.after_commit is not None:
+                self.after_commit(p.iteration, p.root)
+        except (OSError, RuntimeError, CheckpointError) as err:
+            self._local_errors.append(err)
 
     def _after_publish(self, pub: _Publishing) -> None:
         """All ranks, once `pub`'s version is committed: retention and the log line (publishing
@@ -993,9 +1074,8 @@ class LazyCheckpointer:
         p = pub.pending
         self._last_published = p
         if pub.future is not None:
+            self._retain(p)
             try:
-                if self.after_commit is not None:
-                    self.after_commit(p.iteration, p.root)
                 if self.rank == 0:
                     self._log(p, pub.stats)
                     if self.universal is not None and p.root == self.config.root:
@@ -1003,10 +1083,11 @@ class LazyCheckpointer:
                         self.universal.on_commit(p.iteration, p.directory)
             except (OSError, RuntimeError, CheckpointError) as err:
                 self._local_errors.append(err)
-        # The in-memory level's leaders have just removed its older version (retention, done at
-        # once for this level), so every rank's shard-file slots are free for the next save once
-        # every leader is past this point: the next save's plan check, its first collective, is
-        # that point (`save` asks for it under ASSUME_CONSTANT too).
+        # The in-memory level's leaders have removed its older version (retention, done at once
+        # for this level: here, or in `_settle_here` before the plan check), so every rank's
+        # shard-file slots are free for the next save once every leader is past this point: the
+        # next save's plan check, its first collective, is that point (`save` asks for it under
+        # ASSUME_CONSTANT too).
         if p.node_local:
             return  # the shared versions' local copies and replicas are not touched
         self._last_committed = p.iteration
