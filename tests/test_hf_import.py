@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from trainer_launch import assert_close, launch
-from universal_hf_probe import our_logits
+from universal_hf_probe import our_logits, transformers_logits
 
 from tools.convert_checkpoint import main as convert
 
@@ -108,13 +108,10 @@ def test_from_hf_then_to_hf_is_bit_exact(name, hf_dirs, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["gpt2_tied_padded_vocab", "llama_gqa_untied"])
 def test_our_model_gives_transformers_logits_and_trains_at_tp2(name, hf_dirs, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
     printed, flags = _from_hf(hf_dirs[name], tmp_path / "u", capsys)
     ref = our_logits(flags + TRAIN, tmp_path / "u", tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dirs[name])).eval()
-    with torch.no_grad():
-        theirs = model(ref["tokens"]).logits
+    # Both models run in fresh interpreters (see test_hf_export).
+    theirs = transformers_logits(hf_dirs[name], ref["tokens"], tmp_path)["logits"]
     vocab = theirs.shape[-1]
     assert ref["logits"].shape == (2, 32, 256) and vocab == (250 if "gpt2" in name else 256)
     diff = (theirs - ref["logits"][..., :vocab]).abs().max().item()
