@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -103,6 +104,33 @@ def test_a_failed_commit_stops_every_rank_with_one_line_and_keeps_the_newest_ver
         assert paths.complete_iterations(memory) == [2]
         assert sorted(n for n in os.listdir(memory) if n.startswith("iter_")) == \
             ["iter_0000002", "iter_0000003"], run.describe()
+    finally:
+        shutil.rmtree(os.path.dirname(os.path.dirname(memory)), ignore_errors=True)
+
+
+def test_an_in_memory_version_every_iteration_costs_two_collectives(tmp_path):
+    """What the training thread pays per in-memory iteration on 2 ranks, counted by
+    benchmarks/save_stall_profile.py (tiny model): 2 control-plane collectives, the agreement
+    before the optimizer step and the next save's plan check, which also settles the previous
+    commit; Megatron's timer report of each save call is printed once per committed version,
+    from the agreement's figures (no collective of its own)."""
+    save = str(tmp_path / "ckpt")
+    memory = _memory_root(save)
+    tiny = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 "
+            "--vocab-size 255 --non-persistent-ckpt-type in_memory "
+            f"--non-persistent-save-interval 1 --save-interval 100 --save {save}")
+    try:
+        run = launch(2, ["--config", "small", "--iters", "6", "--extra", tiny],
+                     entry="benchmarks/save_stall_profile.py")
+        assert run.returncode == 0, run.describe()
+        counts = re.findall(r"^control-plane collectives per iteration\s+(\S+)", run.stdout, re.M)
+        assert counts == ["2", "2"], run.describe()  # each rank's report
+        timers = run.stdout.count("save-checkpoint-non-persistent ....")
+        committed = len(re.findall(r"committed: \S*/in_memory/node0/iter_", run.stdout))
+        assert timers == committed == 6, run.describe()  # one per iteration
+        # The final save into --save reports its own, right after its call.
+        assert run.stdout.count("save-checkpoint ....") == 1, run.describe()
     finally:
         shutil.rmtree(os.path.dirname(os.path.dirname(memory)), ignore_errors=True)
 

@@ -24,8 +24,14 @@ def report_times_across_ranks(name: str, seconds: float) -> float:
     returns the slowest rank's seconds."""
     high, neg_low = control_plane.all_reduce([seconds, -seconds], op=dist.ReduceOp.MAX,
                                              dtype=torch.float64)
-    print_rank_last(min_max_time_lines({name: (-neg_low * 1e3, high * 1e3)}))
+    report_times(name, -neg_low, high)
     return high
+
+
+def report_times(name: str, low_s: float, high_s: float) -> None:
+    """Megatron's timers report of `name` from the last rank, for the fastest and slowest ranks'
+    seconds known already (e.g. gathered with other figures)."""
+    print_rank_last(min_max_time_lines({name: (low_s * 1e3, high_s * 1e3)}))
 
 
 def count_loaded(obj: Any) -> Any:

@@ -45,9 +45,10 @@ node's leader waits for its own commit thread and removes the older version at o
 plan check's all-reduce both settles the commit (every rank's commit thread succeeded) and orders
 those removals before any rank takes a slot, so memory holds two versions and the engine's two
 reusable shard files (`WriteMode.MAPPED` slots, registered for DMA with CUDA) take turns. An
-in-memory version every iteration costs the training thread 3 control-plane collectives per
-iteration on N ranks: that agreement (an all-gather that carries the commit's figures too), the
-plan check (which carries the settle), and Megatron's timer report of the save.
+in-memory version every iteration costs the training thread 2 control-plane collectives per
+iteration on N ranks: that agreement (an all-gather that carries the commit's figures too, the
+save call's time among them, which Megatron's timer report then prints: `on_call_times`) and the
+plan check (which carries the settle).
 """
 from __future__ import annotations
 
@@ -197,6 +198,7 @@ class _Pending:
     errors: List[BaseException] = field(default_factory=list)  # this save's own, on this rank
     replica_check: Optional[ReplicaCheck] = None  # --ckpt-verify-replicas, this save's
     retained: bool = False  # publishing rank: retention ran once it was committed (`_retain`)
+    call_s: float = 0.0  # the save call, from the caller's `called_at` (Megatron's timer)
 
 
 @dataclass
@@ -246,10 +248,14 @@ class LazyCheckpointer:
     def __init__(self, config: LazySaveConfig, log: Callable[[str], None] = print,
                  after_commit: Optional[Callable[[int, str], None]] = None,
                  on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
-                 on_refused: Optional[Callable[[int, str], None]] = None):
+                 on_refused: Optional[Callable[[int, str], None]] = None,
+                 on_call_times: Optional[Callable[[int, str, float, float], None]] = None):
         self.config = config
         self.log = log
         self.after_commit = after_commit
+        #: Every rank, when a version of a lane that `commits_ahead` commits: (iteration, root,
+        #: fastest and slowest rank's save call in seconds), gathered in its agreement.
+        self.on_call_times = on_call_times
         self.on_record = on_record  # rank 0: each committed checkpoint's record (as logged)
         self.on_refused = on_refused  # every rank: (iteration, root) of a version refused
         self._saves = 0  # save calls, for --ckpt-verify-replicas EVERY
@@ -440,12 +446,16 @@ class LazyCheckpointer:
     # -- 1) after optimizer step i ------------------------------------------------------------
     def save(self, iteration: int, sharded_state_dict: Any,
              extra_shards: Sequence[TensorShard] = (),
-             content_metadata: Optional[dict] = None, root: Optional[str] = None) -> None:
+             content_metadata: Optional[dict] = None, root: Optional[str] = None,
+             called_at: Optional[float] = None) -> None:
+        """`called_at`: `time.perf_counter()` when the caller's save call began (e.g. before it
+        built `sharded_state_dict`), for the call's time reported at commit (`on_call_times`)."""
         from megatron.core import dist_checkpointing, parallel_state
 
         from .strategies import durable_common_save, quiet_overwrite_warning, save_strategy
 
         t0, wall0 = time.perf_counter(), time.time()
+        called = t0 if called_at is None else called_at
         root = root or self.config.root
         # The in-memory level's previous version, committed before this step (`_commit_ahead`):
         # training waited for that too, counted in this save's stall as when it ran here.
@@ -551,7 +561,7 @@ class LazyCheckpointer:
             payloads.forget()
             lane.pending.append(_Pending(iteration, root, node_local, directory, None, None,
                                          time.perf_counter() - t0, wall0, time.time(), [],
-                                         errors, check))
+                                         errors, check, call_s=time.perf_counter() - called))
             return
         try:
             # After megatron's collectives, rank 0 hands common.pt to its writer thread and every
@@ -581,7 +591,7 @@ class LazyCheckpointer:
         lane.engine.start_copies()
         lane.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files,
-                                     errors, check))
+                                     errors, check, call_s=time.perf_counter() - called))
 
     def _start_replica_check(self, iteration: int, sharded_state_dict: Any
                              ) -> Optional[ReplicaCheck]:
@@ -881,6 +891,12 @@ class LazyCheckpointer:
                 continue
             self._commit_lane(lane, blocking)
 
+    def commits_ahead(self, root: str) -> bool:
+        """Whether saves into `root` are committed right after their copy, before the next
+        optimizer step (the in-memory level), their save call's time reported then
+        (`on_call_times`)."""
+        return root == self.config.non_persistent_root and self._commits_ahead(self._lane_of(root))
+
     def _commits_ahead(self, lane: _Lane) -> bool:
         """The in-memory level's lane: its version is durable once copied (`WriteMode.MAPPED`
         into shared memory), and committed before the next optimizer step."""
@@ -980,6 +996,9 @@ class LazyCheckpointer:
                                                                    METADATA_FILENAME)))
                 dist.barrier()  # the one megatron's finalize would have reached (its group)
         stats = self._stats(p, rows)
+        if self.on_call_times is not None and self._commits_ahead(lane):
+            calls = [r[5] / 1e9 for r in rows]
+            self.on_call_times(p.iteration, p.root, min(calls), max(calls))
         future = None
         if publishes and not self._local_errors:
             future = lane.publisher.submit(self._publish, p, own_metadata or self.rank != 0)
@@ -1197,11 +1216,11 @@ def append_telemetry(root: str, record: Dict[str, Any]) -> None:
 
 def _figures(p: _Pending, record) -> List[int]:
     """What this rank reports of `p` when agreeing on it: its bytes and its times in ns (stall,
-    copy, durable, node-local durable); zeros while it has no durable `record`."""
+    copy, durable, node-local durable, save call); zeros while it has no durable `record`."""
     if record is None:
-        return [0] * 5
+        return [0] * 6
     return [int(record.bytes)] + [int(round(s * 1e9)) for s in (
-        p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0)]
+        p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0, p.call_s)]
 
 
 def _state_of(p: _Pending, root: str) -> str:

@@ -286,6 +286,7 @@ class LazyCheckpointManager(CheckpointManager):
         self._trash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
         self.checkpointer = LazyCheckpointer(
             lazy_save_config(config), log=print_rank_0, after_commit=self._after_commit,
+            on_call_times=self._report_save_times,
             on_record=lambda r: self._record(CheckpointRecord.from_telemetry(
                 r, "persistent" if r.get("persistent", True)
                 else self.ckpt.non_persistent_ckpt_type)), on_refused=self._refused)
@@ -347,10 +348,15 @@ class LazyCheckpointManager(CheckpointManager):
         return (self.ckpt.non_persistent_node_local and self.non_persistent_root is not None
                 and not self.ckpt.lazy_save_wait_persistent and self.checkpointer.busy())
 
+    def _times_reported_at_commit(self, root: str) -> bool:
+        return self.checkpointer.commits_ahead(root)
+
     def _save(self, state: TrainState, root: str) -> None:
+        called = time.perf_counter()
         sd, extra = self._state_dict(state)
         self.checkpointer.save(state.iteration, sd, extra_shards=extra,
-                               content_metadata=dict(OPTIMIZER_METADATA), root=root)
+                               content_metadata=dict(OPTIMIZER_METADATA), root=root,
+                               called_at=called)
 
     def _state_dict(self, state: TrainState):
         """What torch_dist would save; with the distributed optimizer, its parameter state as

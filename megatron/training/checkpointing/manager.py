@@ -50,7 +50,7 @@ from megatron.training.log import print_rank_0
 from megatron.training.metrics import CheckpointRecord, Metrics
 from megatron.training.checkpointing.retention import apply_retention, remove_now
 from megatron.training.checkpointing.save_interval import AutoInterval, Decision
-from megatron.training.timers import report_times_across_ranks
+from megatron.training.timers import report_times, report_times_across_ranks
 
 
 def non_persistent_root_of_this_rank(config: RunConfig, base: Optional[str] = None,
@@ -190,6 +190,18 @@ class CheckpointManager:
         interval = self.ckpt.non_persistent_save_interval
         return bool(interval and iteration % interval == 0)
 
+    def _times_reported_at_commit(self, root: str) -> bool:
+        """Whether a save into `root` has its Megatron timer report (fastest and slowest rank's
+        save call) printed when it commits, from figures its commit gathers anyway, instead of
+        right after the call with a collective of its own (`_report_save_times`)."""
+        return False
+
+    def _report_save_times(self, iteration: int, root: str, low_s: float, high_s: float) -> None:
+        """Every rank: Megatron's timer report of a save call into `root` (`maybe_save`'s)."""
+        timer = "save-checkpoint" if root == self.ckpt.save else "save-checkpoint-non-persistent"
+        report_times(timer, low_s, high_s)
+        self.metrics.timer(timer, high_s, iteration)
+
     def _persistent_busy(self) -> bool:
         """Whether a persistent save that falls due now is deferred (latest wins) because the
         previous one is still in flight; the same answer on every rank. Off by default: each
@@ -242,8 +254,9 @@ class CheckpointManager:
             self._save_call_s[root, iteration] = seconds
             self._report_complete(iteration, root)
         timer = "save-checkpoint" if persistent else "save-checkpoint-non-persistent"
-        slowest = report_times_across_ranks(timer, seconds)  # Megatron-LM's timer names
-        self.metrics.timer(timer, slowest, iteration)
+        if not self._times_reported_at_commit(root):  # else the same line, once committed
+            slowest = report_times_across_ranks(timer, seconds)  # Megatron-LM's timer names
+            self.metrics.timer(timer, slowest, iteration)
         if self.auto is not None and persistent:
             self.auto.saved(iteration)
         elif self.auto_non_persistent is not None and not persistent:
