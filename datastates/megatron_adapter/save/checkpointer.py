@@ -473,9 +473,7 @@ class LazyCheckpointer:
             # (`_commit_ahead`): its commit is settled in the plan check's all-reduce, below.
             # Otherwise (it could not be, e.g. the first save after a failure) it is committed
             # now, which costs the agreements, not a wait for bytes.
-            if lane.publishing is not None and not lane.pending and self.node is not None \
-                    and lane.publishing.pending.iteration != iteration \
-                    and root == self.config.non_persistent_root:
+            if self._settles_in_plan_check(lane, root, iteration):
                 settling = self._settle_here(lane)
             else:
                 self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
@@ -1016,6 +1014,14 @@ class LazyCheckpointer:
             [-1 if err is not None else int(done), int(self._replica_idle(lane))],
             op=dist.ReduceOp.MIN)
         return self._settled(lane, agreed, bool(idle), err)
+
+    def _settles_in_plan_check(self, lane: _Lane, root: str, iteration: int) -> bool:
+        """Every rank, the same answer: whether the in-memory level's save of `iteration` into
+        `root` settles its lane's commit in flight in its node-local plan check: the usual case,
+        one commit started ahead (`_commit_ahead`) of another iteration, no save waiting."""
+        return (lane.publishing is not None and not lane.pending and self.node is not None
+                and lane.publishing.pending.iteration != iteration
+                and root == self.config.non_persistent_root)
 
     def _settle_here(self, lane: _Lane) -> _Settling:
         """Every rank, in the in-memory level's next save: this rank's side of `_settle`, waiting
