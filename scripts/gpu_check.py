@@ -371,6 +371,9 @@ def step_d2h_copy_rate(ck: Check) -> Step:
                     "torch_copy_gbps": round(m["torch_copy_gbps"], 3),
                     "engine_snapshot_gbps": round(m["engine_snapshot_gbps"], 3),
                     "engine_vs_torch": round(m["engine_vs_torch"], 3),
+                    # Each round's: the median above is theirs, not the ratio of the medians.
+                    "engine_vs_torch_rounds": [round(r["engine_vs_torch"], 3)
+                                               for r in res["rounds"]],
                     "mapped_registered": res["mapped_registered"],
                     "mapped_snapshot_gbps": round(m["mapped_snapshot_gbps"], 3),
                     "mapped_vs_torch": round(m["mapped_vs_torch"], 3)}

@@ -5,6 +5,7 @@ refused unless --cpu is given. (The CPU mode takes ~30 s on 2 cores.)"""
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -44,8 +45,10 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert c["losses_resumed"] == c["losses_uninterrupted"] and c["optimizer_restored"] is True
     d = steps["d_d2h_copy_rate"]["figures"]
     assert d["engine_snapshot_gbps"] > 0 and d["torch_copy_gbps"] > 0
-    assert d["engine_vs_torch"] == pytest.approx(d["engine_snapshot_gbps"] / d["torch_copy_gbps"],
-                                                 rel=0.5)  # medians of ratios vs ratio of medians
+    # The median of each round's ratio (not the ratio of the medians: on a loaded machine the two
+    # differed by more than 1.5x once).
+    assert len(d["engine_vs_torch_rounds"]) == d["rounds"] and d["engine_vs_torch"] == \
+        pytest.approx(statistics.median(d["engine_vs_torch_rounds"]), abs=2e-3)
     assert d["mapped_snapshot_gbps"] > 0 and d["mapped_registered"] is False  # no CUDA here
     e = steps["e_background_cost"]["figures"]
     assert len(e["slowdown"]) == len(e["bare_slowdown"]) == len(e["idle_compute_s"]) >= 1
