@@ -198,9 +198,13 @@ class CheckpointManager:
 
     def _report_save_times(self, iteration: int, root: str, low_s: float, high_s: float) -> None:
         """Every rank: Megatron's timer report of a save call into `root` (`maybe_save`'s)."""
-        timer = "save-checkpoint" if root == self.ckpt.save else "save-checkpoint-non-persistent"
+        timer = self._timer_name(root)
         report_times(timer, low_s, high_s)
         self.metrics.timer(timer, high_s, iteration)
+
+    def _timer_name(self, root: str) -> str:
+        """Megatron-LM's timer of a save into `root`."""
+        return "save-checkpoint" if root == self.ckpt.save else "save-checkpoint-non-persistent"
 
     def _persistent_busy(self) -> bool:
         """Whether a persistent save that falls due now is deferred (latest wins) because the
@@ -253,9 +257,9 @@ class CheckpointManager:
         if track:
             self._save_call_s[root, iteration] = seconds
             self._report_complete(iteration, root)
-        timer = "save-checkpoint" if persistent else "save-checkpoint-non-persistent"
         if not self._times_reported_at_commit(root):  # else the same line, once committed
-            slowest = report_times_across_ranks(timer, seconds)  # Megatron-LM's timer names
+            timer = self._timer_name(root)
+            slowest = report_times_across_ranks(timer, seconds)
             self.metrics.timer(timer, slowest, iteration)
         if self.auto is not None and persistent:
             self.auto.saved(iteration)
