@@ -2,9 +2,12 @@
 
     python benchmarks/save_stall_profile.py --config small --iters 12
     python benchmarks/save_stall_profile.py --config 117m --iters 4
+    torchrun --nproc_per_node 2 benchmarks/save_stall_profile.py --config small --iters 10 \
+        --extra "--non-persistent-ckpt-type in_memory --non-persistent-save-interval 1 \
+                 --save-interval 100 --global-batch-size 8 --save DIR"
 
-Trains the GPT of `checkpoint_compare.py` in this process (one rank, a checkpoint after every
-iteration) with `time.perf_counter` spans wrapped around the functions a save goes through, and
+Trains the GPT of `checkpoint_compare.py` in this process (one rank, or each rank under torchrun,
+which then needs a --save shared by the ranks in --extra; a checkpoint after every iteration) with `time.perf_counter` spans wrapped around the functions a save goes through, and
 prints each span's median inclusive time per call (ms) over the saves after the first (the first
 builds caches). Spans nest: an indented line is part of the line above it. "save call" and "wait
 before step" together are the stall `checkpoint_compare.py` reports; "poll" (agreements, the
@@ -12,7 +15,8 @@ commit's collectives, retention) runs at the end of each iteration, outside that
 last line adds it: what each save costs the training thread. The commit marker and tracker are
 written by rank 0's commit thread, whose spans are timed there, off the training loop. No change
 to the code measured: the spans are installed by replacing module attributes before training
-starts.
+starts. Each rank also counts the control-plane collectives its training thread issues between
+two save calls (one rank has none for the plan check: count on 2 ranks for what N ranks pay).
 """
 from __future__ import annotations
 
