@@ -39,6 +39,7 @@ from megatron.training.checkpointing import distopt_shards
 from megatron.training.checkpointing.contents import (
     OPTIMIZER_METADATA,
     CheckpointError,
+    ModelStateCache,
     TrainState,
     build_sharded_state_dict,
 )
@@ -281,6 +282,7 @@ class LazyCheckpointManager(CheckpointManager):
         self._merges_retained = 0  # merges whose universal retention has run (rank 0)
         #: (optimizer tensors, their addresses, the boxes of them) of the last save.
         self._boxes_of: Optional[tuple] = None
+        self.model_cache = ModelStateCache()  # the in-memory level's (`_state_dict`)
         # Rank 0: checkpoints retention renamed away are deleted here, off the training thread
         # (~200 ms per commit for the 117M GPT); drained by `finalize`.
         self._trash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
@@ -353,19 +355,23 @@ class LazyCheckpointManager(CheckpointManager):
 
     def _save(self, state: TrainState, root: str) -> None:
         called = time.perf_counter()
-        sd, extra = self._state_dict(state)
+        sd, extra = self._state_dict(state, root)
         self.checkpointer.save(state.iteration, sd, extra_shards=extra,
                                content_metadata=dict(OPTIMIZER_METADATA), root=root,
                                called_at=called)
 
-    def _state_dict(self, state: TrainState):
+    def _state_dict(self, state: TrainState, root: str):
         """What torch_dist would save; with the distributed optimizer, its parameter state as
-        this DP rank's own live slices (no gather at save time, see distopt_shards)."""
+        this DP rank's own live slices (no gather at save time, see distopt_shards). For the
+        in-memory level, which saves up to every iteration, the model's part comes from
+        `ModelStateCache` (each save gets its own copy, so other levels could too)."""
         lazy_optim = (self.ckpt.save_optim and self.config.parallel.use_distributed_optimizer
                       and distopt_shards.supported(state.optimizer))
         sd = build_sharded_state_dict(state, self.config, is_loading=False,
                                       include_optim=self.ckpt.save_optim and not lazy_optim,
-                                      include_rng=self.ckpt.save_rng)
+                                      include_rng=self.ckpt.save_rng,
+                                      model_cache=self.model_cache
+                                      if self.checkpointer.commits_ahead(root) else None)
         if not lazy_optim:
             return sd, ()
         boxes = self._optimizer_boxes(state.optimizer, sd)
