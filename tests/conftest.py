@@ -32,13 +32,18 @@ def one_rank_group(tmp_path):
 
 @pytest.fixture(autouse=True)
 def _no_process_group_left():
-    """Every test starts without a default process group, whichever tests ran before it in this
-    process (the suite runs its files on two workers, in no fixed order): a converter called
-    in-process makes the one-process group it needs and, as the one-shot process it is written
-    for, leaves it to the interpreter's exit."""
+    """Every test starts without a default process group or megatron's microbatch calculator,
+    whichever tests ran before it in this process (the suite runs its files on two workers, in no
+    fixed order): a converter called in-process makes the one-process group it needs and, as the
+    one-shot process it is written for, leaves it to the interpreter's exit; the trainer's
+    `setup` (test_trainer_hooks, test_model_state_cache) makes the calculator."""
     yield
     import sys
 
+    calculator = sys.modules.get("megatron.core.num_microbatches_calculator")
+    if calculator is not None and calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+        # The trainer's `setup` run in-process makes it once per process, and refuses a second.
+        calculator.destroy_num_microbatches_calculator()
     if "torch.distributed" not in sys.modules:
         return
     import torch.distributed as dist
