@@ -7,8 +7,9 @@
                  --save-interval 100 --global-batch-size 8 --save DIR"
 
 Trains the GPT of `checkpoint_compare.py` in this process (one rank, or each rank under torchrun,
-which then needs a --save shared by the ranks in --extra; a checkpoint after every iteration) with `time.perf_counter` spans wrapped around the functions a save goes through, and
-prints each span's median inclusive time per call (ms) over the saves after the first (the first
+which then needs a --save shared by the ranks in --extra; a checkpoint after every iteration)
+with `time.perf_counter` spans wrapped around the functions a save goes through, and prints each
+span's median inclusive time per call (ms) over the saves after the first (the first
 builds caches). Spans nest: an indented line is part of the line above it. "save call" and "wait
 before step" together are the stall `checkpoint_compare.py` reports; "poll" (agreements, the
 commit's collectives, retention) runs at the end of each iteration, outside that stall, and the

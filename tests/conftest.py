@@ -41,9 +41,9 @@ def _no_process_group_left():
     import sys
 
     calculator = sys.modules.get("megatron.core.num_microbatches_calculator")
-    if calculator is not None and calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+    if calculator is not None:
         # The trainer's `setup` run in-process makes it once per process, and refuses a second.
-        calculator.destroy_num_microbatches_calculator()
+        calculator.destroy_num_microbatches_calculator()  # (None already: a no-op)
     if "torch.distributed" not in sys.modules:
         return
     import torch.distributed as dist
