@@ -20,10 +20,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "convert_checkpoint.py")
 
 
-def _tool(*args, umask=None):
-    if umask is None and args[0] != "to-torch-dist":
+def _tool(*args, umask=None, tmpdir=None):
+    if umask is None and tmpdir is None and args[0] != "to-torch-dist":
         return convert_in_process(*args)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.run([sys.executable, TOOL, *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300,
                           preexec_fn=None if umask is None else (lambda: os.umask(umask)))
@@ -48,9 +50,12 @@ def test_round_trips_through_torch_dist_are_bit_exact(tmp_path):
     assert "merge [" in out.stderr and json.loads(out.stdout.splitlines()[-1])["iteration"] == 5
     (tmp_path / "uroot" / "latest_checkpointed_iteration.txt").write_text("5")
     # universal -> torch_dist -> universal; the source is a universal root, as --load takes it
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     out = _tool("to-torch-dist", tmp_path / "uroot", tmp_path / "td" / "iter_0000005",
-                umask=0o022)
+                umask=0o022, tmpdir=scratch)
     assert out.returncode == 0, out.stderr
+    assert not list(scratch.iterdir())  # its one-rank process group leaves nothing behind
     assert (tmp_path / "td" / "latest_checkpointed_iteration.txt").read_text() == "5"
     _assert_modes(tmp_path / "td", "0o644")  # teammates can read it
     # The progress ends at 100% once the files are written (it stopped at ~70% before).

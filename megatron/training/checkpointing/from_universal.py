@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Callable, Optional
 
 import torch
@@ -233,8 +232,8 @@ def single_process_group() -> None:
 
     apply_cpu_patches()
     if not dist.is_initialized():
-        store = tempfile.mkdtemp(prefix="convert_pg_")
-        dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+        # An in-memory store: one rank needs no rendezvous, and nothing is left on disk.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def universal_to_torch_dist(universal_dir: str, out_dir: str,
