@@ -196,16 +196,19 @@ IMPORT_ORDERS = ("import datastates.megatron_adapter.save.strategies",
 
 def test_load_strategy_registered_in_any_import_order():
     """Whichever of megatron-core and our adapter is imported first, stock load finds our backend
-    (importing the adapter first used to fail with a circular import). Each order in a fresh
-    interpreter; they run side by side."""
+    (importing the adapter first used to fail with a circular import). Each order in its own
+    process that has imported neither (forked once torch is imported: tests/import_orders.py)."""
     code = ("\nfrom megatron.core.dist_checkpointing.strategies.base import "
             "default_strategies as d\nprint(sorted(d['load_sharded']))")
-    procs = {imports: subprocess.Popen([sys.executable, "-c", imports + code], text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for imports in IMPORT_ORDERS}
-    for imports, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (imports, err[-2000:])
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "import_orders.py")]
+                         + [imports + code for imports in IMPORT_ORDERS], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads(run.stdout)
+    assert len(results) == len(IMPORT_ORDERS), results
+    for imports in IMPORT_ORDERS:
+        status, out = results[imports + code]
+        assert status == 0, (imports, out[-2000:])
         assert "('datastates', 1)" in out, (imports, out)
 
 
