@@ -1,7 +1,7 @@
-"""`ModelStateCache`: the model's sharded state dict kept between the in-memory level's saves only
-while it can only be what megatron would build again. One process, a tiny GPT built as the
-trainer builds it (no training); the in-memory level's runs (test_in_memory_level,
-test_peer_replica) check what the saves hold end to end.
+"""`state_cache`: the model's and the non-distributed optimizer's sharded state dicts kept between
+the in-memory level's saves only while they can only be what megatron would build again. One
+process, a tiny GPT built as the trainer builds it; the in-memory level's runs
+(test_in_memory_level, test_peer_replica) check what the saves hold end to end.
 """
 import pytest
 import torch
@@ -12,17 +12,21 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from trainer_launch import TINY_MODEL, free_port
 
 
-@pytest.fixture
-def model(monkeypatch):
+def _trainer(monkeypatch, *flags):
     from megatron.training.arguments import build_run_config, parse_args
     from megatron.training.training import setup
 
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                            WORLD_SIZE="1", LOCAL_RANK="0").items():
         monkeypatch.setenv(key, value)
-    trainer = setup(build_run_config(parse_args(TINY_MODEL + ["--num-layers", "2",
-                                                              "--train-iters", "2"])))
-    return trainer.state.model  # the process group goes with the conftest's autouse fixture
+    # the process group goes with the conftest's autouse fixture
+    return setup(build_run_config(parse_args(TINY_MODEL + ["--num-layers", "2",
+                                                           "--train-iters", "4", *flags])))
+
+
+@pytest.fixture
+def model(monkeypatch):
+    return _trainer(monkeypatch).state.model
 
 
 def _tensors(sd):
@@ -32,16 +36,18 @@ def _tensors(sd):
 
 def test_reused_only_while_the_tensors_stay_and_each_save_gets_its_own_copy(model,
                                                                                 monkeypatch):
-    from megatron.training.checkpointing.contents import ModelStateCache, model_sharded_state_dict
+    from megatron.training.checkpointing.contents import model_sharded_state_dict
+    from megatron.training.checkpointing.state_cache import ModelStateCache
 
     cache = ModelStateCache()
     first = cache.get(model)
+    assert not cache.last_reused
     fresh = model_sharded_state_dict(model)
     # What a save changes in place (the in-memory level claims every replica) stays in its copy.
     for v in nested_values(first):
         v.replica_id = 7
     second = cache.get(model)
-    assert (cache.built, cache.reused) == (1, 1)
+    assert (cache.built, cache.reused) == (1, 1) and cache.last_reused
     a, b = _tensors(second), _tensors(fresh)
     assert a.keys() == b.keys() and len(a) > 10
     for k, sh in a.items():
@@ -77,3 +83,77 @@ def test_reused_only_while_the_tensors_stay_and_each_save_gets_its_own_copy(mode
     cache.get(model)
     cache.get(model)
     assert (cache.built, cache.reused) == (2, 0)
+
+
+def _described(obj):
+    """`obj` as comparable values: dict keys in order, each ShardedTensor's fields and the
+    identity of its data, a LocalNonpersistentObject's content, a tensor's identity."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    if isinstance(obj, dict):
+        return [(k, _described(v)) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [_described(v) for v in obj])
+    if isinstance(obj, ShardedTensor):
+        return ("ST", obj.key, obj.global_shape, obj.global_offset, obj.replica_id,
+                obj.prepend_axis_num, obj.dtype, obj.axis_fragmentations, id(obj.data))
+    if isinstance(obj, LocalNonpersistentObject):
+        return ("local", obj.unwrap())
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", id(obj), obj.item() if obj.numel() == 1 else None)
+    return obj
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_optimizer_part_is_what_megatron_builds_with_this_steps_values(monkeypatch, precision):
+    from megatron.training.checkpointing.contents import OPTIMIZER_METADATA, \
+        model_sharded_state_dict
+    from megatron.training.checkpointing.state_cache import SaveStateCache
+    from megatron.training.training import _data_iterators, train_step
+
+    trainer = _trainer(monkeypatch, *(["--bf16"] if precision == "bf16" else []))
+    state = trainer.state
+    data = _data_iterators(trainer, trainer.datasets.train, 0)
+    train_step(trainer, data)  # the optimizer's state exists from its first step on
+
+    def megatrons():
+        return state.optimizer.sharded_state_dict(dict(model_sharded_state_dict(state.model)),
+                                                  is_loading=False, metadata=OPTIMIZER_METADATA)
+
+    def cached():
+        return cache.optimizer_part(state.optimizer, dict(cache.model_part(state.model)),
+                                    OPTIMIZER_METADATA)
+
+    cache = SaveStateCache()
+    first = cached()
+    assert (cache.optimizer.built, cache.optimizer.reused) == (1, 0)
+    assert _described(first) == _described(megatrons())
+    for _ in range(2):
+        train_step(trainer, data)  # a new learning rate and step (the warm-up is 1 iteration)
+        second = cached()
+        assert _described(second) == _described(megatrons())
+    assert (cache.optimizer.built, cache.optimizer.reused) == (1, 2)
+    groups = (second.get("optimizer", second))["param_groups"]
+    assert groups[0]["lr"] != (first.get("optimizer", first))["param_groups"][0]["lr"]
+    assert ("grad_scaler" in second) is False  # bf16 runs without a loss scaler
+    # Each save has its own ShardedTensors (a save claims replicas in place).
+    held = [v for v in nested_values(second) if isinstance(v, ShardedTensor)]
+    assert len(held) > 10
+    for v in held:
+        v.replica_id = 7
+    assert _described(cached()) == _described(megatrons())
+
+    # A state tensor replaced by another object (e.g. a load into new tensors): rebuilt, and the
+    # new tensor is what is saved.
+    inner = state.optimizer.chained_optimizers[0].optimizer
+    param = next(iter(inner.state))
+    inner.state[param]["exp_avg"] = inner.state[param]["exp_avg"].clone()
+    third = cached()
+    assert cache.optimizer.built == 2
+    assert any(v.data is inner.state[param]["exp_avg"] for v in nested_values(third)
+               if isinstance(v, ShardedTensor))
+    assert _described(third) == _described(megatrons())
+    # The model's part rebuilt: so is the optimizer's (its tensors take the model's layout).
+    cache.model._key = None
+    cached()
+    assert cache.optimizer.built == 3

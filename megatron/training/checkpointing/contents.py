@@ -156,76 +156,6 @@ def model_sharded_state_dict(model) -> dict:
     return merged
 
 
-class ModelStateCache:
-    """The model's ``sharded_state_dict()`` kept between saves while it can only be the same:
-    every parameter and buffer is the same tensor object at the same address, with the same
-    dtype and shape, and the dict holds nothing else that could change (`_cacheable`: no
-    factories, no objects such as Transformer Engine's extra state; then it is built every
-    time).
-    Each save gets its own copy of the dicts and ShardedTensors (a save may change them in place:
-    replica ids claimed, factories applied), holding the same live tensors megatron's would.
-    Building it took ~2-5 ms of the training thread per save for the 117M GPT on our CPU, and
-    the in-memory level saves every iteration."""
-
-    def __init__(self) -> None:
-        self._key: Optional[list] = None
-        self._sd: Optional[dict] = None  # None with a key: this model is built every time
-        #: Saves served from the cache / built (for tests and the profile).
-        self.reused = 0
-        self.built = 0
-
-    def get(self, model) -> dict:
-        key = _model_identity(model)
-        if self._key == key and self._sd is not None:
-            self.reused += 1
-            return _fresh(self._sd)
-        self.built += 1
-        sd = model_sharded_state_dict(model)
-        self._key, self._sd = key, (sd if _cacheable(sd) else None)
-        return sd if self._sd is None else _fresh(sd)
-
-
-def _model_identity(model) -> list:
-    """What a model's sharded state dict depends on, cheaply: every module (object), and each
-    of its parameters' and buffers' name, object, address, dtype and shape (the dict holds those
-    very tensors). One walk over the modules without building names (`named_parameters` took
-    ~0.8 ms for the 117M GPT)."""
-    out: list = []
-    stack = [unwrap(chunk) for chunk in reversed(model)]
-    while stack:
-        m = stack.pop()
-        out.append(id(m))
-        for tensors in (m._parameters, m._buffers):
-            for name, t in tensors.items():
-                if t is not None:
-                    out.append((name, id(t), t.data_ptr(), t.dtype, t.shape))
-        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-    return out
-
-
-def _cacheable(sd: dict) -> bool:
-    """Whether `sd` holds nothing that may change while the model's tensors stay: ShardedTensors
-    (their data is those tensors) and ShardedObjects of None (megatron's own linear layers'
-    `_extra_state`: their class returns None, always; Transformer Engine's is not None, and
-    changes with fp8 scaling, so a model with such layers is built for every save)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
-    return all((type(v) is ShardedTensor and v.flattened_range is None)
-               or (type(v) is ShardedObject and v.data is None) for v in nested_values(sd))
-
-
-def _fresh(obj):
-    """`obj`'s dicts and lists copied, each ShardedTensor a shallow copy (same data tensor)."""
-    if isinstance(obj, dict):
-        return {k: _fresh(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fresh(v) for v in obj]
-    out = object.__new__(type(obj))
-    out.__dict__.update(obj.__dict__)
-    return out
-
-
 #: Our per-rank RNG states' key beside Megatron-LM's ``rng_state`` (checkpoints with ``args``).
 RNG_PER_RANK_KEY = "rng_state_per_rank"
 
@@ -274,20 +204,24 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
                              include_optim: bool, include_rng: bool,
                              optimizer_metadata: Optional[dict] = None,
                              rng_layout: RngLayout = RngLayout.BOTH,
-                             model_cache: Optional[ModelStateCache] = None) -> dict:
+                             cache: Any = None) -> dict:
     """The dict torch_dist saves: model and optimizer sharded state plus common state, with
     what Megatron-LM's loader reads too (its ``args``, FLOP count and RNG layout).
     `optimizer_metadata` and `rng_layout` describe a checkpoint being loaded (default: ours).
-    `model_cache`: where the model's part comes from when saving, if not built anew.
+    `cache`: a `state_cache.SaveStateCache` the model's and optimizer's parts come from when
+    saving, if not built anew.
 
     Must be called on every rank (the distributed optimizer gathers over DP when saving)."""
-    sd = model_sharded_state_dict(state.model) if model_cache is None else \
-        model_cache.get(state.model)
+    sd = model_sharded_state_dict(state.model) if cache is None else \
+        cache.model_part(state.model)
     if include_optim and state.optimizer is not None:
         # The optimizer finds each param's sharded tensor by identity anywhere in this dict,
         # so one dict serves every VPP chunk.
-        sd["optimizer"] = state.optimizer.sharded_state_dict(
-            dict(sd), is_loading=is_loading, metadata=optimizer_metadata or OPTIMIZER_METADATA)
+        metadata = optimizer_metadata or OPTIMIZER_METADATA
+        sd["optimizer"] = (
+            state.optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=metadata)
+            if cache is None or is_loading else
+            cache.optimizer_part(state.optimizer, dict(sd), metadata))
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
     if include_rng:
         sd.update(_rng_sharded_objects(rng_layout, is_loading))

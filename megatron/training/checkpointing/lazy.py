@@ -39,7 +39,6 @@ from megatron.training.checkpointing import distopt_shards
 from megatron.training.checkpointing.contents import (
     OPTIMIZER_METADATA,
     CheckpointError,
-    ModelStateCache,
     TrainState,
     build_sharded_state_dict,
 )
@@ -50,6 +49,7 @@ from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
 from megatron.training.metrics import CheckpointRecord
 from megatron.training.checkpointing.retention import apply_retention
+from megatron.training.checkpointing.state_cache import SaveStateCache
 
 
 def local_dir_of_this_rank(config: RunConfig) -> Optional[str]:
@@ -282,7 +282,7 @@ class LazyCheckpointManager(CheckpointManager):
         self._merges_retained = 0  # merges whose universal retention has run (rank 0)
         #: (optimizer tensors, their addresses, the boxes of them) of the last save.
         self._boxes_of: Optional[tuple] = None
-        self.model_cache = ModelStateCache()  # the in-memory level's (`_state_dict`)
+        self.state_cache = SaveStateCache()  # the in-memory level's (`_state_dict`)
         # Rank 0: checkpoints retention renamed away are deleted here, off the training thread
         # (~200 ms per commit for the 117M GPT); drained by `finalize`.
         self._trash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
@@ -363,14 +363,15 @@ class LazyCheckpointManager(CheckpointManager):
     def _state_dict(self, state: TrainState, root: str):
         """What torch_dist would save; with the distributed optimizer, its parameter state as
         this DP rank's own live slices (no gather at save time, see distopt_shards). For the
-        in-memory level, which saves up to every iteration, the model's part comes from
-        `ModelStateCache` (each save gets its own copy, so other levels could too)."""
+        in-memory level, which saves up to every iteration, the model's and the non-distributed
+        optimizer's parts come from `SaveStateCache` (each save gets its own copy, so other
+        levels could too)."""
         lazy_optim = (self.ckpt.save_optim and self.config.parallel.use_distributed_optimizer
                       and distopt_shards.supported(state.optimizer))
         sd = build_sharded_state_dict(state, self.config, is_loading=False,
                                       include_optim=self.ckpt.save_optim and not lazy_optim,
                                       include_rng=self.ckpt.save_rng,
-                                      model_cache=self.model_cache
+                                      cache=self.state_cache
                                       if self.checkpointer.commits_ahead(root) else None)
         if not lazy_optim:
             return sd, ()
