@@ -16,11 +16,17 @@ SIX = ["--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1"]
 
 @pytest.fixture(scope="module")
 def dropout_run(tmp_path_factory):
-    """Single process, dropout on (so RNG restore matters), torch_dist sync saves at 3 and 6."""
+    """Single process, dropout on (so RNG restore matters), torch_dist sync saves at 3 and 6.
+    Its --load names a directory that does not exist yet (see `_never_saved`)."""
     root = tmp_path_factory.mktemp("ckpt_dropout")
-    run = launch(1, TINY_MODEL + SIX + ["--save", str(root), "--save-interval", "3"])
+    run = launch(1, TINY_MODEL + SIX + ["--save", str(root), "--save-interval", "3",
+                                        "--load", str(_never_saved(root))])
     assert run.returncode == 0, run.describe()
     return run, root
+
+
+def _never_saved(root):
+    return root.with_name(root.name + "_never_saved")
 
 
 def test_torch_dist_layout_and_bit_exact_resume(dropout_run, tmp_path):
@@ -111,7 +117,7 @@ def test_sigterm_saves_then_exits_zero(tmp_path):
     assert (root / f"iter_{stopped:07d}" / "metadata.json").is_file()
 
 
-def test_entry_point_reports_bad_layout_and_missing_load_in_one_line(tmp_path):
+def test_entry_point_reports_bad_layout_and_missing_load_in_one_line(dropout_run):
     contradictory = launch(2, TINY_MODEL + SIX + ["--tensor-model-parallel-size", "2",
                                                   "--pipeline-model-parallel-size", "2"])
     assert contradictory.returncode != 0
@@ -120,37 +126,35 @@ def test_entry_point_reports_bad_layout_and_missing_load_in_one_line(tmp_path):
         "pretrain_gpt.py: error: world size 2 is not divisible by TP*PP = 2*2 = 4") == 1
     assert "megatron/training/" not in contradictory.stderr
     # As Megatron-LM: a --load directory that does not exist yet is a warning, and the run starts
-    # from scratch (so a launch line with --save D --load D works the first time).
-    missing = launch(1, TINY_MODEL + SIX + ["--load", str(tmp_path / "nope")])
+    # from scratch (so a launch line with --save D --load D works the first time). The dropout
+    # run's --load is one.
+    missing, root = dropout_run
     assert missing.returncode == 0, missing.describe()
-    assert f"WARNING: --load directory {tmp_path / 'nope'} does not exist: no checkpoint to " \
+    assert f"WARNING: --load directory {_never_saved(root)} does not exist: no checkpoint to " \
            "load, starting from scratch" in missing.stdout
     assert sorted(missing.losses()) == list(range(1, 7))
 
 
-def test_resume_with_another_schedule_follows_megatron_lms_rule(tmp_path):
+def test_resume_with_another_schedule_follows_megatron_lms_rule(dropout_run):
     """Resuming with another --train-iters changes the decay length: refused by default with what
     differs and the two flags; --override-opt_param-scheduler follows this run's flags,
-    --use-checkpoint-opt_param-scheduler the checkpoint's, each saying so."""
-    root = tmp_path / "ckpt"
-    first = launch(1, TINY_MODEL + NO_DROPOUT + ["--train-iters", "2", "--save", str(root),
-                                                 "--save-interval", "2", "--eval-interval", "0"])
-    assert first.returncode == 0, first.describe()
-    longer = TINY_MODEL + NO_DROPOUT + ["--train-iters", "3", "--load", str(root),
-                                        "--eval-interval", "0"]
+    --use-checkpoint-opt_param-scheduler the checkpoint's, each saying so. (From the dropout
+    run's iteration 6; these runs save nothing.)"""
+    _, root = dropout_run
+    longer = TINY_MODEL + ["--train-iters", "7", "--load", str(root), "--eval-interval", "0"]
     refused = launch(1, longer)
     assert refused.returncode == 2, refused.describe()
     errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
     assert len(errors) == 1, refused.describe()
     for needle in ("another learning-rate schedule", "--lr-decay-iters (default --train-iters) x "
-                   "global batch: checkpoint 16, this run 24", "--override-opt_param-scheduler",
+                   "global batch: checkpoint 48, this run 56", "--override-opt_param-scheduler",
                    "--use-checkpoint-opt_param-scheduler"):
         assert needle in errors[0], (needle, errors[0])
     for flag, says in (("--override-opt_param-scheduler", "following this run's flags"),
                        ("--use-checkpoint-opt_param-scheduler", "following the checkpoint's")):
         run = launch(1, longer + [flag])
         assert run.returncode == 0, run.describe()
-        assert says in run.stdout and sorted(run.losses()) == [3], run.stdout[-2000:]
+        assert says in run.stdout and sorted(run.losses()) == [7], run.stdout[-2000:]
 
 
 def test_end_of_training_validation_and_summary(tmp_path):
