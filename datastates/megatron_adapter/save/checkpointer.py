@@ -452,7 +452,7 @@ class LazyCheckpointer:
         built `sharded_state_dict`), for the call's time reported at commit (`on_call_times`)."""
         from megatron.core import dist_checkpointing, parallel_state
 
-        from .strategies import durable_common_save, quiet_overwrite_warning, save_strategy
+        from .strategies import durable_common_save, quiet_overwrite_warning
 
         t0, wall0 = time.perf_counter(), time.time()
         called = t0 if called_at is None else called_at
@@ -465,27 +465,9 @@ class LazyCheckpointer:
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
                              f"non-persistent root {self.config.non_persistent_root}")
         lane = self._lane_of(root)
-        settling: Optional[_Settling] = None
-        if lane is self.node_lane and self.config.non_persistent_in_memory and \
-                lane.uncommitted():
-            # Memory holds two versions: the newest complete one and this one. The previous one
-            # was agreed on and its commit started before this iteration's optimizer step
-            # (`_commit_ahead`): its commit is settled in the plan check's all-reduce, below.
-            # Otherwise (it could not be, e.g. the first save after a failure) it is committed
-            # now, which costs the agreements, not a wait for bytes.
-            if self._settles_in_plan_check(lane, root, iteration):
-                settling = self._settle_here(lane)
-            else:
-                self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
-                if self.disabled:
-                    return
-        if any(q.iteration == iteration for q in lane.uncommitted()):
-            # The same iteration into the other root of this lane (e.g. the end-of-training save
-            # right after a global non-persistent one): both would name the same node-local
-            # copy (`layout.local_version_dir`), so the first is committed before the second.
-            self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
-            if self.disabled:
-                return
+        settling = self._before_save(lane, root, iteration)
+        if self.disabled:
+            return
         directory = checkpoint_dir(root, iteration)
         node_local = root == self.config.non_persistent_root and self.node is not None
         check = self._start_replica_check(iteration, sharded_state_dict)
@@ -497,54 +479,16 @@ class LazyCheckpointer:
             errors += self._prepare_directory(directory, iteration)
         prepare_failed = bool(errors)
         payloads = self.node_payloads if node_local else self.payloads
-        if node_local:  # every rank writes all it holds, its node's leader the small files
-            from ..levels.node_local import claim_every_replica
-
-            claim_every_replica(sharded_state_dict)
-            # In memory, the plan check's all-reduce also orders every leader's retention of the
-            # older version (`_after_publish`, or `_settle_here`) before any rank takes a slot
-            # of it (the engine's save, below); without it, a slot still linked would be passed
-            # over. It also settles the previous version's commit (`settling`).
-            plan = self.node_plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
-                                           agree=iteration in self.leftovers.get(root, ())
-                                           or self.config.non_persistent_in_memory,
-                                           along=() if settling is None else settling.codes)
-            if settling is not None:
-                failed_any, busy_any = plan.along
-                try:
-                    self._apply_policy(lambda: self._settled(
-                        lane, -1 if failed_any else 1, not busy_any, settling.err))
-                finally:
-                    if self._failed is not None or self.disabled:
-                        # The previous commit failed: this save is not made, nor its directory
-                        # left behind.
-                        self.node_plans.forget()
-                        payloads.forget()
-                        if writer and not prepare_failed:
-                            shutil.rmtree(directory, ignore_errors=True)
-                if self.disabled:
-                    return
-            if not plan.reuse_distribution:
-                payloads.forget()
-            strategy, base = save_strategy(lane.engine, iteration, None, None,
-                                           extra_shards=extra_shards, payload_plan=payloads,
-                                           defer_copies=True)
-            validate = False  # replicas are written on purpose, once per node at least
+        if node_local:
+            planned = self._plan_node_local(
+                lane, sharded_state_dict, extra_shards, prepare_failed, settling, iteration, root,
+                prepared=directory if writer and not prepare_failed else None)
+            if planned is None:
+                return
         else:
-            # After rank 0's spares: when the plan is reused, the plan check's all-reduce is
-            # what orders them before any rank's shard bytes (ASSUME_CONSTANT has none).
-            plan = self.plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
-                                      agree=iteration in self.leftovers.get(root, ()))
-            if not plan.reuse_distribution:
-                self._wrapper = None  # its cached distribution belongs to the previous structure
-                payloads.forget()
-            strategy, base = save_strategy(
-                lane.engine, iteration, self._dp_group if self.config.fully_parallel_save else None,
-                self._wrapper, extra_shards=extra_shards, payload_plan=payloads,
-                defer_copies=True)
-            if strategy is not base:
-                self._wrapper = strategy
-            validate = plan.validate
+            planned = self._plan_shared(lane, sharded_state_dict, extra_shards, prepare_failed,
+                                        iteration, root)
+        plan, strategy, base, validate = planned
         plans = self.node_plans if node_local else self.plans
         request = None
         serialized: List[tuple] = []  # (path, bytes) of common.pt, written once the call is done
@@ -590,6 +534,91 @@ class LazyCheckpointer:
         lane.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files,
                                      errors, check, call_s=time.perf_counter() - called))
+
+    def _before_save(self, lane: _Lane, root: str, iteration: int) -> Optional[_Settling]:
+        """Every rank, before a save into `lane`: what must be committed first. Returns this
+        rank's side of the in-memory level's commit to settle in the save's plan check, if any;
+        `disabled` is set if a commit that had to come first failed under
+        --ckpt-failure-policy continue (the save is then not made)."""
+        if lane is self.node_lane and self.config.non_persistent_in_memory and \
+                lane.uncommitted():
+            # Memory holds two versions: the newest complete one and this one. The previous one
+            # was agreed on and its commit started before this iteration's optimizer step
+            # (`_commit_ahead`): its commit is settled in the plan check's all-reduce
+            # (`_plan_node_local`). Otherwise (it could not be, e.g. the first save after a
+            # failure) it is committed now, which costs the agreements, not a wait for bytes.
+            if self._settles_in_plan_check(lane, root, iteration):
+                return self._settle_here(lane)
+            self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
+            if self.disabled:
+                return None
+        if any(q.iteration == iteration for q in lane.uncommitted()):
+            # The same iteration into the other root of this lane (e.g. the end-of-training save
+            # right after a global non-persistent one): both would name the same node-local
+            # copy (`layout.local_version_dir`), so the first is committed before the second.
+            self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
+        return None
+
+    def _plan_node_local(self, lane: _Lane, sharded_state_dict: Any,
+                         extra_shards: Sequence[TensorShard], prepare_failed: bool,
+                         settling: Optional[_Settling], iteration: int, root: str,
+                         prepared: Optional[str]) -> Optional[tuple]:
+        """Every rank, a node-local save (every rank writes all it holds, its node's leader the
+        small files): (plan, strategy, base strategy, validate), or None if the commit settled
+        here failed (raised under STOP; `disabled` under CONTINUE): this save is then not made,
+        nor the directory this rank `prepared` for it left behind."""
+        from ..levels.node_local import claim_every_replica
+        from .strategies import save_strategy
+
+        claim_every_replica(sharded_state_dict)
+        # In memory, the plan check's all-reduce also orders every leader's retention of the
+        # older version (`_after_publish`, or `_settle_here`) before any rank takes a slot
+        # of it (the engine's save, below); without it, a slot still linked would be passed
+        # over. It also settles the previous version's commit (`settling`).
+        plan = self.node_plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
+                                       agree=iteration in self.leftovers.get(root, ())
+                                       or self.config.non_persistent_in_memory,
+                                       along=() if settling is None else settling.codes)
+        if settling is not None:
+            failed_any, busy_any = plan.along
+            try:
+                self._apply_policy(lambda: self._settled(
+                    lane, -1 if failed_any else 1, not busy_any, settling.err))
+            finally:
+                if self._failed is not None or self.disabled:
+                    self.node_plans.forget()
+                    self.node_payloads.forget()
+                    if prepared is not None:
+                        shutil.rmtree(prepared, ignore_errors=True)
+            if self.disabled:
+                return None
+        if not plan.reuse_distribution:
+            self.node_payloads.forget()
+        strategy, base = save_strategy(lane.engine, iteration, None, None,
+                                       extra_shards=extra_shards, payload_plan=self.node_payloads,
+                                       defer_copies=True)
+        return plan, strategy, base, False  # replicas are written on purpose, once per node
+
+    def _plan_shared(self, lane: _Lane, sharded_state_dict: Any,
+                     extra_shards: Sequence[TensorShard], prepare_failed: bool, iteration: int,
+                     root: str) -> tuple:
+        """Every rank, a save to shared storage: (plan, strategy, base strategy, validate).
+        After rank 0's spares: when the plan is reused, the plan check's all-reduce is what
+        orders them before any rank's shard bytes (ASSUME_CONSTANT has none)."""
+        from .strategies import save_strategy
+
+        plan = self.plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
+                                  agree=iteration in self.leftovers.get(root, ()))
+        if not plan.reuse_distribution:
+            self._wrapper = None  # its cached distribution belongs to the previous structure
+            self.payloads.forget()
+        strategy, base = save_strategy(
+            lane.engine, iteration,
+            self._dp_group if self.config.fully_parallel_save else None, self._wrapper,
+            extra_shards=extra_shards, payload_plan=self.payloads, defer_copies=True)
+        if strategy is not base:
+            self._wrapper = strategy
+        return plan, strategy, base, plan.validate
 
     def _start_replica_check(self, iteration: int, sharded_state_dict: Any
                              ) -> Optional[ReplicaCheck]:
