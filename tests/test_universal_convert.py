@@ -5,6 +5,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,12 +52,15 @@ def test_round_trips_through_torch_dist_are_bit_exact(tmp_path):
     assert "merge [" in out.stderr and json.loads(out.stdout.splitlines()[-1])["iteration"] == 5
     (tmp_path / "uroot" / "latest_checkpointed_iteration.txt").write_text("5")
     # universal -> torch_dist -> universal; the source is a universal root, as --load takes it
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    out = _tool("to-torch-dist", tmp_path / "uroot", tmp_path / "td" / "iter_0000005",
-                umask=0o022, tmpdir=scratch)
-    assert out.returncode == 0, out.stderr
-    assert not list(scratch.iterdir())  # its one-rank process group leaves nothing behind
+    # A TMPDIR of its own, short (multiprocessing's AF_UNIX sockets go there, 107 bytes at most)
+    scratch = Path(tempfile.mkdtemp(prefix="cvt-"))
+    try:
+        out = _tool("to-torch-dist", tmp_path / "uroot", tmp_path / "td" / "iter_0000005",
+                    umask=0o022, tmpdir=scratch)
+        assert out.returncode == 0, out.stderr
+        assert not list(scratch.iterdir())  # its one-rank process group leaves nothing behind
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert (tmp_path / "td" / "latest_checkpointed_iteration.txt").read_text() == "5"
     _assert_modes(tmp_path / "td", "0o644")  # teammates can read it
     # The progress ends at 100% once the files are written (it stopped at ~70% before).
