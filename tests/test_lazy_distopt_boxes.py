@@ -71,10 +71,8 @@ def test_a_save_reuses_the_boxes_only_while_the_optimizer_holds_the_same_tensors
     """The lazy save keeps the last save's boxes (views of the optimizer's tensors) while the
     optimizer holds the same tensor objects at the same addresses; a replaced tensor, or one
     whose storage moved (`.data =`), makes it build them again."""
-    from types import SimpleNamespace
-
     from megatron.training.checkpointing import distopt_shards
-    from megatron.training.checkpointing.lazy import LazyCheckpointManager
+    from megatron.training.checkpointing.state_cache import DistOptBoxesCache
 
     held = [torch.zeros(4), torch.zeros(6)]
     built = []
@@ -85,10 +83,10 @@ def test_a_save_reuses_the_boxes_only_while_the_optimizer_holds_the_same_tensors
 
     monkeypatch.setattr(distopt_shards, "state_tensors", lambda optimizer: list(held))
     monkeypatch.setattr(distopt_shards, "param_state_boxes", boxes)
-    manager = SimpleNamespace(_boxes_of=None)
+    cache = DistOptBoxesCache()
 
     def save():
-        return LazyCheckpointManager._optimizer_boxes(manager, None, {})
+        return cache.get(None, {})
 
     first = save()
     held[0].add_(1)  # an optimizer step: in place

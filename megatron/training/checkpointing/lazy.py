@@ -29,7 +29,7 @@ from typing import List, Optional
 import torch.distributed as dist
 
 import datastates
-from datastates import Checksum, TensorShard, control_plane
+from datastates import Checksum, control_plane
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
     StructurePolicy, append_telemetry, check_memory_room, expand_local_dir, needed_saved_ranks, \
     MEMORY_VERSIONS_KEPT, PEER_VERSIONS, VERSIONS_HELD_FOR_PEERS, drop_node_local_newer, \
@@ -280,9 +280,7 @@ class LazyCheckpointManager(CheckpointManager):
     def __init__(self, config: RunConfig):
         super().__init__(config)
         self._merges_retained = 0  # merges whose universal retention has run (rank 0)
-        #: (optimizer tensors, their addresses, the boxes of them) of the last save.
-        self._boxes_of: Optional[tuple] = None
-        self.state_cache = SaveStateCache()  # the in-memory level's (`_state_dict`)
+        self.state_cache = SaveStateCache()  # what saves keep of each other (`_state_dict`)
         # Rank 0: checkpoints retention renamed away are deleted here, off the training thread
         # (~200 ms per commit for the 117M GPT); drained by `finalize`.
         self._trash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
@@ -362,38 +360,21 @@ class LazyCheckpointManager(CheckpointManager):
 
     def _state_dict(self, state: TrainState, root: str):
         """What torch_dist would save; with the distributed optimizer, its parameter state as
-        this DP rank's own live slices (no gather at save time, see distopt_shards). For the
-        in-memory level, which saves up to every iteration, the model's and the non-distributed
-        optimizer's parts come from `SaveStateCache` (each save gets its own copy, so other
-        levels could too)."""
+        this DP rank's own live slices (no gather at save time, see distopt_shards). The model's
+        and the optimizer's parts come from `SaveStateCache` while they can only be what megatron
+        would build again (each save gets its own copy): a level may save every iteration."""
         lazy_optim = (self.ckpt.save_optim and self.config.parallel.use_distributed_optimizer
                       and distopt_shards.supported(state.optimizer))
         sd = build_sharded_state_dict(state, self.config, is_loading=False,
                                       include_optim=self.ckpt.save_optim and not lazy_optim,
                                       include_rng=self.ckpt.save_rng,
-                                      cache=self.state_cache
-                                      if self.checkpointer.commits_ahead(root) else None)
+                                      cache=self.state_cache)
         if not lazy_optim:
             return sd, ()
-        boxes = self._optimizer_boxes(state.optimizer, sd)
+        boxes = self.state_cache.boxes.get(state.optimizer, sd)
         sd["optimizer"] = distopt_shards.optimizer_common_state(state.optimizer)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
         return sd, boxes
-
-    def _optimizer_boxes(self, optimizer, sd) -> List[TensorShard]:
-        """This DP rank's boxes of the distributed optimizer's state: the last save's, while the
-        optimizer holds the same tensors at the same addresses (the boxes are views of them),
-        else built anew. Building them took 2.4 of the 8.7 ms a save cost the training loop per
-        iteration (the 27M GPT on our CPU), and an in-memory level saves every iteration."""
-        held = distopt_shards.state_tensors(optimizer)
-        addresses = [t.data_ptr() for t in held]
-        cached = self._boxes_of
-        if cached is None or len(cached[0]) != len(held) or cached[1] != addresses or \
-                any(a is not b for a, b in zip(cached[0], held)):
-            boxes = [TensorShard(view, key, gshape, goff) for key, view, gshape, goff
-                     in distopt_shards.param_state_boxes(optimizer, sd)]
-            self._boxes_of = cached = (held, addresses, boxes)
-        return cached[2]
 
     def validation_done(self, iteration: int, t_start: float, t_end: float) -> None:
         self.checkpointer.record({"event": "validation", "iteration": iteration,
