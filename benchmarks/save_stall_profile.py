@@ -41,6 +41,7 @@ _ORDER: List[str] = []
 #: Control-plane collectives the training thread issued (see `count_collectives`).
 _COLLECTIVES: List[str] = []
 _AT_SAVE: List[int] = []  # len(_COLLECTIVES) when each save call started
+_CACHES: list = []  # every `SaveStateCache` built (one per lazy checkpoint manager)
 
 
 def _wrap(owner, attr: str, label: str) -> None:
@@ -121,6 +122,19 @@ def install_spans() -> None:
         _wrap(owner, attr, label)
 
 
+def track_state_caches() -> None:
+    """Keep each lazy checkpoint manager's `SaveStateCache`, for its hits in the report."""
+    from megatron.training.checkpointing import state_cache
+
+    init = state_cache.SaveStateCache.__init__
+
+    def tracked(self):
+        init(self)
+        _CACHES.append(self)
+
+    state_cache.SaveStateCache.__init__ = tracked
+
+
 def count_collectives() -> None:
     """Count the control plane's collectives (`datastates.control_plane`) issued by the main
     thread: at scale each is a round over every rank that the training loop waits for, however
@@ -189,6 +203,9 @@ def report(skip: int, iters: int) -> None:
               f"   (the last: {', '.join(names)})")
     print(f"control-plane collectives over {iters} iterations, start-up included: "
           f"{len(_COLLECTIVES)}")
+    for cache in _CACHES:  # what the saves' sharded state dicts took from the previous save's
+        print(f"state kept between saves (reused/built): model {cache.model.reused}/"
+              f"{cache.model.built}, optimizer {cache.optimizer.reused}/{cache.optimizer.built}")
 
 
 def main(argv=None) -> int:
@@ -216,6 +233,7 @@ def main(argv=None) -> int:
     prof = install_cprofile(skip=1) if a.cprofile else None
     install_spans()
     count_collectives()
+    track_state_caches()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with tempfile.TemporaryDirectory(dir=str(REPO / "runs") if (REPO / "runs").is_dir()
                                      else None) as save:
