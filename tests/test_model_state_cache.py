@@ -153,7 +153,12 @@ def test_optimizer_part_is_what_megatron_builds_with_this_steps_values(monkeypat
     assert any(v.data is inner.state[param]["exp_avg"] for v in nested_values(third)
                if isinstance(v, ShardedTensor))
     assert _described(third) == _described(megatrons())
-    # The model's part rebuilt: so is the optimizer's (its tensors take the model's layout).
+    # The model's part rebuilt: so is the optimizer's (its tensors take the model's layout), even
+    # when the optimizer's part was not asked for in that save.
     cache.model._key = None
     cached()
     assert cache.optimizer.built == 3
+    cache.model._key = None
+    cache.model_part(state.model)  # (a save without the optimizer's part)
+    cached()
+    assert cache.optimizer.built == 4

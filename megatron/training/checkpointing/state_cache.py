@@ -130,12 +130,17 @@ class OptimizerStateCache:
         self._owner: Any = None  # the megatron optimizer the template was built from
         self._template: Optional[dict] = None
         self._ptrs: List[int] = []  # the template's tensors' addresses, in walk order
+        self._model_built = -1  # `ModelStateCache.built` when the template was made
         self.reused = 0
         self.built = 0
 
-    def get(self, optimizer, model_sd: dict, model_reused: bool, metadata: dict) -> dict:
+    def get(self, optimizer, model_sd: dict, model_reused: bool, model_built: int,
+            metadata: dict) -> dict:
+        """`model_reused`: `model_sd` came from `ModelStateCache`; `model_built`: how many
+        times that cache has built the model's dict (the template must be of its latest)."""
         inner = _single(optimizer)
-        if model_reused and self._template is not None and inner is self._owner:
+        if model_reused and self._template is not None and inner is self._owner and \
+                model_built == self._model_built:
             sd = self._refresh(inner)
             if sd is not None:
                 self.reused += 1
@@ -144,7 +149,7 @@ class OptimizerStateCache:
         sd = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
         self._owner = self._template = None
         if inner is not None and _shape_known(sd):
-            self._owner, self._template = inner, sd
+            self._owner, self._template, self._model_built = inner, sd, model_built
             self._ptrs = [t.data.data_ptr() for t in _template_tensors(sd)]
             out = self._refresh(inner)
             if out is not None:  # (a copy: a save changes its dict in place)
@@ -285,4 +290,5 @@ class SaveStateCache:
         return self.model.get(model)
 
     def optimizer_part(self, optimizer, model_sd: dict, metadata: dict) -> dict:
-        return self.optimizer.get(optimizer, model_sd, self.model.last_reused, metadata)
+        return self.optimizer.get(optimizer, model_sd, self.model.last_reused, self.model.built,
+                                  metadata)
