@@ -1,7 +1,7 @@
-"""What the in-memory level keeps between its saves of the sharded state dict.
+"""What lazy saves keep of each other's sharded state dict.
 
-That level saves up to every iteration, and the training thread builds megatron-core's sharded
-state dict for each save although, while the model's and optimizer's tensors are the same objects
+A level may save up to every iteration (the in-memory one, or --save with --save-interval 1), and
+the training thread builds megatron-core's sharded state dict for each save although, while the model's and optimizer's tensors are the same objects
 at the same addresses, most of it can only come out the same. `SaveStateCache` keeps the parts
 that are a function of those tensors and their layout, checks per save (one walk, no tensor data
 read) that they still apply, and builds only the small values that change (learning rate, step,
@@ -45,17 +45,14 @@ class ModelStateCache:
     def __init__(self) -> None:
         self._key: Optional[list] = None
         self._sd: Optional[dict] = None  # None with a key: this model is built every time
-        #: Whether the last `get` was served from the cache (the optimizer's part built from it
-        #: can then be kept too).
-        self.last_reused = False
-        #: Saves served from the cache / built (for tests and the profile).
+        #: Saves served from the cache / built (for tests and the profile; the optimizer's part
+        #: is kept only while `built` stays the same).
         self.reused = 0
         self.built = 0
 
     def get(self, model) -> dict:
         key = _model_identity(model)
-        self.last_reused = self._key == key and self._sd is not None
-        if self.last_reused:
+        if self._key == key and self._sd is not None:
             self.reused += 1
             return _fresh(self._sd)
         self.built += 1
@@ -134,12 +131,12 @@ class OptimizerStateCache:
         self.reused = 0
         self.built = 0
 
-    def get(self, optimizer, model_sd: dict, model_reused: bool, model_built: int,
-            metadata: dict) -> dict:
-        """`model_reused`: `model_sd` came from `ModelStateCache`; `model_built`: how many
-        times that cache has built the model's dict (the template must be of its latest)."""
+    def get(self, optimizer, model_sd: dict, model_built: int, metadata: dict) -> dict:
+        """`model_sd` comes from `ModelStateCache`, which has built the model's dict
+        `model_built` times: the template is used while it was made from the latest of them
+        (a model built for every save, never kept, changes the count every time)."""
         inner = _single(optimizer)
-        if model_reused and self._template is not None and inner is self._owner and \
+        if self._template is not None and inner is self._owner and \
                 model_built == self._model_built:
             sd = self._refresh(inner)
             if sd is not None:
@@ -178,8 +175,7 @@ class OptimizerStateCache:
                 return None
             row = {}
             for key, sharded in saved.items():
-                t = tensors.get(key)
-                if t is not sharded.data or t.data_ptr() != next(ptrs):
+                if not _same(tensors.get(key), sharded, ptrs):
                     return None
                 row[key] = _copy(sharded)
             state[pid] = row
@@ -200,7 +196,7 @@ class OptimizerStateCache:
         for live_group, group in zip(mains, kept):
             row = []
             for t, sharded in zip(live_group, group):
-                if t is not sharded.data or t.data_ptr() != next(ptrs):
+                if not _same(t, sharded, ptrs):
                     return None
                 row.append(_copy(sharded))
             fp32.append(row)
@@ -209,6 +205,12 @@ class OptimizerStateCache:
             whole["grad_scaler"] = raw["grad_scaler"]
         whole["fp32_from_fp16_params"] = fp32
         return whole
+
+
+def _same(t, sharded, addresses) -> bool:
+    """Whether the optimizer's tensor `t` is the template's `sharded` one, at its address (the
+    next of `addresses`)."""
+    return t is sharded.data and t.data_ptr() == next(addresses)
 
 
 def _single(optimizer):
@@ -290,5 +292,4 @@ class SaveStateCache:
         return self.model.get(model)
 
     def optimizer_part(self, optimizer, model_sd: dict, metadata: dict) -> dict:
-        return self.optimizer.get(optimizer, model_sd, self.model.last_reused, self.model.built,
-                                  metadata)
+        return self.optimizer.get(optimizer, model_sd, self.model.built, metadata)
