@@ -353,12 +353,12 @@ class LazyCheckpointManager(CheckpointManager):
 
     def _save(self, state: TrainState, root: str) -> None:
         called = time.perf_counter()
-        sd, extra = self._state_dict(state, root)
+        sd, extra = self._state_dict(state)
         self.checkpointer.save(state.iteration, sd, extra_shards=extra,
                                content_metadata=dict(OPTIMIZER_METADATA), root=root,
                                called_at=called)
 
-    def _state_dict(self, state: TrainState, root: str):
+    def _state_dict(self, state: TrainState):
         """What torch_dist would save; with the distributed optimizer, its parameter state as
         this DP rank's own live slices (no gather at save time, see distopt_shards). The model's
         and the optimizer's parts come from `SaveStateCache` while they can only be what megatron
