@@ -79,6 +79,56 @@ def test_plan_reused_while_unchanged_and_rebuilt_when_the_structure_changes(tmp_
         _load_and_check(tmp_path / "ckpt", step, shapes)
 
 
+def test_a_reused_plan_skips_megatrons_save_call_and_writes_what_it_writes(tmp_path, one_rank,
+                                                                            monkeypatch):
+    """While the plan is reused, the save is made from `preprocess.split`'s one walk instead of
+    megatron's `dist_checkpointing.save`: common.pt, metadata.json and the shards come out as
+    that call makes them (a second run whose every save goes through megatron's call)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+
+    from datastates.megatron_adapter.save.plan import SavePlanCache
+
+    calls = []
+    real = dist_checkpointing.save
+    monkeypatch.setattr(dist_checkpointing, "save", lambda *a, **k: (calls.append(1),
+                                                                     real(*a, **k))[1])
+    shapes = {"a": (4, 4), "b": (8,)}
+
+    def state(step):
+        sd = _state(shapes, step)
+        sd["optimizer"] = {"param_groups": [{"lr": 0.5 / step, "params": LocalNonpersistentObject(
+            [0, 1])}], "empty": {}, "rng": ShardedObject("rng", [step], (1,), (0,))}
+        return sd
+
+    roots = {"steady": tmp_path / "steady", "megatron": tmp_path / "megatron"}
+    for run, root in roots.items():
+        if run == "megatron":  # every save through megatron's call, as before the steady path
+            monkeypatch.setattr(SavePlanCache, "confirm", SavePlanCache.forget)
+        calls.clear()
+        ckpt = _checkpointer(root, "check")
+        for step in (1, 2, 3):
+            ckpt.save(step, state(step), content_metadata={"format": "test", "step": step})
+            ckpt.before_optimizer_step()
+            ckpt.poll(step)
+        ckpt.finish()
+        assert len(calls) == (1 if run == "steady" else 3), run
+    for step in (1, 2, 3):
+        for name in ("common.pt", "metadata.json"):
+            a, b = (root / f"iter_{step:07d}" / name for root in roots.values())
+            assert a.read_bytes() == b.read_bytes(), (step, name)
+        expected = state(step)
+        want = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(expected[k].data))
+                for k in shapes}
+        want["rng"] = ShardedObject("rng", None, (1,), (0,))
+        loaded = load(want, str(roots["steady"] / f"iter_{step:07d}"))
+        assert all(torch.equal(loaded[k], expected[k].data) for k in shapes)
+        assert loaded["rng"] == [step] and loaded["iteration"] == step
+    common = torch.load(roots["steady"] / "iter_0000003" / "common.pt", weights_only=True)
+    assert common["optimizer"] == {"param_groups": [{"lr": 0.5 / 3}], "empty": {}}
+    assert common["content_metadata"] == {"format": "test", "step": 3}
+
+
 def test_a_changed_invalid_structure_is_still_validated(tmp_path, one_rank):
     """A stale plan would let this save through: the second save's tensor covers half of its
     global shape and no rank holds the rest."""

@@ -4,7 +4,8 @@ The trainer (`megatron.training`) and the tools import this package's names and 
 public API, nothing else. One sub-package per concern:
 
   save/        the save path: `LazyCheckpointer` (engine, agreement across ranks, commit marker,
-               tracker), megatron-core dist_checkpointing strategies, cached save plans, payload
+               tracker), megatron-core dist_checkpointing strategies, cached save plans,
+               megatron's save preprocessing in one walk, payload
   levels/      the levels beyond the shared file system, each at its own pace: node-local
                storage (--lazy-save-local-dir), node-local versions, the in-memory level's room
                in shared memory, a peer node's copy (--lazy-save-peer-replica) and the restore

@@ -11,7 +11,9 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
      `dist_checkpointing.save` with our strategy. It returns without copying a tensor (small
      objects are serialized at once; rank 0's common.pt is written and fsync'd by a background
      thread); megatron's validation runs only when the sharded structure changed
-     (`plan.py`); not collective beyond megatron's own and one flag while checking.
+     (`plan.py`), and while it has not, megatron's call is replaced by what it would do, from
+     one walk of the dict (`preprocess.py`); not collective beyond megatron's own and one flag
+     while checking.
   2) forward/backward of iteration i+1 run while the engine copies the snapshot to its host cache
      and its writers drain the cache to storage.
   3) `before_optimizer_step()` before step i+1 waits for the snapshot only if it is not done.
@@ -282,6 +284,9 @@ class LazyCheckpointer:
         self._wrapper = None
         self._dp_group = None
         self.plans = SavePlanCache(config.structure_policy)
+        #: megatron's save call did nothing but what a steady save does (`_megatron_save`): its
+        #: request held only its metadata.json finalize function, the last time it was called.
+        self._megatron_call_known = False
         self.payloads = PayloadPlan()  # the engine's flattened payload, refilled while it matches
         self.node = None  # this rank's node, for node-local versions
         self.node_plans = SavePlanCache(config.structure_policy)  # node-local versions' plans
@@ -450,9 +455,9 @@ class LazyCheckpointer:
              called_at: Optional[float] = None) -> None:
         """`called_at`: `time.perf_counter()` when the caller's save call began (e.g. before it
         built `sharded_state_dict`), for the call's time reported at commit (`on_call_times`)."""
-        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core import parallel_state
 
-        from .strategies import durable_common_save, quiet_overwrite_warning
+        from .preprocess import split
 
         t0, wall0 = time.perf_counter(), time.time()
         called = t0 if called_at is None else called_at
@@ -471,6 +476,8 @@ class LazyCheckpointer:
         directory = checkpoint_dir(root, iteration)
         node_local = root == self.config.non_persistent_root and self.node is not None
         check = self._start_replica_check(iteration, sharded_state_dict)
+        # megatron's preprocessing, in one walk (a node-local version claims every replica).
+        parts = split(sharded_state_dict, content_metadata, claim=node_local)
         if self._dp_group is None:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         writer = self.rank == (self.node.leader if node_local else 0)  # common.pt, spares
@@ -481,20 +488,17 @@ class LazyCheckpointer:
         payloads = self.node_payloads if node_local else self.payloads
         if node_local:
             planned = self._plan_node_local(
-                lane, sharded_state_dict, extra_shards, prepare_failed, settling, iteration, root,
+                lane, parts.items, extra_shards, prepare_failed, settling, iteration, root,
                 prepared=directory if writer and not prepare_failed else None)
             if planned is None:
                 return
         else:
-            planned = self._plan_shared(lane, sharded_state_dict, extra_shards, prepare_failed,
+            planned = self._plan_shared(lane, parts.items, extra_shards, prepare_failed,
                                         iteration, root)
         plan, strategy, base, validate = planned
         plans = self.node_plans if node_local else self.plans
         request = None
         serialized: List[tuple] = []  # (path, bytes) of common.pt, written once the call is done
-
-        def defer(path: str, data: bytes) -> None:
-            serialized.append((path, data))
 
         if plan.failed or prepare_failed:
             # Rank 0's directory could not be prepared: no rank enters megatron's collectives
@@ -511,12 +515,12 @@ class LazyCheckpointer:
             # so the failure is recorded and agreed on in poll() instead of raised (the others
             # would wait for us). common.pt is fsync'd (a full disk is an ENOSPC OSError);
             # megatron's overwrite warning is replaced by the check above.
-            with durable_common_save(defer, writes=writer), quiet_overwrite_warning():
-                request = dist_checkpointing.save(sharded_state_dict, directory,
-                                                  sharded_strategy=strategy,
-                                                  async_sharded_save=True,
-                                                  validate_access_integrity=validate,
-                                                  content_metadata=content_metadata)
+            steady = plan.reuse_distribution and self._megatron_call_known
+            request = _megatron_save(sharded_state_dict, parts, directory, strategy, validate,
+                                     steady, lambda path, data: serialized.append((path, data)),
+                                     writer)
+            if not steady:
+                self._megatron_call_known = _only_metadata_finalize(request)
             plans.confirm()
         except (OSError, RuntimeError, CheckpointError) as err:
             errors.append(err)
@@ -559,23 +563,22 @@ class LazyCheckpointer:
             self._apply_policy(lambda: self._commit_lane(lane, blocking=True))
         return None
 
-    def _plan_node_local(self, lane: _Lane, sharded_state_dict: Any,
+    def _plan_node_local(self, lane: _Lane, items: List[Any],
                          extra_shards: Sequence[TensorShard], prepare_failed: bool,
                          settling: Optional[_Settling], iteration: int, root: str,
                          prepared: Optional[str]) -> Optional[tuple]:
-        """Every rank, a node-local save (every rank writes all it holds, its node's leader the
-        small files): (plan, strategy, base strategy, validate), or None if the commit settled
-        here failed (raised under STOP; `disabled` under CONTINUE): this save is then not made,
-        nor the directory this rank `prepared` for it left behind."""
-        from ..levels.node_local import claim_every_replica
+        """Every rank, a node-local save (every rank writes all it holds: `items`, the save's
+        sharded items, each claimed; its node's leader the small files): (plan, strategy, base
+        strategy, validate), or None if the commit settled here failed (raised under STOP;
+        `disabled` under CONTINUE): this save is then not made, nor the directory this rank
+        `prepared` for it left behind."""
         from .strategies import save_strategy
 
-        claim_every_replica(sharded_state_dict)
         # In memory, the plan check's all-reduce also orders every leader's retention of the
         # older version (`_after_publish`, or `_settle_here`) before any rank takes a slot
         # of it (the engine's save, below); without it, a slot still linked would be passed
         # over. It also settles the previous version's commit (`settling`).
-        plan = self.node_plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
+        plan = self.node_plans.prepare(items, extra_shards, prepare_failed,
                                        agree=iteration in self.leftovers.get(root, ())
                                        or self.config.non_persistent_in_memory,
                                        along=() if settling is None else settling.codes)
@@ -599,7 +602,7 @@ class LazyCheckpointer:
                                        defer_copies=True)
         return plan, strategy, base, False  # replicas are written on purpose, once per node
 
-    def _plan_shared(self, lane: _Lane, sharded_state_dict: Any,
+    def _plan_shared(self, lane: _Lane, items: List[Any],
                      extra_shards: Sequence[TensorShard], prepare_failed: bool, iteration: int,
                      root: str) -> tuple:
         """Every rank, a save to shared storage: (plan, strategy, base strategy, validate).
@@ -607,7 +610,7 @@ class LazyCheckpointer:
         orders them before any rank's shard bytes (ASSUME_CONSTANT has none)."""
         from .strategies import save_strategy
 
-        plan = self.plans.prepare(sharded_state_dict, extra_shards, prepare_failed,
+        plan = self.plans.prepare(items, extra_shards, prepare_failed,
                                   agree=iteration in self.leftovers.get(root, ()))
         if not plan.reuse_distribution:
             self._wrapper = None  # its cached distribution belongs to the previous structure
@@ -1009,8 +1012,7 @@ class LazyCheckpointer:
         # (releasing its spare waits for the journal behind the writers' fsyncs: 6-20 ms here),
         # and the agreement that follows orders the ranks. Any other finalize function (a future
         # megatron's) still runs here, as megatron would run it.
-        own_metadata = all(getattr(fn, "__name__", None) == "metadata_finalize_fn"
-                           for fn in p.request.finalize_fns)
+        own_metadata = _only_metadata_finalize(p.request)
         if not own_metadata:
             if publishes:
                 release_spare(os.path.join(p.directory, METADATA_FILENAME))
@@ -1222,6 +1224,37 @@ class LazyCheckpointer:
             path = os.path.join(self.config.root, TELEMETRY_FILENAME)
             self.log(f"WARNING: cannot append to {path} ({err}); checkpoint telemetry is off for "
                      "the rest of this run")
+
+
+def _only_metadata_finalize(request) -> bool:
+    """Whether megatron's save request holds no finalize function but megatron-core 0.16's
+    metadata.json writer (`serialization.save`'s `metadata_finalize_fn`)."""
+    return all(getattr(fn, "__name__", None) == "metadata_finalize_fn"
+               for fn in request.finalize_fns)
+
+
+def _megatron_save(sharded_state_dict: Any, parts, directory: str, strategy, validate: bool,
+                   steady: bool, defer: Callable[[str, bytes], None], writer: bool):
+    """megatron-core's `dist_checkpointing.save` of one lazy save, asynchronous; common.pt is
+    serialized with `DurableCommonSaveStrategy` and handed to `defer` on the rank that
+    `writer`s it. `steady` (the save plan is reused: no validation, and the shard distribution
+    is cached; and megatron's last call returned no finalize function but metadata.json's): what
+    megatron's call would do is done here with `parts` (`preprocess.split`: its preprocessing in
+    one walk), without its four walks of the dict; metadata.json is the commit thread's
+    (`_commit`) either way. A megatron-core whose save adds finalize functions is called for
+    every save."""
+    from megatron.core import dist_checkpointing
+
+    from .strategies import DurableCommonSaveStrategy, durable_common_save, \
+        quiet_overwrite_warning
+
+    if steady:
+        DurableCommonSaveStrategy("torch", 1, defer, writer).save_common(parts.common, directory)
+        return strategy.async_save(parts.items, directory)
+    with durable_common_save(defer, writes=writer), quiet_overwrite_warning():
+        return dist_checkpointing.save(sharded_state_dict, directory, sharded_strategy=strategy,
+                                       async_sharded_save=True,
+                                       validate_access_integrity=validate)
 
 
 def prepare_and_probe_root(root: str, flag: str, prepares: bool) -> None:

@@ -8,14 +8,15 @@ fully-parallel wrapper's distribution of replicated shards are recomputed per sa
 give the same answer every time. This module decides, per save, whether they can be reused.
 
 Call order, every rank, once per save (collective under `StructurePolicy.CHECK`):
-  1) `plan = cache.prepare(sharded_state_dict, extra_shards)` before `dist_checkpointing.save`:
-     applies megatron's factories (idempotent: `save` then finds none), takes the structural
-     fingerprint (one walk over the dict; values are not looked at) and, with `CHECK`, agrees
-     across ranks whether every rank's fingerprint equals its previous one (one all-reduce of
-     one integer on the control plane).
+  1) `plan = cache.prepare(items, extra_shards)` before the save, with the sharded items of the
+     dict after megatron's factories (`preprocess.split`): takes the structural fingerprint (one
+     pass over the items; values are not looked at) and, with `CHECK`, agrees across ranks
+     whether every rank's fingerprint equals its previous one (one all-reduce of one integer on
+     the control plane).
   2) `plan.validate` is what to pass as `validate_access_integrity`; `plan.reuse_distribution`
      False means the caller must drop a cached fully-parallel wrapper (its distribution belongs
-     to the old structure).
+     to the old structure). While it is True, megatron's save call has nothing left to do that
+     `preprocess.split` did not (no validation, no collective): the caller may skip it.
   3) `cache.confirm()` once the save call succeeded, `cache.forget()` if it raised.
 Policies (`StructurePolicy`): CHECK (default) never reuses a plan made for another structure;
 ASSUME_CONSTANT (Megatron-LM's `--ckpt-assume-constant-structure`) validates the first save only
@@ -40,7 +41,6 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
-    apply_factories,
 )
 
 from ... import control_plane
@@ -68,9 +68,9 @@ class PreparedSave:
 
 
 def fingerprint(sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = ()) -> List[tuple]:
-    """Everything a save plan depends on, in the dict's order; no tensor data is read. Two saves
-    with equal fingerprints get the same validation result, the same distribution of replicated
-    shards and the same engine layout."""
+    """Everything a save plan depends on, in the dict's order (or the items' of a list); no
+    tensor data is read. Two saves with equal fingerprints get the same validation result, the
+    same distribution of replicated shards and the same engine layout."""
     out: List[tuple] = []
     for item in nested_values(sharded_state_dict):
         if isinstance(item, ShardedTensor):
@@ -82,7 +82,8 @@ def fingerprint(sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = (
         elif isinstance(item, ShardedObject):
             out.append(("O", item.key, item.global_shape, item.global_offset, item.replica_id))
         elif isinstance(item, ShardedTensorFactory):  # prepare() applies them first
-            raise TypeError(f"fingerprint: apply megatron's factories first ({item.key!r})")
+            raise TypeError(f"fingerprint: apply megatron's factories first ({item.key!r}), "
+                            "e.g. with preprocess.split")
     for sh in extra_shards:
         out.append(("X", sh.key, sh.data.dtype, tuple(sh.data.shape), sh.global_shape,
                     sh.global_offset))
@@ -104,14 +105,14 @@ class SavePlanCache:
     def prepare(self, sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = (),
                 local_failed: bool = False, agree: bool = False,
                 along: Sequence[int] = ()) -> PreparedSave:
-        """`local_failed`: the caller's preparation of this save (rank 0's directory) failed
+        """`sharded_state_dict`: the save's dict, or its sharded items, with megatron's factories
+        applied (`preprocess.split` does both). `local_failed`: the caller's preparation of this save (rank 0's directory) failed
         here. Under CHECK it rides on the plan check's all-reduce, so every rank learns it before
         megatron's collectives and skips the save call (`failed`); under ASSUME_CONSTANT only
         `agree=True` (or a first save) adds that all-reduce: otherwise a save has no collective
         and only the failing rank skips its call. `along`: more of the caller's own values,
         reduced (maximum over the ranks) in the same all-reduce, which then runs under
         ASSUME_CONSTANT too (one round over every rank instead of two)."""
-        apply_factories(sharded_state_dict)
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         along = tuple(int(v) for v in along)
         if self.policy is StructurePolicy.ASSUME_CONSTANT:
