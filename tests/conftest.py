@@ -1,7 +1,32 @@
 """Fixtures shared by several test modules."""
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from typing import Optional
+
 import pytest
+
+#: The temp directory of every process the tests start (see `pytest_configure`).
+_CHILDREN_TMP: Optional[str] = None
+
+
+def pytest_configure(config):
+    """Processes the tests start put their temp files in one directory of this session, removed
+    at its end: torchrun's agent leaves a `torchelastic_*` directory per launch even after a clean
+    exit (~330 per suite run). Short (`/tmp/dstest-XXXXXXXX`, under an xdist worker one level
+    more): multiprocessing's AF_UNIX sockets go there, 107 bytes at most. pytest's own tmp_path
+    stays where it was (the temp dir of this process is looked up first)."""
+    global _CHILDREN_TMP
+    tempfile.gettempdir()
+    _CHILDREN_TMP = tempfile.mkdtemp(prefix="dstest-")
+    os.environ["TMPDIR"] = _CHILDREN_TMP
+
+
+def pytest_unconfigure(config):
+    if _CHILDREN_TMP is not None:
+        shutil.rmtree(_CHILDREN_TMP, ignore_errors=True)
 
 #: The files that take longest (each 1-3 minutes on our 2-core machines; `--durations=0` of a
 #: full run, 2026-12-06), heaviest first. The suite's two workers take files in collection
