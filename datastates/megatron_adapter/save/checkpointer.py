@@ -55,7 +55,6 @@ plan check (which carries the settle).
 from __future__ import annotations
 
 import enum
-import json
 import os
 import re
 import shutil
@@ -70,7 +69,7 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Seque
 import torch
 import torch.distributed as dist
 
-from ... import control_plane
+from ... import control_plane, telemetry
 from ...config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from ...engine import CheckpointEngine
 from ...errors import CheckpointError
@@ -331,7 +330,6 @@ class LazyCheckpointer:
         # Errors this rank hit since the last agreement, in order (a full disk can fail both
         # common.pt of the next save and the flush of the previous one: all are reported).
         self._local_errors: List[BaseException] = []
-        self._telemetry_off = False
         self._failed: Optional[BaseException] = None  # an agreed failure already raised (STOP)
         self._ahead_s = 0.0  # in-memory commit time carried to the level's next save
         self._last_published: Optional[_Pending] = None  # the newest committed save, any lane
@@ -717,6 +715,7 @@ class LazyCheckpointer:
                         self._prune_local(self._last_committed)
                 self._close_engine()
             finally:
+                telemetry.flush_all(self.config.drain_timeout_s)
                 if self._verifier is not None:
                     self._verifier.shutdown(wait=False, cancel_futures=True)
                 for lane in self.lanes:
@@ -1214,16 +1213,8 @@ class LazyCheckpointer:
 
     def _event(self, record: Dict[str, float]) -> None:
         """Rank 0: one JSON line per iteration end and per committed checkpoint (the timeline
-        tool draws both)."""
-        if self._telemetry_off:
-            return
-        try:
-            append_telemetry(self.config.root, record)
-        except OSError as err:  # e.g. the disk that just filled up: telemetry never stops training
-            self._telemetry_off = True
-            path = os.path.join(self.config.root, TELEMETRY_FILENAME)
-            self.log(f"WARNING: cannot append to {path} ({err}); checkpoint telemetry is off for "
-                     "the rest of this run")
+        tool draws both), written off the training loop (`append_telemetry`)."""
+        append_telemetry(self.config.root, record, warn=self.log)
 
 
 def _only_metadata_finalize(request) -> bool:
@@ -1274,12 +1265,14 @@ def prepare_and_probe_root(root: str, flag: str, prepares: bool) -> None:
                         describe=lambda err: explain(err, flag, root))
 
 
-def append_telemetry(root: str, record: Dict[str, Any]) -> None:
+def append_telemetry(root: str, record: Dict[str, Any],
+                     warn: Callable[[str], None] = print) -> None:
     """Append one event (a JSON line) to ROOT's telemetry file, which the timeline tool and the
-    benchmarks read; raises OSError (the caller decides whether that stops anything)."""
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, TELEMETRY_FILENAME), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    benchmarks read. Returns at once: a background thread writes it, after every line appended
+    before it (`telemetry.JsonlAppender`: a slow or hung file system never holds the caller; a
+    failure is said once through `warn` and turns that file's telemetry off). `finish` and the
+    process's exit write what is queued."""
+    telemetry.appender(os.path.join(root, TELEMETRY_FILENAME), warn).append(record)
 
 
 def _figures(p: _Pending, record) -> List[int]:
