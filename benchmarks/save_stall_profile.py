@@ -42,6 +42,7 @@ _ORDER: List[str] = []
 _COLLECTIVES: List[str] = []
 _AT_SAVE: List[int] = []  # len(_COLLECTIVES) when each save call started
 _CACHES: list = []  # every `SaveStateCache` built (one per lazy checkpoint manager)
+_RETENTION = {"training thread": 0, "other threads": 0}  # where retention ran (this rank)
 
 
 def _wrap(owner, attr: str, label: str) -> None:
@@ -127,6 +128,24 @@ def install_spans() -> None:
         _wrap(owner, attr, label)
 
 
+def track_retention() -> None:
+    """Count where retention (the manager's `_after_commit`) runs: the in-memory level's on its
+    commit thread, off the training loop; --save's on the training thread."""
+    import threading
+
+    from megatron.training.checkpointing import lazy as lazy_checkpointing
+
+    mgr = lazy_checkpointing.LazyCheckpointManager
+    fn = mgr._after_commit
+
+    def counted(*args, **kwargs):
+        main = threading.current_thread() is threading.main_thread()
+        _RETENTION["training thread" if main else "other threads"] += 1
+        return fn(*args, **kwargs)
+
+    mgr._after_commit = counted
+
+
 def track_state_caches() -> None:
     """Keep each lazy checkpoint manager's `SaveStateCache`, for its hits in the report."""
     from megatron.training.checkpointing import state_cache
@@ -208,6 +227,8 @@ def report(skip: int, iters: int) -> None:
               f"   (the last: {', '.join(names)})")
     print(f"control-plane collectives over {iters} iterations, start-up included: "
           f"{len(_COLLECTIVES)}")
+    print(f"retention runs (training thread/other threads): {_RETENTION['training thread']}/"
+          f"{_RETENTION['other threads']}")
     for cache in _CACHES:  # what the saves' sharded state dicts took from the previous save's
         print(f"state kept between saves (reused/built): model {cache.model.reused}/"
               f"{cache.model.built}, optimizer {cache.optimizer.reused}/{cache.optimizer.built}")
@@ -239,6 +260,7 @@ def main(argv=None) -> int:
     install_spans()
     count_collectives()
     track_state_caches()
+    track_retention()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with tempfile.TemporaryDirectory(dir=str(REPO / "runs") if (REPO / "runs").is_dir()
                                      else None) as save:

@@ -42,9 +42,9 @@ other, in the same order on every rank, so a version in memory commits while a p
 still drains to a slow file system. `busy(root)` says whether a lane holds a save not yet
 committed (the trainer defers a persistent save then: latest wins). In-memory versions (the
 `in_memory` type) are durable once copied: each is agreed on in `before_optimizer_step`, right
-after its copy, and its commit thread writes during the optimizer step; in the next save each
-node's leader waits for its own commit thread and removes the older version at once, and the
-plan check's all-reduce both settles the commit (every rank's commit thread succeeded) and orders
+after its copy, and its commit thread writes during the optimizer step, then removes the older
+version at once (retention); in the next save each node's leader waits for its own commit
+thread, and the plan check's all-reduce both settles the commit (every rank's commit thread succeeded) and orders
 those removals before any rank takes a slot, so memory holds two versions and the engine's two
 reusable shard files (`WriteMode.MAPPED` slots, registered for DMA with CUDA) take turns. An
 in-memory version every iteration costs the training thread 2 control-plane collectives per
@@ -199,6 +199,8 @@ class _Pending:
     errors: List[BaseException] = field(default_factory=list)  # this save's own, on this rank
     replica_check: Optional[ReplicaCheck] = None  # --ckpt-verify-replicas, this save's
     retained: bool = False  # publishing rank: retention ran once it was committed (`_retain`)
+    retain_errors: List[BaseException] = field(default_factory=list)  # its failures, on its
+    # commit thread (in memory: `_publish`), until the training thread takes them
     call_s: float = 0.0  # the save call, from the caller's `called_at` (Megatron's timer)
 
 
@@ -1056,15 +1058,13 @@ class LazyCheckpointer:
     def _settle_here(self, lane: _Lane) -> _Settling:
         """Every rank, in the in-memory level's next save: this rank's side of `_settle`, waiting
         for its own commit thread; the agreement rides on that save's plan check. A publishing
-        rank removes the older version now (retention), once its own commit marker is written:
-        the plan check then orders every node's retention before any rank takes a slot of that
-        version. Removed before every node's commit is known to have succeeded: a restart
-        counts the newer version, committed on this node, as held on every node whose files are
-        intact (`in_memory_peers`)."""
+        rank's commit thread has removed the older version (retention) right after its own
+        commit marker and tracker (`_publish`): the plan check then orders every node's
+        retention before any rank takes a slot of that version. Removed before every node's
+        commit is known to have succeeded: a restart counts the newer version, committed on this
+        node, as held on every node whose files are intact (`in_memory_peers`)."""
         pub = lane.publishing
         _, err = self._commit_done(pub, blocking=True)
-        if err is None and pub.future is not None:
-            self._retain(pub.pending)
         return _Settling(err, (int(err is not None), int(not self._replica_idle(lane))))
 
     def _replica_idle(self, lane: _Lane) -> bool:
@@ -1112,7 +1112,8 @@ class LazyCheckpointer:
 
     def _retain(self, p: _Pending) -> None:
         """A publishing rank, once `p` is committed: retention (`after_commit`), once. Its
-        failure is agreed on at the next poll."""
+        failure is agreed on at the next poll (from `p.retain_errors`, on the commit thread:
+        `_after_publish` takes them)."""
         if p.retained:
             return
         p.retained = True
@@ -1120,7 +1121,7 @@ class LazyCheckpointer:
             if self.after_commit is not None:
                 self.after_commit(p.iteration, p.root)
         except (OSError, RuntimeError, CheckpointError) as err:
-            self._local_errors.append(err)
+            p.retain_errors.append(err)
 
     def _after_publish(self, pub: _Publishing) -> None:
         """All ranks, once `pub`'s version is committed: retention and the log line (publishing
@@ -1129,7 +1130,9 @@ class LazyCheckpointer:
         p = pub.pending
         self._last_published = p
         if pub.future is not None:
-            self._retain(p)
+            self._retain(p)  # (done already on the commit thread of an in-memory version)
+            self._local_errors.extend(p.retain_errors)
+            p.retain_errors.clear()
             try:
                 if self.rank == 0:
                     self._log(p, pub.stats)
@@ -1139,10 +1142,10 @@ class LazyCheckpointer:
             except (OSError, RuntimeError, CheckpointError) as err:
                 self._local_errors.append(err)
         # The in-memory level's leaders have removed its older version (retention, done at once
-        # for this level: here, or in `_settle_here` before the plan check), so every rank's
-        # shard-file slots are free for the next save once every leader is past this point: the
-        # next save's plan check, its first collective, is that point (`save` asks for it under
-        # ASSUME_CONSTANT too).
+        # for this level, on the commit thread right after the tracker: `_publish`), so every
+        # rank's shard-file slots are free for the next save once every leader is past this
+        # point: the next save's plan check, its first collective, is that point (`save` asks for
+        # it under ASSUME_CONSTANT too).
         if p.node_local:
             return  # the shared versions' local copies and replicas are not touched
         self._last_committed = p.iteration
@@ -1185,6 +1188,10 @@ class LazyCheckpointer:
         fault_point("tracker", p.iteration, self.rank)
         fail_point("tracker", p.iteration, self.rank, os.path.join(p.root, TRACKER_FILENAME))
         write_tracker(p.root, p.iteration, self.config.run_config_json)
+        if p.node_local and self.config.non_persistent_in_memory:
+            # The older in-memory version goes now, off the training loop (its slots must be
+            # free before the next save takes one: that save waits for this thread first).
+            self._retain(p)
 
     def _stats(self, p: _Pending, rows: List[List[int]]) -> Dict[str, float]:
         """The record of a commit from every rank's `_figures` (gathered by `_agree`): bytes
