@@ -204,3 +204,27 @@ def test_an_error_after_the_last_commit_is_agreed_on_at_finish(tmp_path, one_ran
         ckpt.finish()
     assert "iteration 2" in str(err.value) and "retention could not remove" in str(err.value)
     assert _tracked(root) == 2 and _loads(root, 2)
+
+
+def test_a_failed_save_names_a_newer_version_complete_on_another_level(tmp_path):
+    """A --save version failing after the in-memory level committed a newer one: the agreed
+    error says so (a restart on these nodes resumes from it), not only that --save has none."""
+    from datastates.megatron_adapter.save.checkpointer import _Pending, _state_of
+
+    def pending(root, iteration, node_local):
+        return _Pending(iteration, str(root), node_local, str(root / f"iter_{iteration:07d}"),
+                        None, None, 0.0, 0.0, 0.0)
+
+    save, memory = tmp_path / "save", tmp_path / "memory"
+    save.mkdir()
+    failed = pending(save, 3, False)
+    alone = _state_of(failed, str(save))
+    assert alone.startswith("no earlier checkpoint was completed")
+    told = _state_of(failed, str(save), pending(memory, 2, True))
+    assert told.startswith(alone) and told.endswith(
+        f"; iteration 2 is complete on another level, in {memory / 'iter_0000002'}, which a "
+        "restart on these nodes takes")
+    # Not when that version is of the same level, or older than --save's newest.
+    assert _state_of(failed, str(save), pending(save, 2, False)) == alone
+    (save / "latest_checkpointed_iteration.txt").write_text("2")
+    assert "another level" not in _state_of(failed, str(save), pending(memory, 2, True))

@@ -880,8 +880,8 @@ class LazyCheckpointer:
             describe=lambda _: self._describe_errors(errors, root, where))
         if failure is None or failure.ranks is None:  # a rank died, or stopped answering
             raise (failure or CheckpointError("the save failed", rank=self.rank)) from err
-        msg = (failure.reason + f"; {_state_of(p, root)}; --ckpt-failure-policy continue keeps "
-               "training without checkpoints")
+        msg = (failure.reason + f"; {_state_of(p, root, self._last_published)}; "
+               "--ckpt-failure-policy continue keeps training without checkpoints")
         raise CheckpointError(msg, rank=self.rank, file=p.directory, ranks=failure.ranks) from err
 
     def _describe_errors(self, errors: List[BaseException], root: str, where: str) -> str:
@@ -1003,7 +1003,8 @@ class LazyCheckpointer:
             return
         if self.on_refused is not None:
             self.on_refused(p.iteration, p.root)
-        raise ReplicaMismatch(f"{failure.reason}; {_state_of(p, p.root)}", rank=self.rank,
+        raise ReplicaMismatch(f"{failure.reason}; {_state_of(p, p.root, self._last_published)}",
+                              rank=self.rank,
                               file=p.directory, ranks=failure.ranks) from err
 
     def _commit(self, lane: _Lane, p: _Pending, rows: List[List[int]]) -> None:
@@ -1291,9 +1292,15 @@ def _figures(p: _Pending, record) -> List[int]:
         p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0, p.call_s)]
 
 
-def _state_of(p: _Pending, root: str) -> str:
-    """What a failed save left behind, for the agreed error message."""
+def _state_of(p: _Pending, root: str, newest: Optional[_Pending] = None) -> str:
+    """What a failed save left behind, for the agreed error message; `newest`: the newest
+    version committed in this run, named when it is of another level and newer than `root`'s
+    (e.g. in memory: a restart on these nodes resumes from it)."""
     latest = tracked_iteration(root)
+    if newest is not None and newest.root != root and newest.iteration > (latest or -1):
+        return (f"{_state_of(p, root)}; iteration {newest.iteration} is complete on another "
+                f"level, in {newest.directory}, which a restart"
+                + (" on these nodes" if newest.node_local else "") + " takes")
     committed = is_committed(p.directory)
     if committed and latest == p.iteration:  # failed after the tracker moved
         return f"this one is complete and {TRACKER_FILENAME} names it"
