@@ -23,11 +23,12 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
      rank 0's commit thread, off the training loop (its unlink and fsyncs cost ~30 ms per save
      on our VMs), writes metadata.json (what megatron's finalize would write there; its barrier
      is replaced by the agreements), fsyncs it, writes the commit marker (`try_commit`) and
-     moves the tracker of the save's root (`paths.write_tracker`). At a later poll, once every rank agrees that this is done
-     (one all-reduce; one commit in flight at a time), rank 0 calls
-     `after_commit(iteration, root)` (e.g. retention), logs, and starts the background merge (of
-     the config's root only); on several nodes the first rank of every other node then joins
-     that merge with its own workers (merge/nodes.py).
+     moves the tracker of the save's root (`paths.write_tracker`); an in-memory version's
+     commit thread then runs its retention too. At a later poll, once every rank agrees that
+     this is done (one all-reduce; one commit in flight at a time), rank 0 calls
+     `after_commit(iteration, root)` (e.g. retention; done already in memory), logs, and starts
+     the background merge (of the config's root only); on several nodes the first rank of every
+     other node then joins that merge with its own workers (merge/nodes.py).
   5) `finish()` before the process exits: drain and commit everything, close the engine, wait for
      the merge. A version is reported and loadable only after step 4; a crash before leaves the
      previous one as "latest".
@@ -39,18 +40,18 @@ non-persistent root's), and, with node-local versions (Megatron-LM's `local` and
 types), theirs. Each lane has its own engine (host cache, copy and writer threads), common.pt
 writer and commit thread, and commits its saves in order; step 4 runs the lanes one after the
 other, in the same order on every rank, so a version in memory commits while a persistent save
-still drains to a slow file system. `busy(root)` says whether a lane holds a save not yet
-committed (the trainer defers a persistent save then: latest wins). In-memory versions (the
-`in_memory` type) are durable once copied: each is agreed on in `before_optimizer_step`, right
-after its copy, and its commit thread writes during the optimizer step, then removes the older
-version at once (retention); in the next save each node's leader waits for its own commit
-thread, and the plan check's all-reduce both settles the commit (every rank's commit thread succeeded) and orders
-those removals before any rank takes a slot, so memory holds two versions and the engine's two
-reusable shard files (`WriteMode.MAPPED` slots, registered for DMA with CUDA) take turns. An
-in-memory version every iteration costs the training thread 2 control-plane collectives per
-iteration on N ranks: that agreement (an all-gather that carries the commit's figures too, the
-save call's time among them, which Megatron's timer report then prints: `on_call_times`) and the
-plan check (which carries the settle).
+still drains to a slow file system. `busy(root)` says whether a lane holds a save not yet committed
+(the trainer defers a persistent save then: latest wins). In-memory versions (the `in_memory` type)
+are durable once copied: each is agreed on in `before_optimizer_step`, right after its copy, and
+its commit thread writes during the optimizer step, then removes the older version at once
+(retention); in the next save each node's leader waits for its own commit thread, and the plan
+check's all-reduce both settles the commit (every rank's commit thread succeeded) and orders those
+removals before any rank takes a slot, so memory holds two versions and the engine's two reusable
+shard files (`WriteMode.MAPPED` slots, registered for DMA with CUDA) take turns. An in-memory
+version every iteration costs the training thread 2 control-plane collectives per iteration on N
+ranks: that agreement (an all-gather that carries the commit's figures too, the save call's time
+among them, which Megatron's timer report then prints: `on_call_times`) and the plan check (which
+carries the settle).
 """
 from __future__ import annotations
 
@@ -575,9 +576,10 @@ class LazyCheckpointer:
         from .strategies import save_strategy
 
         # In memory, the plan check's all-reduce also orders every leader's retention of the
-        # older version (`_after_publish`, or `_settle_here`) before any rank takes a slot
-        # of it (the engine's save, below); without it, a slot still linked would be passed
-        # over. It also settles the previous version's commit (`settling`).
+        # older version (on its commit thread, `_publish`, which `_settle_here` waited for)
+        # before any rank takes a slot of it (the engine's save, below); without it, a slot
+        # still linked would be passed over. It also settles the previous version's commit
+        # (`settling`).
         plan = self.node_plans.prepare(items, extra_shards, prepare_failed,
                                        agree=iteration in self.leftovers.get(root, ())
                                        or self.config.non_persistent_in_memory,
@@ -717,7 +719,10 @@ class LazyCheckpointer:
                         self._prune_local(self._last_committed)
                 self._close_engine()
             finally:
-                telemetry.flush_all(self.config.drain_timeout_s)
+                if not telemetry.flush_all(self.config.drain_timeout_s):
+                    self._warn(f"[rank {self.rank}] WARNING: telemetry lines were still waiting "
+                               f"for the file system after {self.config.drain_timeout_s:g} s "
+                               "(not answering?); they are dropped at exit")
                 if self._verifier is not None:
                     self._verifier.shutdown(wait=False, cancel_futures=True)
                 for lane in self.lanes:

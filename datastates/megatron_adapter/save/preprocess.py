@@ -33,7 +33,8 @@ from megatron.core.dist_checkpointing.mapping import (
 
 __all__ = ["CONTENT_METADATA_KEY", "Split", "split"]
 
-#: Where megatron's save puts its `content_metadata` argument (`serialization._CONTENT_METADATA_KEY`).
+#: Where megatron's save puts its `content_metadata` argument
+#: (`serialization._CONTENT_METADATA_KEY`).
 CONTENT_METADATA_KEY = "content_metadata"
 
 
