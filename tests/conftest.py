@@ -12,15 +12,23 @@ import pytest
 _CHILDREN_TMP: Optional[str] = None
 
 
+#: The temp directory the session started with, handed to pytest-xdist's workers (which
+#: inherit the controller's TMPDIR) so that the test processes themselves keep using it.
+_ORIGINAL_TMP_VAR = "DATASTATES_TESTS_ORIGINAL_TMPDIR"
+
+
 def pytest_configure(config):
-    """Processes the tests start put their temp files in one directory of this session, removed
+    """Processes the tests start put their temp files in one directory of this process, removed
     at its end: torchrun's agent leaves a `torchelastic_*` directory per launch even after a clean
-    exit (~330 per suite run). Short (`/tmp/dstest-XXXXXXXX`, under an xdist worker one level
-    more): multiprocessing's AF_UNIX sockets go there, 107 bytes at most. pytest's own tmp_path
-    stays where it was (the temp dir of this process is looked up first)."""
+    exit (~330 per suite run). Short (`/tmp/dstest-XXXXXXXX`): multiprocessing's AF_UNIX sockets
+    go there, 107 bytes at most; open to other users like /tmp (a Slurm job's munge user enters
+    it). The test processes themselves (pytest's tmp_path, `tempfile` in a test) keep the temp
+    directory the session started with."""
     global _CHILDREN_TMP
-    tempfile.gettempdir()
-    _CHILDREN_TMP = tempfile.mkdtemp(prefix="dstest-")
+    original = os.environ.setdefault(_ORIGINAL_TMP_VAR, tempfile.gettempdir())
+    tempfile.tempdir = original
+    _CHILDREN_TMP = tempfile.mkdtemp(prefix="dstest-", dir=original)
+    os.chmod(_CHILDREN_TMP, 0o755)
     os.environ["TMPDIR"] = _CHILDREN_TMP
 
 

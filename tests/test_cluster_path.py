@@ -139,7 +139,7 @@ def test_local_dir_deleted_mid_run_is_a_clear_error(tmp_path):
     run = launch(1, ONE_RANK + LAZY + ["--train-iters", "8", "--save", str(save),
                                        "--lazy-save-local-dir", str(local)],
                  on_line=delete_after_commit_2)
-    assert run.returncode != 0
+    assert run.returncode != 0, run.describe()
     assert any(str(local) in e and "failed on rank(s) [0]" in e for e in _errors(run)), \
         run.describe()
     latest = int((save / "latest_checkpointed_iteration.txt").read_text())
