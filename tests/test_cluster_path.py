@@ -136,9 +136,11 @@ def test_local_dir_deleted_mid_run_is_a_clear_error(tmp_path):
             os.rename(local, tmp_path / "gone")  # at once, like an unmount; writers may be busy
             shutil.rmtree(tmp_path / "gone", ignore_errors=True)
 
+    # Save 3's flush waits 2 s: the run is still going when the line is read, however loaded
+    # the machine (without it, the run could end before this process read the line).
     run = launch(1, ONE_RANK + LAZY + ["--train-iters", "8", "--save", str(save),
                                        "--lazy-save-local-dir", str(local)],
-                 on_line=delete_after_commit_2)
+                 on_line=delete_after_commit_2, extra_env={"DATASTATES_FAULT_DELAY_FLUSH": "2@3"})
     assert run.returncode != 0, run.describe()
     assert any(str(local) in e and "failed on rank(s) [0]" in e for e in _errors(run)), \
         run.describe()

@@ -228,3 +228,44 @@ def test_a_failed_save_names_a_newer_version_complete_on_another_level(tmp_path)
     assert _state_of(failed, str(save), pending(save, 2, False)) == alone
     (save / "latest_checkpointed_iteration.txt").write_text("2")
     assert "another level" not in _state_of(failed, str(save), pending(memory, 2, True))
+
+
+@pytest.mark.parametrize("attributed", [True, False])
+def test_a_failure_raised_by_the_next_save_call_stays_with_its_own_save(tmp_path, one_rank,
+                                                                        monkeypatch, attributed):
+    """The engine raises a save's background failure at its next call, which may be the next
+    save call. It is that earlier save's failure: the run stops naming it. It used to go with
+    the save being made, the earlier one then waited for a durability that never came, and the
+    final drain ended with it neither committed nor failed (exit status 0, found under load by
+    test_cluster_path's deleted node-local directory). Without the attribution (`attributed`
+    False), the final drain still fails that save: one the engine is done with that is not
+    durable gets a failure of its own."""
+    from datastates import faults
+    from datastates.errors import CheckpointError
+    from datastates.megatron_adapter.save.checkpointer import LazyCheckpointer
+
+    if not attributed:
+        monkeypatch.setattr(LazyCheckpointer, "_owner", lambda self, err, besides=None: None)
+    root, ckpt = _first_committed(tmp_path)
+    monkeypatch.setenv("DATASTATES_FAULT_FAIL_WRITE", "error@2")
+    faults.reload_from_env()
+    try:
+        ckpt.save(2, _state(2))
+        ckpt.before_optimizer_step()
+        engine = ckpt.persistent.engine
+        deadline = time.monotonic() + WAIT_S
+        while not any(s.error is not None for s in engine._saves):  # failed, not yet raised
+            assert time.monotonic() < deadline, "the injected failure did not happen"
+            time.sleep(0.01)
+        ckpt.save(3, _state(3))  # the engine raises save 2's failure in this call
+        ckpt.before_optimizer_step()
+        with pytest.raises(CheckpointError) as err:
+            ckpt.poll(3)
+            ckpt.finish()
+    finally:
+        monkeypatch.delenv("DATASTATES_FAULT_FAIL_WRITE")
+        faults.reload_from_env()
+    assert "DataStates save of iteration 2 failed" in str(err.value), err.value
+    assert ("injected failure of step 'write'" if attributed else
+            "ended on this rank without becoming durable") in str(err.value), err.value
+    assert _tracked(root) == 1

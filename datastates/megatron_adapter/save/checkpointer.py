@@ -524,7 +524,11 @@ class LazyCheckpointer:
                 self._megatron_call_known = _only_metadata_finalize(request)
             plans.confirm()
         except (OSError, RuntimeError, CheckpointError) as err:
-            errors.append(err)
+            # The engine raises an earlier save's background failure at its next call: that
+            # save's, agreed on at its turn (else it would wait for a durability that never
+            # comes, and a final drain would end with it neither committed nor failed).
+            owner = self._owner(err, besides=directory)
+            (errors if owner is None else owner.errors).append(err)
             plans.forget()
             payloads.forget()
         except BaseException:
@@ -835,18 +839,25 @@ class LazyCheckpointer:
         names (so an earlier save that is durable everywhere still commits, and this one fails
         on its turn); any other (one that names no such save, or a late one of a save already
         agreed on, e.g. its node-local copy) fails the oldest save in flight."""
+        owner = self._owner(err)
+        (self._local_errors if owner is None else owner.errors).append(err)
+
+    def _owner(self, err: BaseException, besides: Optional[str] = None) -> Optional[_Pending]:
+        """The save in flight (not yet agreed durable) whose iteration the file `err` names is
+        of, under its version directory if two are of that iteration; None if none is, or if
+        that file is under `besides` (the version directory of the save being made)."""
         path = str(getattr(err, "file", None) or "")
+        if besides is not None and (path == besides or path.startswith(besides + os.sep)):
+            return None
         match = _ITER_IN_PATH.search(path)
-        if match:
-            candidates = [p for lane in self.lanes for p in lane.pending
-                          if p.iteration == int(match.group(1))]
-            # The same iteration may be in flight into two roots: the one the file is under.
-            within = [p for p in candidates if path.startswith(p.directory + os.sep)
-                      or path == p.directory]
-            if within or candidates:
-                (within or candidates)[0].errors.append(err)
-                return
-        self._local_errors.append(err)
+        if not match:
+            return None
+        candidates = [p for lane in self.lanes for p in lane.pending
+                      if p.iteration == int(match.group(1))]
+        # The same iteration may be in flight into two roots: the one the file is under.
+        within = [p for p in candidates if path.startswith(p.directory + os.sep)
+                  or path == p.directory]
+        return (within or candidates or [None])[0]
 
     def _files_durable(self, p: _Pending, blocking: bool) -> bool:
         """Whether `p`'s common.pt write is done (waiting for it if `blocking`); its failure is
@@ -966,12 +977,8 @@ class LazyCheckpointer:
         `blocking`) and, when every rank has it, its commit started. False: not yet."""
         head = lane.pending[0]
         key = os.path.normpath(head.directory)
-        if (blocking and key not in self.durable and head.handle is not None
-                and not self._local_errors and not head.errors):
-            wait = lambda: lane.engine.wait_for_durable(  # noqa: E731
-                head.handle, timeout=self.config.drain_timeout_s)
-            for record in self._guard(wait) or []:
-                self.durable[os.path.normpath(record.directory)] = record
+        if blocking and head.handle is not None:
+            self._wait_durable(lane, head, key)
         rows = self._agree(head, key in self.durable and self._files_durable(head, blocking),
                            self.durable.get(key))
         if rows is None:
@@ -982,6 +989,29 @@ class LazyCheckpointer:
             self._verify_replicas(head)  # raises ReplicaMismatch: never committed
         self._commit(lane, head, rows)
         return True
+
+    def _wait_durable(self, lane: _Lane, head: _Pending, key: str) -> None:
+        """Blocking: until `head` is durable on this rank or a failure is on record for it (or
+        for this rank). The engine's wait raises any save's pending failure first: each goes
+        with its own save (`_record`) and the wait goes on, once per save in flight. A save the
+        engine is done with that is neither gets a failure of its own: a blocking commit ends
+        with every save committed or failed, never with one still awaited."""
+        for _ in range(1 + sum(len(other.pending) for other in self.lanes)):
+            if key in self.durable or self._local_errors or head.errors:
+                return
+            records = self._guard(lambda: lane.engine.wait_for_durable(
+                head.handle, timeout=self.config.drain_timeout_s))
+            for record in records or []:
+                self.durable[os.path.normpath(record.directory)] = record
+            if records is not None:  # the engine is done with it
+                break
+        else:
+            return
+        if key not in self.durable and not self._local_errors and not head.errors:
+            head.errors.append(CheckpointError(
+                f"the save of iteration {head.iteration} ended on this rank without becoming "
+                "durable, and its failure was not reported with it (see the errors above)",
+                rank=self.rank, file=head.directory))
 
     def _verify_replicas(self, p: _Pending) -> None:
         """Every rank, once `p` is durable everywhere and before it commits (collective: its
