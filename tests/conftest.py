@@ -10,8 +10,6 @@ import pytest
 
 #: The temp directory of every process the tests start (see `pytest_configure`).
 _CHILDREN_TMP: Optional[str] = None
-
-
 #: The temp directory the session started with, handed to pytest-xdist's workers (which
 #: inherit the controller's TMPDIR) so that the test processes themselves keep using it.
 _ORIGINAL_TMP_VAR = "DATASTATES_TESTS_ORIGINAL_TMPDIR"
@@ -35,6 +33,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _CHILDREN_TMP is not None:
         shutil.rmtree(_CHILDREN_TMP, ignore_errors=True)
+
 
 #: The files that take longest (each 1-3 minutes on our 2-core machines; `--durations=0` of a
 #: full run, 2026-12-06), heaviest first. The suite's two workers take files in collection

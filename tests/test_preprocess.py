@@ -20,15 +20,16 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-from datastates.megatron_adapter.levels.node_local import claim_every_replica
 from datastates.megatron_adapter.save.preprocess import CONTENT_METADATA_KEY, split
 
 
 def _megatron(sd, content_metadata, claim):
     """What megatron's `dist_checkpointing.save` hands its strategies, with no validation, after
     the lazy path's replica claim (node-local levels)."""
-    if claim:
-        claim_every_replica(sd)
+    if claim:  # what the lazy path did before its one walk: every replica this rank's to write
+        for item in nested_values(sd):
+            if hasattr(item, "replica_id"):
+                item.replica_id = 0
     if content_metadata is not None:
         sd[CONTENT_METADATA_KEY] = content_metadata
     sharded, common = save_preprocess(sd, validate_access_integrity=False)

@@ -3,9 +3,10 @@ stay on each node's own storage and are never migrated to the shared root.
 
 A node must be able to load such a version from its own directory alone, at the same parallel
 layout, so:
-  - every rank writes every shard it holds (`claim_every_replica`): no replicated tensor is left to
-    a rank on another node. Replicas held by two ranks of one node are written twice, as
-    Megatron-LM's local checkpoints write each rank's whole state;
+  - every rank writes every shard it holds (the save claims every replica:
+    `save.preprocess.split(claim=True)`): no replicated tensor is left to a rank on another node.
+    Replicas held by two ranks of one node are written twice, as Megatron-LM's local checkpoints
+    write each rank's whole state;
   - the node's lowest rank (its leader) writes common.pt, metadata.json, the node's commit marker
     (naming the node's ranks, `layout.try_commit(..., ranks=...)`) and the node root's tracker.
 A version commits on every node only once every rank of every node has it durable (the same
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from ... import control_plane
 
@@ -26,7 +27,7 @@ from ...errors import CheckpointError
 from ..paths import TRACKER_FILENAME, checkpoint_dir, tracked_iteration
 from .local_tier import local_iterations
 
-__all__ = ["Node", "claim_every_replica", "discover", "drop_newer", "newest_on_every_node"]
+__all__ = ["Node", "discover", "drop_newer", "newest_on_every_node"]
 
 FLAG = "--non-persistent-local-ckpt-dir"
 _NODE_MARK = ".datastates_node_{}"
@@ -86,16 +87,6 @@ def forget_node_marks(root: str) -> None:
     for name in os.listdir(root):
         if name.startswith(_NODE_MARK.format("")):
             os.unlink(os.path.join(root, name))
-
-
-def claim_every_replica(sharded_state_dict: Any) -> None:
-    """Mark every shard and object of this rank's state as one it writes (replica id 0), in
-    place: the node-local version of each rank then holds all it needs to load back."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    for item in nested_values(sharded_state_dict):
-        if hasattr(item, "replica_id"):
-            item.replica_id = 0
 
 
 def _committed_here(root: str, rank: int, accept: Callable[[str], bool]) -> Optional[int]:

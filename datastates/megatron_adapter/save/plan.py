@@ -81,7 +81,7 @@ def fingerprint(sharded_state_dict: Any, extra_shards: Sequence[TensorShard] = (
                         item.allow_shape_mismatch))
         elif isinstance(item, ShardedObject):
             out.append(("O", item.key, item.global_shape, item.global_offset, item.replica_id))
-        elif isinstance(item, ShardedTensorFactory):  # prepare() applies them first
+        elif isinstance(item, ShardedTensorFactory):  # the caller applies them first
             raise TypeError(f"fingerprint: apply megatron's factories first ({item.key!r}), "
                             "e.g. with preprocess.split")
     for sh in extra_shards:
@@ -106,13 +106,13 @@ class SavePlanCache:
                 local_failed: bool = False, agree: bool = False,
                 along: Sequence[int] = ()) -> PreparedSave:
         """`sharded_state_dict`: the save's dict, or its sharded items, with megatron's factories
-        applied (`preprocess.split` does both). `local_failed`: the caller's preparation of this save (rank 0's directory) failed
-        here. Under CHECK it rides on the plan check's all-reduce, so every rank learns it before
-        megatron's collectives and skips the save call (`failed`); under ASSUME_CONSTANT only
-        `agree=True` (or a first save) adds that all-reduce: otherwise a save has no collective
-        and only the failing rank skips its call. `along`: more of the caller's own values,
-        reduced (maximum over the ranks) in the same all-reduce, which then runs under
-        ASSUME_CONSTANT too (one round over every rank instead of two)."""
+        applied (`preprocess.split` does both). `local_failed`: the caller's preparation of this
+        save (rank 0's directory) failed here. Under CHECK it rides on the plan check's all-reduce,
+        so every rank learns it before megatron's collectives and skips the save call (`failed`);
+        under ASSUME_CONSTANT only `agree=True` (or a first save) adds that all-reduce: otherwise a
+        save has no collective and only the failing rank skips its call. `along`: more of the
+        caller's own values, reduced (maximum over the ranks) in the same all-reduce, which then
+        runs under ASSUME_CONSTANT too (one round over every rank instead of two)."""
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         along = tuple(int(v) for v in along)
         if self.policy is StructurePolicy.ASSUME_CONSTANT:

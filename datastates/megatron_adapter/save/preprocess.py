@@ -54,7 +54,8 @@ def split(sharded_state_dict: dict, content_metadata: Optional[dict] = None,
           claim: bool = False) -> Split:
     """megatron's `save_preprocess` (without its validation) in one walk. Like megatron's save,
     it puts `content_metadata` (when given) into `sharded_state_dict` and applies its factories
-    in place. `claim`: every item's replica id is set to 0 on the way (`claim_every_replica`)."""
+    in place. `claim`: every item's replica id is set to 0 on the way, so this rank writes all
+    it holds (a node-local version: each node's copy loads back alone)."""
     if content_metadata is not None:
         sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
     items: List[ShardedBase] = []

@@ -1,11 +1,11 @@
 """What lazy saves keep of each other's sharded state dict.
 
 A level may save up to every iteration (the in-memory one, or --save with --save-interval 1), and
-the training thread builds megatron-core's sharded state dict for each save although, while the model's and optimizer's tensors are the same objects
-at the same addresses, most of it can only come out the same. `SaveStateCache` keeps the parts
-that are a function of those tensors and their layout, checks per save (one walk, no tensor data
-read) that they still apply, and builds only the small values that change (learning rate, step,
-loss scale) anew:
+the training thread builds megatron-core's sharded state dict for each save although, while the
+model's and optimizer's tensors are the same objects at the same addresses, most of it can only
+come out the same. `SaveStateCache` keeps the parts that are a function of those tensors and their
+layout, checks per save (one walk, no tensor data read) that they still apply, and builds only the
+small values that change (learning rate, step, loss scale) anew:
 
 - `ModelStateCache`: the model's ``sharded_state_dict()`` (~2-5 ms per save for the 117M GPT on
   our CPU);
