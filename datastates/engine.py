@@ -138,21 +138,13 @@ class CheckpointEngine:
                 raise CheckpointError("a save into this directory is still in flight; wait for it "
                                       "(wait_for_durable) before saving there again",
                                       rank=self.cfg.rank, file=directory)
-        try:
-            # Overwriting a version: withdraw its commit and our marker before touching the
-            # shard, so no reader can pair old markers with new, partial bytes.
-            for d in {directory, write_dir}:
-                os.makedirs(d, exist_ok=True)
-                layout.invalidate(d, self.cfg.rank)
-            if self.cfg.write_mode is not WriteMode.MAPPED:
-                fd = os.open(shard_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as e:
-            raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
-                                  file=shard_path) from e
-        dfd = self._open_direct(shard_path) if self.cfg.write_mode is WriteMode.DIRECT else -1
+        mapped = self.cfg.write_mode is WriteMode.MAPPED
+        fd = -1
+        if mapped:  # the copies land in the file: it exists before they start (in memory)
+            self._withdraw(directory, write_dir, shard_path)
         offsets, groups = plan_layout(entries, self._max_piece())
         mapping = None
-        if self.cfg.write_mode is WriteMode.MAPPED:
+        if mapped:
             size = offsets[-1] + entries[-1].nbytes if entries else 0
             try:
                 fd, mapping = self._map_shard(shard_path, size)
@@ -162,12 +154,13 @@ class CheckpointEngine:
         with self._cond:
             handle = SaveHandle(self._next_id, int(step), directory)
             self._next_id += 1
-            sv = SaveJob(handle, entries, skeleton, shard_path, fd, dfd, offsets,
+            sv = SaveJob(handle, entries, skeleton, shard_path, fd, -1, offsets,
                        sum(e.nbytes for e in entries), t0,
                        chunks=[[] for _ in entries])
             sv.write_dir = write_dir
             sv.ready_events = self._record_ready_events(entries)
-            if self.cfg.write_mode is WriteMode.MAPPED:
+            if mapped:
+                sv.files_open = True
                 sv.mapped, sv.mapping = True, mapping
                 if mapping is not None:
                     sv.copier = Copier(MappedShard(mapping),
@@ -176,8 +169,8 @@ class CheckpointEngine:
         self._held.append((sv, groups))
         if not defer_copies:
             self.start_copies()
-        if not entries:
-            self._maybe_finalize(sv)
+        if not entries:  # nothing to copy: a writer makes its files (`_write_loop`)
+            self._write_q.put((sv, None, 0, 0))
         sv.blocked_s += time.perf_counter() - t0
         return handle
 
@@ -409,6 +402,40 @@ class CheckpointEngine:
             os.close(sv.dfd)
             sv.dfd = -1
 
+    def _withdraw(self, directory: str, write_dir: str, shard_path: str) -> None:
+        """Before a save's shard is touched: its directories made, and for an overwritten
+        version its commit and this rank's marker withdrawn (durably), so no reader can pair old
+        markers with new, partial bytes."""
+        try:
+            for d in {directory, write_dir}:
+                os.makedirs(d, exist_ok=True)
+                layout.invalidate(d, self.cfg.rank)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
+                                  file=shard_path) from e
+
+    def _open_files(self, sv: SaveJob) -> None:
+        """A writer thread, before a save's first write (or, without tensors, its index): the
+        version directory, the markers withdrawn, the shard file created and opened (O_DIRECT
+        too in that mode). Not in `save`: on a shared file system each is a round trip to its
+        metadata server, which a busy one (every rank creating its files at once) stretches to
+        seconds; the caller's thread, and every rank behind it at its next collective, would
+        wait for them. Files that cannot be made fail the save like a failed write."""
+        with sv.files_lock:
+            if sv.files_open:
+                return
+            self._withdraw(sv.handle.directory, sv.write_dir, sv.shard_path)
+            try:
+                fd = os.open(sv.shard_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError as e:
+                raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
+                                      file=sv.shard_path) from e
+            dfd = (self._open_direct(sv.shard_path) if self.cfg.write_mode is WriteMode.DIRECT
+                   else -1)
+            with self._cond:
+                sv.fd, sv.dfd = fd, dfd
+            sv.files_open = True
+
     def _open_direct(self, path: str) -> int:
         try:
             return os.open(path, os.O_WRONLY | os.O_DIRECT)
@@ -552,6 +579,9 @@ class CheckpointEngine:
             if item is _STOP:
                 return
             sv, segments, start, total = item
+            if segments is None:  # a save without tensors
+                self._maybe_finalize(sv)
+                continue
             try:
                 if sv.error is None:
                     self._write_block(sv, segments, start, total)
@@ -570,6 +600,7 @@ class CheckpointEngine:
             self._release_failed(sv)
 
     def _write_block(self, sv: SaveJob, segments: List[Segment], start: int, total: int) -> None:
+        self._open_files(sv)
         if sv.t_first_write is None:
             sv.t_first_write = time.perf_counter()
         if sv.mapped:  # the bytes are in the file already: checksum what the copy did not
@@ -602,6 +633,7 @@ class CheckpointEngine:
     def _finalize(self, sv: SaveJob) -> None:
         """Make the save durable on this rank, then commit (rank 0) and publish its record."""
         cfg = self.cfg
+        self._open_files(sv)
         t_flush0 = sv.t_first_write or time.perf_counter()
         write_version_files(cfg, sv, self._cond, self._close_fd)
         if cfg.local_dir is not None:

@@ -1,6 +1,7 @@
 """What one save is: its handle for the caller and the state its threads share."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -50,6 +51,8 @@ class SaveJob:
     mapped: bool = False  # WriteMode.MAPPED: copies land in `mapping`, the shard file's pages
     mapping: Any = None  # a uint8 tensor over the shared mapping of the shard file
     copier: Any = None  # the Copier into `mapping`
+    files_open: bool = False  # the shard file is made and open (`CheckpointEngine._open_files`)
+    files_lock: Any = field(default_factory=threading.Lock)  # the writers' first write makes it
 
     @property
     def copied(self) -> bool:

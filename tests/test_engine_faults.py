@@ -30,12 +30,42 @@ def markers(d):
     return sorted(f for f in os.listdir(d) if f.startswith("done_") or f == "COMMIT.json")
 
 
-def test_unwritable_directory_fails_at_save_naming_the_file(tmp_path):
+def test_unwritable_directory_fails_the_save_naming_the_file(tmp_path):
+    """The shard file is made by a writer thread (a slow metadata server never holds the
+    caller): the failure to make it fails that save, raised at the next call, and the engine
+    goes on saving elsewhere."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20)) as eng:
-        with pytest.raises(CheckpointError, match=r"rank 0, file .*file/v/shard_r00000\.bin"):
-            eng.save(state(), str(blocker / "v"), step=1)
+        handle = eng.save(state(), str(blocker / "v"), step=1)
+        with pytest.raises(CheckpointError, match=r"rank 0, file .*file/v/shard_r00000\.bin\] "
+                           r"cannot create the shard file: .*Not a directory"):
+            eng.wait_for_durable(handle)
+        good = str(tmp_path / "good")
+        eng.wait_for_durable(eng.save(state(), good, step=2))
+        assert is_committed(good)
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_save_call_makes_no_file_system_call(tmp_path, empty):
+    """`save` neither creates nor opens anything under the version directory on the caller's
+    thread, overwriting a version included (its markers are withdrawn by a writer too); a save
+    without tensors is written by a writer as well."""
+    from fs_calls import recording
+
+    d = str(tmp_path / "v")
+    st = {"step": 1} if empty else state()
+    with CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20)) as eng:
+        eng.wait_for_durable(eng.save(st, d, step=1))
+        with recording(str(tmp_path)) as rec:
+            handle = eng.save(st, d, step=2)  # the same directory: an overwrite
+        assert rec.calls == []
+        eng.wait_for_durable(handle)
+    assert is_committed(d)
+    loaded = CheckpointReader(d).load_state()
+    assert loaded.keys() == st.keys()
+    assert all(torch.equal(loaded[k], v) if isinstance(v, torch.Tensor) else loaded[k] == v
+               for k, v in st.items())
 
 
 def test_write_fault_mid_way_leaves_no_marker_and_engine_recovers(tmp_path):
