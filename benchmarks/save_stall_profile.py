@@ -17,7 +17,9 @@ last line adds it: what each save costs the training thread. The commit marker a
 written by rank 0's commit thread, whose spans are timed there, off the training loop. No change
 to the code measured: the spans are installed by replacing module attributes before training
 starts. Each rank also counts the control-plane collectives its training thread issues between
-two save calls (one rank has none for the plan check: count on 2 ranks for what N ranks pay).
+two save calls (one rank has none for the plan check: count on 2 ranks for what N ranks pay),
+and the file-system calls it makes under the checkpoint roots (`tests/fs_calls.py`: created,
+opened, listed, renamed or removed; on a shared file system each is a metadata round trip).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from typing import Dict, List
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))  # fs_calls
 
 _TIMES: Dict[str, List[float]] = defaultdict(list)
 _ORDER: List[str] = []
@@ -43,6 +46,8 @@ _COLLECTIVES: List[str] = []
 _AT_SAVE: List[int] = []  # len(_COLLECTIVES) when each save call started
 _CACHES: list = []  # every `SaveStateCache` built (one per lazy checkpoint manager)
 _RETENTION = {"training thread": 0, "other threads": 0}  # where retention ran (this rank)
+_FILES: list = []  # the training thread's `fs_calls.Recorder` (set in `main`)
+_FILES_AT_SAVE: List[int] = []  # len(its calls) when each save call started
 
 
 def _wrap(owner, attr: str, label: str) -> None:
@@ -54,6 +59,8 @@ def _wrap(owner, attr: str, label: str) -> None:
     def timed(*args, **kwargs):
         if label == "save call":
             _AT_SAVE.append(len(_COLLECTIVES))
+            if _FILES:
+                _FILES_AT_SAVE.append(len(_FILES[0].calls))
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -129,8 +136,8 @@ def install_spans() -> None:
 
 
 def track_retention() -> None:
-    """Count where retention (the manager's `_after_commit`) runs: the in-memory level's on its
-    commit thread, off the training loop; --save's on the training thread."""
+    """Count where retention (the manager's `_after_commit`) runs: on the commit threads, off
+    the training loop."""
     import threading
 
     from megatron.training.checkpointing import lazy as lazy_checkpointing
@@ -229,12 +236,20 @@ def report(skip: int, iters: int) -> None:
           f"{len(_COLLECTIVES)}")
     print(f"retention runs (training thread/other threads): {_RETENTION['training thread']}/"
           f"{_RETENTION['other threads']}")
+    if _FILES and len(_FILES_AT_SAVE) > skip + 1:
+        calls = _FILES[0].calls
+        per = [b - a for a, b in zip(_FILES_AT_SAVE[skip:], _FILES_AT_SAVE[skip + 1:])]
+        last = calls[_FILES_AT_SAVE[-2]:_FILES_AT_SAVE[-1]]
+        print(f"{'file-system calls per iteration (training thread)':46s} "
+              f"{statistics.median(per):8g}   (the last: "
+              f"{', '.join(sorted({e for e, _ in last})) or 'none'})")
     for cache in _CACHES:  # what the saves' sharded state dicts took from the previous save's
         print(f"state kept between saves (reused/built): model {cache.model.reused}/"
               f"{cache.model.built}, optimizer {cache.optimizer.reused}/{cache.optimizer.built}")
 
 
 def main(argv=None) -> int:
+    import fs_calls
     from checkpoint_compare import COMMON, CONFIGS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -267,7 +282,12 @@ def main(argv=None) -> int:
         args = (CONFIGS[a.config] + COMMON + ["--train-iters", str(a.iters), "--async-lazy-save",
                 "--save", save, "--save-interval", "1", "--keep-last-n-checkpoints", "2"]
                 + a.extra.split())
-        rc = pretrain_gpt.main(args)
+        # File-system calls under --save (also one given in --extra, which wins) and shared
+        # memory (the in-memory level).
+        roots = [v for k, v in zip(args, args[1:]) if k == "--save"] + ["/dev/shm"]
+        with fs_calls.recording(*roots) as files:
+            _FILES.append(files)
+            rc = pretrain_gpt.main(args)
     report(skip=1, iters=a.iters)
     if prof is not None:
         import pstats

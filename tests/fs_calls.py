@@ -19,11 +19,14 @@ _installed = False
 
 
 class Recorder:
-    def __init__(self, root: str, thread: threading.Thread):
-        self.root = os.path.abspath(root)
+    def __init__(self, roots: Tuple[str, ...], thread: threading.Thread):
+        self.roots = tuple(os.path.abspath(r) for r in roots)
         self.thread = thread
-        self.calls: List[Tuple[str, str]] = []  # (event, path) by `thread` under `root`
+        self.calls: List[Tuple[str, str]] = []  # (event, path) by `thread` under a root
         self.paused = False
+
+    def under(self, path: str) -> bool:
+        return any(path == r or path.startswith(r + os.sep) for r in self.roots)
 
 
 def _path(args) -> Optional[str]:
@@ -39,18 +42,19 @@ def _hook(event: str, args) -> None:
             threading.current_thread() is not rec.thread:
         return
     path = _path(args)
-    if path is not None and (path == rec.root or path.startswith(rec.root + os.sep)):
+    if path is not None and rec.under(path):
         rec.calls.append((event, path))
 
 
 @contextlib.contextmanager
-def recording(root: str) -> Iterator[Recorder]:
-    """Record the calling thread's file-system calls under `root` while the block runs."""
+def recording(*roots: str) -> Iterator[Recorder]:
+    """Record the calling thread's file-system calls under any of `roots` while the block
+    runs."""
     global _active, _installed
     if not _installed:
         sys.addaudithook(_hook)
         _installed = True
-    rec = Recorder(root, threading.current_thread())
+    rec = Recorder(roots, threading.current_thread())
     _active = rec
     try:
         yield rec

@@ -122,6 +122,37 @@ def test_commit_files_are_written_by_the_commit_thread(tmp_path, one_rank, monke
         assert (version / "COMMIT.json").is_file() and _loads(root, step)
 
 
+def test_steady_saves_make_no_file_system_call_on_the_training_thread(tmp_path, one_rank):
+    """Once a save has planned (the first makes its directory in the call: megatron's save lists
+    it), the save calls, the waits before the step and the polls that commit them make no
+    file-system call under the root on the training thread: rank 0's version directory and
+    spares are made by its files thread, the shard file by the engine's writers, the commit and
+    retention (keep 2) by the commit thread. On a shared file system each would be a metadata
+    round trip."""
+    from fs_calls import paused, recording
+
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
+    from megatron.training.checkpointing.retention import apply_retention
+
+    root = tmp_path / "ckpt"
+    ckpt = LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20),
+                            log=lambda _msg: None,
+                            after_commit=lambda it, r: apply_retention(r, 2, it))
+    def committed(step):
+        with paused(rec):  # the test's own look at the tracker
+            return _tracked(root) == step and ckpt.publishing is None
+
+    _save(ckpt, 1)
+    with recording(str(root)) as rec:
+        for step in range(2, 7):
+            _save(ckpt, step)
+            _poll_until(ckpt, step, lambda: committed(step))
+    assert rec.calls == []
+    ckpt.finish()
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000005", "iter_0000006"]
+    assert _loads(root, 5) and _loads(root, 6)
+
+
 def test_a_commit_in_flight_blocks_neither_poll_nor_the_next_save(tmp_path, one_rank,
                                                                   monkeypatch):
     entered, release = threading.Event(), threading.Event()

@@ -1,6 +1,9 @@
 """Cached save plans (`datastates.megatron_adapter.save.plan`): megatron-core's validation is
 skipped only while the sharded structure is unchanged, and a changed structure is validated,
-saved and loaded back correctly. One process on a one-rank gloo group, no trainer."""
+saved and loaded back correctly. One process on a one-rank gloo group, no trainer (two gloo
+processes where the ranks differ)."""
+import time
+
 import pytest
 import torch
 
@@ -195,3 +198,82 @@ def test_values_along_the_plan_check_are_reduced_over_every_rank_under_both_poli
     assert seen[0] == seen[1] == [
         ("check", 1, (1, 1, 0), False), ("check", 2, (1, 2, 0), True),
         ("assume_constant", 1, (1, 1, 0), False), ("assume_constant", 2, (1, 2, 0), True)]
+
+
+def _deferred_worker(rank, store, root, out):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from datastates.errors import CheckpointError
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel()
+    try:
+        ckpt = _checkpointer(root, "check")
+        seen = []
+        for step in (1, 2, 3, 4):
+            # Each rank holds its own tensor; rank 1 adds one from step 3 on.
+            shapes = {f"w{rank}": (4, 4), **({"x1": (8,)} if rank == 1 and step >= 3 else {})}
+            try:
+                _save(ckpt, step, _state(shapes, step))
+                seen.append((step, "saved"))
+            except CheckpointError as err:
+                seen.append((step, str(err)))
+                break
+        try:
+            ckpt.finish()
+        except CheckpointError as err:
+            seen.append(("finish", str(err)))
+        seen.append(("plans", ckpt.plans.rebuilt, ckpt.plans.reused))
+        torch.save(seen, f"{out}.{rank}")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_deferred_directory_is_made_before_megatrons_call_when_another_rank_changed(
+        tmp_path, monkeypatch, one_rank, fails):
+    """Rank 0 makes the version directory of a save it takes to be steady on its files thread
+    (`_defers_prepare`). At step 3 only rank 1's structure changes: megatron's call, which lists
+    the directory on rank 0, follows, so rank 0 makes it in the call after all, and every rank
+    learns whether that failed before megatron's collectives. Fails: both ranks stop with the
+    same error naming rank 0's failure, neither hangs. Two gloo processes."""
+    import torch.multiprocessing as mp
+
+    if fails:  # rank 0's directory of step 3 (read by the spawned processes at import)
+        monkeypatch.setenv("DATASTATES_FAULT_FAIL_PREPARE", "eacces@3:0")
+    root = tmp_path / "ckpt"
+    ctx = mp.start_processes(_deferred_worker, nprocs=2, join=False,
+                             args=(str(tmp_path / "store2"), str(root), str(tmp_path / "seen")))
+    deadline = time.monotonic() + 120  # a bound for a hang, never a timing assertion
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the two ranks hung (one waited in a collective the other never joined)")
+    seen = [torch.load(f"{tmp_path / 'seen'}.{r}", weights_only=True) for r in (0, 1)]
+    def check(step):
+        import datastates  # noqa: F401  (registers our load strategy)
+
+        expected = {**_state({"w0": (4, 4)}, step),
+                    **_state({"w1": (4, 4), **({"x1": (8,)} if step >= 3 else {})}, step)}
+        empty = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v.data))
+                 for k, v in expected.items() if isinstance(v, ShardedTensor)}
+        loaded = load(empty, str(root / f"iter_{step:07d}"))
+        assert all(torch.equal(loaded[k], v.data) for k, v in expected.items()
+                   if isinstance(v, ShardedTensor)) and loaded["iteration"] == step
+
+    if not fails:
+        assert seen[0] == seen[1] == [(s, "saved") for s in (1, 2, 3, 4)] + [("plans", 2, 2)]
+        for step in (1, 2, 3, 4):
+            check(step)
+        return
+    # The same agreed error on both ranks (each names itself first), naming rank 0's failure.
+    errors = [[e[1].split("] ", 1)[1] for e in s if isinstance(e[1], str) and e[1] != "saved"]
+              for s in seen]
+    assert errors[0] == errors[1] and len(errors[0]) == 1, seen
+    assert "save of iteration 3 failed on rank(s) [0]: [Errno 13] Permission denied" in \
+        errors[0][0], seen
+    assert not (root / "iter_0000003" / "COMMIT.json").exists()
+    check(2)

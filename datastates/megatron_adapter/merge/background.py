@@ -225,15 +225,19 @@ class BackgroundMerger:
         if job is not None and job.remote_since is not None and not job.committing:
             self._check_parts(job)
         if self.running is None and self.pending is not None:
-            job, self.pending = self.pending, None
-            self._start(job)
+            self._start(self.pending)  # running before it stops waiting: `iterations_in_use`
+            self.pending = None
         if self.running is None and self.follows:
             self._look_for_job()
 
     def iterations_in_use(self) -> List[int]:
         """The sources of the running and the waiting merge, which retention must keep: the
         merge workers hold their source (`fileio.hold_for_reading`) only once they started."""
-        return [job.iteration for job in (self.running, self.pending) if job is not None]
+        # Called on rank 0's commit thread while `poll` may move the waiting merge to running:
+        # the waiting one is read first and `poll` makes it the running one before it stops
+        # waiting, so a merge on its way is seen in one of the two.
+        pending, running = self.pending, self.running
+        return [job.iteration for job in (running, pending) if job is not None]
 
     # 3) ---------------------------------------------------------------------------------------
     def wait(self) -> None:

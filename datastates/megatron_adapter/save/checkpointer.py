@@ -64,7 +64,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -196,12 +196,11 @@ class _Pending:
     stall_s: float  # time the training loop was blocked by this save
     t_start: float  # wall clock at the save call (for the timeline)
     t_returned: float  # wall clock when the save call returned
-    files: List[Future] = field(default_factory=list)  # rank 0: common.pt written durably
+    files: List[Future] = field(default_factory=list)  # rank 0: directory (if deferred), common.pt
     errors: List[BaseException] = field(default_factory=list)  # this save's own, on this rank
     replica_check: Optional[ReplicaCheck] = None  # --ckpt-verify-replicas, this save's
-    retained: bool = False  # publishing rank: retention ran once it was committed (`_retain`)
-    retain_errors: List[BaseException] = field(default_factory=list)  # its failures, on its
-    # commit thread (in memory: `_publish`), until the training thread takes them
+    retain_errors: List[BaseException] = field(default_factory=list)  # retention's failures,
+    # on the commit thread (`_publish`), until the training thread takes them
     call_s: float = 0.0  # the save call, from the caller's `called_at` (Megatron's timer)
 
 
@@ -483,7 +482,11 @@ class LazyCheckpointer:
             self._dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         writer = self.rank == (self.node.leader if node_local else 0)  # common.pt, spares
         errors: List[BaseException] = []  # this save's (agreed on when its turn comes)
-        if writer:
+        # Rank 0's version directory on the shared file system, in a steady save: made by its
+        # files thread, before common.pt (a slow metadata server holds no rank); see
+        # `_defers_prepare`.
+        deferred = writer and not node_local and self._defers_prepare(root, iteration)
+        if writer and not deferred:
             errors += self._prepare_directory(directory, iteration)
         prepare_failed = bool(errors)
         payloads = self.node_payloads if node_local else self.payloads
@@ -494,8 +497,10 @@ class LazyCheckpointer:
             if planned is None:
                 return
         else:
-            planned = self._plan_shared(lane, parts.items, extra_shards, prepare_failed,
-                                        iteration, root)
+            planned = self._plan_shared(lane, parts.items, extra_shards, errors, iteration, root,
+                                        directory, deferred)
+            deferred = deferred and planned[0].reuse_distribution
+            prepare_failed = prepare_failed or planned[0].failed
         plan, strategy, base, validate = planned
         plans = self.node_plans if node_local else self.plans
         request = None
@@ -537,8 +542,9 @@ class LazyCheckpointer:
             raise
         # Started last: background threads' wake-ups would take the GIL from the rest of this
         # call (the tensors are not mutated before `before_optimizer_step` either way).
-        files = [lane.files.submit(self._write_file, iteration, path, data)
-                 for path, data in serialized]
+        files = [lane.files.submit(self._prepare_later, directory, iteration)] if deferred else []
+        files += [lane.files.submit(self._write_file, iteration, path, data)
+                  for path, data in serialized]
         lane.engine.start_copies()
         lane.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
                                      time.perf_counter() - t0, wall0, time.time(), files,
@@ -609,15 +615,26 @@ class LazyCheckpointer:
         return plan, strategy, base, False  # replicas are written on purpose, once per node
 
     def _plan_shared(self, lane: _Lane, items: List[Any],
-                     extra_shards: Sequence[TensorShard], prepare_failed: bool, iteration: int,
-                     root: str) -> tuple:
+                     extra_shards: Sequence[TensorShard], errors: List[BaseException],
+                     iteration: int, root: str, directory: str, deferred: bool) -> tuple:
         """Every rank, a save to shared storage: (plan, strategy, base strategy, validate).
-        After rank 0's spares: when the plan is reused, the plan check's all-reduce is what
-        orders them before any rank's shard bytes (ASSUME_CONSTANT has none)."""
+        After rank 0's spares unless it `deferred` them: when the plan is reused, the plan
+        check's all-reduce is what orders them before any rank's shard bytes (ASSUME_CONSTANT has
+        none). If rank 0 deferred its directory for a save it took to be steady and some rank's
+        structure changed, megatron's call (which lists the directory on rank 0) follows: rank 0
+        makes it now and every rank learns whether that failed before megatron's collectives
+        (one more all-reduce, only then). `errors`: this rank's, appended to."""
         from .strategies import save_strategy
 
-        plan = self.plans.prepare(items, extra_shards, prepare_failed,
-                                  agree=iteration in self.leftovers.get(root, ()))
+        check = self.plans.policy is StructurePolicy.CHECK
+        plan = self.plans.prepare(items, extra_shards, bool(errors),
+                                  agree=iteration in self.leftovers.get(root, ()),
+                                  along=(int(deferred),) if check else ())
+        if check and plan.along[0] and not plan.reuse_distribution:
+            if deferred:
+                errors += self._prepare_directory(directory, iteration)
+            failed, = control_plane.all_reduce([int(bool(errors))], op=dist.ReduceOp.MAX)
+            plan = replace(plan, failed=plan.failed or bool(failed))
         if not plan.reuse_distribution:
             self._wrapper = None  # its cached distribution belongs to the previous structure
             self.payloads.forget()
@@ -649,14 +666,34 @@ class LazyCheckpointer:
         fail_point("common", iteration, self.rank, path)
         atomic_write(path, data)
 
-    def _prepare_directory(self, directory: str, iteration: int) -> List[BaseException]:
+    def _defers_prepare(self, root: str, iteration: int) -> bool:
+        """Rank 0, a save to shared storage: whether its version directory and spares can be
+        made by its files thread (`_prepare_later`) instead of in the save call. Where the save
+        is steady (the plan reused and megatron's call skipped: nothing in the call lists the
+        directory; every other rank's writer makes it too) and there are no leftovers to set
+        aside first (their next save is agreed on before any rank writes). The spares are then
+        taken before this save's common.pt and its commit, and (a persistent save that falls due
+        while one is in flight waits for its commit) before a later save's shard bytes; another
+        rank's shard bytes of this save may come first, as under ASSUME_CONSTANT."""
+        return (self._megatron_call_known and self.plans.has_plan
+                and iteration not in self.leftovers.get(root, ()))
+
+    def _prepare_later(self, directory: str, iteration: int) -> None:
+        """The files thread of rank 0, a deferred save (`_defers_prepare`): its version directory
+        and spares; a failure fails the save, agreed on at its turn like common.pt's. Never sets
+        a directory aside: other ranks may be writing into it already."""
+        for err in self._prepare_directory(directory, iteration, set_aside_first=False):
+            raise err
+
+    def _prepare_directory(self, directory: str, iteration: int,
+                           set_aside_first: bool = True) -> List[BaseException]:
         """Rank 0, at a save call: an earlier unfinished save's leftovers set aside
         (`paths.set_aside`; removed in the background), the version directory, and the room set
         aside for COMMIT.json and metadata.json. Returns the failure, if any: every rank learns
         of it before megatron's collectives (see `save`), it is agreed on at a later poll."""
         try:
             fail_point("prepare", iteration, self.rank, directory)
-            aside = set_aside(directory)
+            aside = set_aside(directory) if set_aside_first else None
             if aside is not None:
                 self.log(f"moved the leftovers of an earlier, unfinished save of iteration "
                          f"{iteration} aside ({aside}); removing them in the background")
@@ -1147,12 +1184,9 @@ class LazyCheckpointer:
         return True
 
     def _retain(self, p: _Pending) -> None:
-        """A publishing rank, once `p` is committed: retention (`after_commit`), once. Its
-        failure is agreed on at the next poll (from `p.retain_errors`, on the commit thread:
-        `_after_publish` takes them)."""
-        if p.retained:
-            return
-        p.retained = True
+        """The commit thread of a publishing rank, once `p` is committed: retention
+        (`after_commit`). Its failure is agreed on at the next poll (`_after_publish` takes it
+        from `p.retain_errors`)."""
         try:
             if self.after_commit is not None:
                 self.after_commit(p.iteration, p.root)
@@ -1165,8 +1199,7 @@ class LazyCheckpointer:
         the next poll."""
         p = pub.pending
         self._last_published = p
-        if pub.future is not None:
-            self._retain(p)  # (done already on the commit thread of an in-memory version)
+        if pub.future is not None:  # retention ran on the commit thread (`_publish`)
             self._local_errors.extend(p.retain_errors)
             p.retain_errors.clear()
             try:
@@ -1224,10 +1257,11 @@ class LazyCheckpointer:
         fault_point("tracker", p.iteration, self.rank)
         fail_point("tracker", p.iteration, self.rank, os.path.join(p.root, TRACKER_FILENAME))
         write_tracker(p.root, p.iteration, self.config.run_config_json)
-        if p.node_local and self.config.non_persistent_in_memory:
-            # The older in-memory version goes now, off the training loop (its slots must be
-            # free before the next save takes one: that save waits for this thread first).
-            self._retain(p)
+        # Older versions go now, off the training loop: on a shared file system listing the root
+        # and renaming each one out are metadata round trips (the files are deleted by a
+        # background remover). The in-memory level's slots must be free before its next save
+        # takes one: that save waits for this thread first.
+        self._retain(p)
 
     def _stats(self, p: _Pending, rows: List[List[int]]) -> Dict[str, float]:
         """The record of a commit from every rank's `_figures` (gathered by `_agree`): bytes

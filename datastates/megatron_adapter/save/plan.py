@@ -138,6 +138,13 @@ class SavePlanCache:
         return PreparedSave(validate=not same, reuse_distribution=same, failed=bool(failed),
                             along=tuple(along))
 
+    @property
+    def has_plan(self) -> bool:
+        """Whether a save was confirmed since the last rebuild: the next one reuses its plan
+        unless some rank's structure changed (under CHECK; under ASSUME_CONSTANT it does)."""
+        return self._saved_once if self.policy is StructurePolicy.ASSUME_CONSTANT \
+            else self._previous is not None
+
     def confirm(self) -> None:
         """3) after `dist_checkpointing.save` returned: the structure just saved (and, on a
         rebuild, validated) is the one the next save is compared with."""

@@ -403,7 +403,8 @@ class CheckpointManager:
             else self.ckpt.non_persistent_ckpt_type))
 
     def _after_commit(self, iteration: int, root: str) -> None:
-        """Rank 0, right after `root`'s tracker moved to `iteration`: retention (the
+        """Rank 0, right after `root`'s tracker moved to `iteration` (with `--async-lazy-save`
+        on the checkpointer's commit thread, off the training loop): retention (the
         non-persistent root keeps its newest checkpoint only, as Megatron-LM). Saves still in
         flight are newer than `iteration`, so retention never reaches them; checkpoints that
         `_in_use` names or another process reads are kept for now."""
