@@ -120,11 +120,7 @@ class CheckpointEngine:
         self.start_copies()  # an earlier save's held copies go first
         self._raise_pending()
         if self.cfg.local_dir is not None and not os.path.isdir(self.cfg.local_dir):
-            # Not recreated: on an unmounted node-local disk that would write into the mount
-            # point, on the root file system.
-            raise CheckpointError("the node-local directory (level 3) disappeared (deleted or "
-                                  "unmounted); it is not recreated: restore it, or save without "
-                                  "it", rank=self.cfg.rank, file=self.cfg.local_dir)
+            raise self._local_dir_gone()
         if isinstance(state, FlatState):
             skeleton, entries = state.skeleton, state.entries
         else:
@@ -408,11 +404,26 @@ class CheckpointEngine:
         markers with new, partial bytes."""
         try:
             for d in {directory, write_dir}:
-                os.makedirs(d, exist_ok=True)
+                if d == write_dir and self.cfg.local_dir is not None:
+                    try:  # in the node-local directory, never recreating it
+                        os.mkdir(d)
+                    except FileExistsError:
+                        pass
+                    except FileNotFoundError:
+                        raise self._local_dir_gone() from None
+                else:
+                    os.makedirs(d, exist_ok=True)
                 layout.invalidate(d, self.cfg.rank)
         except OSError as e:
             raise CheckpointError(f"cannot create the shard file: {e}", rank=self.cfg.rank,
                                   file=shard_path) from e
+
+    def _local_dir_gone(self) -> CheckpointError:
+        # Not recreated: on an unmounted node-local disk that would write into the mount point,
+        # on the root file system.
+        return CheckpointError("the node-local directory (level 3) disappeared (deleted or "
+                               "unmounted); it is not recreated: restore it, or save without it",
+                               rank=self.cfg.rank, file=self.cfg.local_dir)
 
     def _open_files(self, sv: SaveJob) -> None:
         """A writer thread, before a save's first write (or, without tensors, its index): the

@@ -51,8 +51,12 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
             _kill_tree(proc)
 
     try:
+        # The copy of in-memory iteration 6 is held 2 s (the optimizer step waits for it):
+        # --save's iteration 4 is then committed before 8 falls due on a loaded machine too,
+        # else 8 would be deferred and the held flush would be the in-memory level's.
         first = launch(2, flags + ["--train-iters", "24"], on_line=kill_when_ahead,
-                       extra_env={"DATASTATES_FAULT_DELAY_FLUSH": "600@8:0"})
+                       extra_env={"DATASTATES_FAULT_DELAY_FLUSH": "600@8:0",
+                                  "DATASTATES_FAULT_DELAY_COPY": "2@6"})
         assert seen["committed"] and "iteration       24/" not in first.stdout, first.describe()
         assert "in-memory checkpoints: every 1 iteration(s) into " + memory in first.stdout
         assert first.stdout.count("deferred the persistent save of iteration 12:") == 1

@@ -466,5 +466,7 @@ def _train_loop(trainer: Trainer) -> int:
         return state.iteration
     finally:
         manual_gc.stop()
-        summary.blocked(trainer.checkpoints.finalize)
-        summary.report()
+        try:
+            summary.blocked(trainer.checkpoints.finalize)
+        finally:  # also when the final drain raises (a save that failed or was refused late)
+            summary.report()
