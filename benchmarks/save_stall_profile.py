@@ -90,7 +90,8 @@ def install_spans() -> None:
         (lazy_checkpointing, "build_sharded_state_dict", "    megatron sharded_state_dict()"),
         (distopt_shards, "param_state_boxes", "    distributed-optimizer boxes"),
         (checkpointer.LazyCheckpointer, "save", "  LazyCheckpointer.save"),
-        (checkpointer.LazyCheckpointer, "_prepare_directory", "    version directory (rank 0)"),
+        (checkpointer.LazyCheckpointer, "_prepare_directory",
+         "    version directory (rank 0; steady: its files thread)"),
         (checkpointer, "make_spare", "      spare files (2 per save)"),
         (checkpointer.LazyCheckpointer, "_before_save", "    commit to settle first (in memory)"),
         (preprocess, "split", "    preprocessing in one walk (split)"),
@@ -115,21 +116,23 @@ def install_spans() -> None:
         (payload, "flatten_state", "              flatten_state (all / objects only)"),
         (engine.CheckpointEngine, "save", "            engine.save"),
         (engine, "flatten_state", "              flatten_state"),
-        (engine.layout, "invalidate", "              layout.invalidate"),
         (engine, "plan_layout", "              plan_layout"),
         (engine.CheckpointEngine, "start_copies", "    engine.start_copies"),
+        (engine.CheckpointEngine, "_withdraw",
+         "engine files made (writer thread; in memory: save call)"),
+        (engine.layout, "invalidate", "  layout.invalidate"),
         (mgr, "before_optimizer_step", "wait before step"),
         (mgr, "after_iteration", "poll (end of iteration)"),
         (checkpointer.LazyCheckpointer, "_agree", "  agreement (all-gather: durable, figures)"),
         (checkpointer.LazyCheckpointer, "_commit", "  commit (finalize, start commit thread)"),
-        (checkpointer.LazyCheckpointer, "_settle", "  commit agreed (all-reduce, then below)"),
-        (mgr, "_after_commit", "    retention"),
+        (checkpointer.LazyCheckpointer, "_settle", "  commit agreed (all-reduce)"),
         (checkpointer.LazyCheckpointer, "_publish", "commit thread (rank 0, off the loop)"),
         (checkpointer, "release_spare", "  metadata.json's spare released"),
         (strategies, "write_metadata", "  metadata.json written"),
         (checkpointer, "fsync_file", "  fsync metadata.json"),
         (checkpointer, "try_commit", "  commit marker"),
         (checkpointer, "write_tracker", "  tracker"),
+        (mgr, "_after_commit", "  retention"),
     ]
     for owner, attr, label in spans:
         _wrap(owner, attr, label)
@@ -213,24 +216,24 @@ def install_cprofile(skip: int):
 def report(skip: int, iters: int) -> None:
     print(f"\nper-call medians over calls after the first {skip} "
           f"(load average {os.getloadavg()[0]:.2f}):")
-    print(f"{'phase':46s} {'ms':>8s} {'calls':>6s}")
+    print(f"{'phase':56s} {'ms':>8s} {'calls':>6s}")
     for label in _ORDER:
         xs = _TIMES.get(label, [])
         used = xs[skip:] if len(xs) > skip else xs
         if used:
-            print(f"{label:46s} {statistics.median(used) * 1e3:8.2f} {len(xs):6d}")
+            print(f"{label:56s} {statistics.median(used) * 1e3:8.2f} {len(xs):6d}")
     stall = [a + b for a, b in zip(_TIMES["save call"][skip:], _TIMES["wait before step"][skip:])]
     if stall:
-        print(f"{'stall (save call + wait before step)':46s} "
+        print(f"{'stall (save call + wait before step)':56s} "
               f"{statistics.median(stall) * 1e3:8.2f}")
     total = [a + b for a, b in zip(stall, _TIMES["poll (end of iteration)"][skip:])]
     if total:
-        print(f"{'training thread per save (stall + poll)':46s} "
+        print(f"{'training thread per save (stall + poll)':56s} "
               f"{statistics.median(total) * 1e3:8.2f}")
     steady = [b - a for a, b in zip(_AT_SAVE[skip:], _AT_SAVE[skip + 1:])]
     if steady:
         names = _COLLECTIVES[_AT_SAVE[-2]:_AT_SAVE[-1]]
-        print(f"{'control-plane collectives per iteration':46s} {statistics.median(steady):8g}"
+        print(f"{'control-plane collectives per iteration':56s} {statistics.median(steady):8g}"
               f"   (the last: {', '.join(names)})")
     print(f"control-plane collectives over {iters} iterations, start-up included: "
           f"{len(_COLLECTIVES)}")
@@ -240,7 +243,7 @@ def report(skip: int, iters: int) -> None:
         calls = _FILES[0].calls
         per = [b - a for a, b in zip(_FILES_AT_SAVE[skip:], _FILES_AT_SAVE[skip + 1:])]
         last = calls[_FILES_AT_SAVE[-2]:_FILES_AT_SAVE[-1]]
-        print(f"{'file-system calls per iteration (training thread)':46s} "
+        print(f"{'file-system calls per iteration (training thread)':56s} "
               f"{statistics.median(per):8g}   (the last: "
               f"{', '.join(sorted({e for e, _ in last})) or 'none'})")
     for cache in _CACHES:  # what the saves' sharded state dicts took from the previous save's
