@@ -146,6 +146,12 @@ def test_resaving_a_directory_withdraws_its_commit_until_the_new_save_commits(tm
         with pytest.raises(CheckpointError, match="still in flight"):
             eng.save(state, d, step=1)
         eng.wait_for_snapshot()
+        # From the new shard's first byte on (a writer makes the files, then writes): the gate
+        # holds that first write.
+        deadline = time.monotonic() + 60  # a bound, never a timing assertion
+        while not gate.writes:
+            assert time.monotonic() < deadline, "no writer reached the first write"
+            time.sleep(0.01)
         assert not is_committed(d)
         gate.release.set()
         eng.wait_for_durable(h)
