@@ -138,6 +138,7 @@ def test_steady_saves_make_no_file_system_call_on_the_training_thread(tmp_path, 
     ckpt = LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20),
                             log=lambda _msg: None,
                             after_commit=lambda it, r: apply_retention(r, 2, it))
+
     def committed(step):
         with paused(rec):  # the test's own look at the tracker
             return _tracked(root) == step and ckpt.publishing is None

@@ -200,7 +200,7 @@ def test_values_along_the_plan_check_are_reduced_over_every_rank_under_both_poli
         ("assume_constant", 1, (1, 1, 0), False), ("assume_constant", 2, (1, 2, 0), True)]
 
 
-def _deferred_worker(rank, store, root, out):
+def _deferred_worker(rank, store, roots, out):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -209,43 +209,48 @@ def _deferred_worker(rank, store, root, out):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     parallel_state.initialize_model_parallel()
     try:
-        ckpt = _checkpointer(root, "check")
-        seen = []
-        for step in (1, 2, 3, 4):
-            # Each rank holds its own tensor; rank 1 adds one from step 3 on.
-            shapes = {f"w{rank}": (4, 4), **({"x1": (8,)} if rank == 1 and step >= 3 else {})}
+        seen = {}
+        for root, first in zip(roots, (1, 11)):  # rank 0's directory of step 13 cannot be made
+            ckpt = _checkpointer(root, "check")
+            seen[root] = runs = []
+            for step in range(first, first + 4):
+                # Each rank holds its own tensor; rank 1 adds one from the third save on.
+                shapes = {f"w{rank}": (4, 4),
+                          **({"x1": (8,)} if rank == 1 and step >= first + 2 else {})}
+                try:
+                    _save(ckpt, step, _state(shapes, step))
+                    runs.append((step, "saved"))
+                except CheckpointError as err:
+                    runs.append((step, str(err)))
+                    break
             try:
-                _save(ckpt, step, _state(shapes, step))
-                seen.append((step, "saved"))
+                ckpt.finish()
             except CheckpointError as err:
-                seen.append((step, str(err)))
-                break
-        try:
-            ckpt.finish()
-        except CheckpointError as err:
-            seen.append(("finish", str(err)))
-        seen.append(("plans", ckpt.plans.rebuilt, ckpt.plans.reused))
+                runs.append(("finish", str(err)))
+            runs.append(("plans", ckpt.plans.rebuilt, ckpt.plans.reused))
         torch.save(seen, f"{out}.{rank}")
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fails", [False, True])
 def test_a_deferred_directory_is_made_before_megatrons_call_when_another_rank_changed(
-        tmp_path, monkeypatch, one_rank, fails):
+        tmp_path, monkeypatch, one_rank):
     """Rank 0 makes the version directory of a save it takes to be steady on its files thread
-    (`_defers_prepare`). At step 3 only rank 1's structure changes: megatron's call, which lists
-    the directory on rank 0, follows, so rank 0 makes it in the call after all, and every rank
-    learns whether that failed before megatron's collectives. Fails: both ranks stop with the
-    same error naming rank 0's failure, neither hangs. Two gloo processes."""
+    (`_defers_prepare`). At the third save only rank 1's structure changes: megatron's call,
+    which lists the directory on rank 0, follows, so rank 0 makes it in the call after all, and
+    every rank learns whether that failed before megatron's collectives. Two runs in the same
+    two gloo processes: in the first every save commits and loads back; in the second rank 0
+    cannot make that directory, and both ranks stop with the same error naming rank 0's
+    failure, neither hangs."""
     import torch.multiprocessing as mp
 
-    if fails:  # rank 0's directory of step 3 (read by the spawned processes at import)
-        monkeypatch.setenv("DATASTATES_FAULT_FAIL_PREPARE", "eacces@3:0")
-    root = tmp_path / "ckpt"
+    # Read by the spawned processes at import: rank 0's directory of step 13 (the second run's).
+    monkeypatch.setenv("DATASTATES_FAULT_FAIL_PREPARE", "eacces@13:0")
+    ok, failing = tmp_path / "ok", tmp_path / "failing"
     ctx = mp.start_processes(_deferred_worker, nprocs=2, join=False,
-                             args=(str(tmp_path / "store2"), str(root), str(tmp_path / "seen")))
+                             args=(str(tmp_path / "store2"), (str(ok), str(failing)),
+                                   str(tmp_path / "seen")))
     deadline = time.monotonic() + 120  # a bound for a hang, never a timing assertion
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -253,27 +258,27 @@ def test_a_deferred_directory_is_made_before_megatrons_call_when_another_rank_ch
                 proc.kill()
             pytest.fail("the two ranks hung (one waited in a collective the other never joined)")
     seen = [torch.load(f"{tmp_path / 'seen'}.{r}", weights_only=True) for r in (0, 1)]
-    def check(step):
+
+    def check(root, step, changed):
         import datastates  # noqa: F401  (registers our load strategy)
 
         expected = {**_state({"w0": (4, 4)}, step),
-                    **_state({"w1": (4, 4), **({"x1": (8,)} if step >= 3 else {})}, step)}
+                    **_state({"w1": (4, 4), **({"x1": (8,)} if changed else {})}, step)}
         empty = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v.data))
                  for k, v in expected.items() if isinstance(v, ShardedTensor)}
         loaded = load(empty, str(root / f"iter_{step:07d}"))
         assert all(torch.equal(loaded[k], v.data) for k, v in expected.items()
                    if isinstance(v, ShardedTensor)) and loaded["iteration"] == step
 
-    if not fails:
-        assert seen[0] == seen[1] == [(s, "saved") for s in (1, 2, 3, 4)] + [("plans", 2, 2)]
-        for step in (1, 2, 3, 4):
-            check(step)
-        return
+    assert seen[0][str(ok)] == seen[1][str(ok)] == [(s, "saved") for s in (1, 2, 3, 4)] + [
+        ("plans", 2, 2)]
+    for step in (1, 2, 3, 4):
+        check(ok, step, changed=step >= 3)
     # The same agreed error on both ranks (each names itself first), naming rank 0's failure.
-    errors = [[e[1].split("] ", 1)[1] for e in s if isinstance(e[1], str) and e[1] != "saved"]
-              for s in seen]
+    errors = [[e[1].split("] ", 1)[1] for e in s[str(failing)]
+               if isinstance(e[1], str) and e[1] != "saved"] for s in seen]
     assert errors[0] == errors[1] and len(errors[0]) == 1, seen
-    assert "save of iteration 3 failed on rank(s) [0]: [Errno 13] Permission denied" in \
+    assert "save of iteration 13 failed on rank(s) [0]: [Errno 13] Permission denied" in \
         errors[0][0], seen
-    assert not (root / "iter_0000003" / "COMMIT.json").exists()
-    check(2)
+    assert not (failing / "iter_0000013" / "COMMIT.json").exists()
+    check(failing, 12, changed=False)
