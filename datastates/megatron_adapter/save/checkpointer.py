@@ -500,7 +500,6 @@ class LazyCheckpointer:
             planned = self._plan_shared(lane, parts.items, extra_shards, errors, iteration, root,
                                         directory, deferred)
             deferred = deferred and planned[0].reuse_distribution
-            prepare_failed = prepare_failed or planned[0].failed
         plan, strategy, base, validate = planned
         plans = self.node_plans if node_local else self.plans
         request = None
