@@ -56,10 +56,12 @@ def _save(ckpt, step, state):
     ckpt.poll(step)
 
 
-def _load_and_check(root, step, shapes):
+def _load_and_check(root, step, shapes, expected=None):
+    """Iteration `step` under `root` loads back as `expected` (default: `_state(shapes, step)`,
+    one rank's), every tensor and nothing more."""
     import datastates  # noqa: F401  (registers our load strategy)
 
-    expected = _state(shapes, step)
+    expected = expected or _state(shapes, step)
     empty = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v.data))
              for k, v in expected.items() if isinstance(v, ShardedTensor)}
     loaded = load(empty, str(root / f"iter_{step:07d}"))
@@ -259,16 +261,10 @@ def test_a_deferred_directory_is_made_before_megatrons_call_when_another_rank_ch
             pytest.fail("the two ranks hung (one waited in a collective the other never joined)")
     seen = [torch.load(f"{tmp_path / 'seen'}.{r}", weights_only=True) for r in (0, 1)]
 
-    def check(root, step, changed):
-        import datastates  # noqa: F401  (registers our load strategy)
-
-        expected = {**_state({"w0": (4, 4)}, step),
-                    **_state({"w1": (4, 4), **({"x1": (8,)} if changed else {})}, step)}
-        empty = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v.data))
-                 for k, v in expected.items() if isinstance(v, ShardedTensor)}
-        loaded = load(empty, str(root / f"iter_{step:07d}"))
-        assert all(torch.equal(loaded[k], v.data) for k, v in expected.items()
-                   if isinstance(v, ShardedTensor)) and loaded["iteration"] == step
+    def check(root, step, changed):  # each rank's own tensors, as `_deferred_worker` saves them
+        ranks = [{"w0": (4, 4)}, {"w1": (4, 4), **({"x1": (8,)} if changed else {})}]
+        expected = {k: v for shapes in ranks for k, v in _state(shapes, step).items()}
+        _load_and_check(root, step, {**ranks[0], **ranks[1]}, expected=expected)
 
     assert seen[0][str(ok)] == seen[1][str(ok)] == [(s, "saved") for s in (1, 2, 3, 4)] + [
         ("plans", 2, 2)]

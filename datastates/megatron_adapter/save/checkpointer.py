@@ -686,10 +686,12 @@ class LazyCheckpointer:
 
     def _prepare_directory(self, directory: str, iteration: int,
                            set_aside_first: bool = True) -> List[BaseException]:
-        """Rank 0, at a save call: an earlier unfinished save's leftovers set aside
-        (`paths.set_aside`; removed in the background), the version directory, and the room set
-        aside for COMMIT.json and metadata.json. Returns the failure, if any: every rank learns
-        of it before megatron's collectives (see `save`), it is agreed on at a later poll."""
+        """Rank 0 (a node's leader for a node-local version), at a save call or, deferred, on
+        its files thread (`_prepare_later`, without `set_aside_first`): an earlier unfinished
+        save's leftovers set aside (`paths.set_aside`; removed in the background), the version
+        directory, and the room set aside for COMMIT.json and metadata.json. Returns the
+        failure, if any: at a save call every rank learns of it before megatron's collectives
+        (see `save`); it is agreed on at a later poll."""
         try:
             fail_point("prepare", iteration, self.rank, directory)
             aside = set_aside(directory) if set_aside_first else None
