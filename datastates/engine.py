@@ -22,7 +22,7 @@ import sys
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -121,8 +121,9 @@ class CheckpointEngine:
         self._raise_pending()
         if self.cfg.local_dir is not None and not os.path.isdir(self.cfg.local_dir):
             raise self._local_dir_gone()
+        layouts = None
         if isinstance(state, FlatState):
-            skeleton, entries = state.skeleton, state.entries
+            skeleton, entries, layouts = state.skeleton, state.entries, state.layouts
         else:
             skeleton, entries = flatten_state(state, self.cfg.allow_pickle)
         write_dir = (directory if self.cfg.local_dir is None
@@ -138,7 +139,7 @@ class CheckpointEngine:
         fd = -1
         if mapped:  # the copies land in the file: it exists before they start (in memory)
             self._withdraw(directory, write_dir, shard_path)
-        offsets, groups = plan_layout(entries, self._max_piece())
+        offsets, groups, total = self._layout(entries, layouts)
         mapping = None
         if mapped:
             size = offsets[-1] + entries[-1].nbytes if entries else 0
@@ -150,9 +151,8 @@ class CheckpointEngine:
         with self._cond:
             handle = SaveHandle(self._next_id, int(step), directory)
             self._next_id += 1
-            sv = SaveJob(handle, entries, skeleton, shard_path, fd, -1, offsets,
-                       sum(e.nbytes for e in entries), t0,
-                       chunks=[[] for _ in entries])
+            sv = SaveJob(handle, entries, skeleton, shard_path, fd, -1, offsets, total, t0,
+                         chunks=[[] for _ in entries])
             sv.write_dir = write_dir
             sv.ready_events = self._record_ready_events(entries)
             if mapped:
@@ -457,6 +457,22 @@ class CheckpointEngine:
     def _nice(self) -> None:
         if self.cfg.background_nice:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.background_nice)
+
+    def _layout(self, entries: List[TensorEntry], layouts: Optional[dict]
+                ) -> Tuple[List[int], List[List[int]], int]:
+        """`plan_layout` of `entries` and their bytes, kept in (and taken from) the caller's
+        `layouts` (`FlatState.layouts`), keyed by the piece size and every entry's size in
+        order (the objects' tensors, e.g. RNG states, may change between saves of one plan).
+        Its lists are shared between saves: nothing changes them."""
+        piece = self._max_piece()
+        key = (piece, tuple([e.nbytes for e in entries])) if layouts is not None else None
+        laid = None if key is None else layouts.get(key)
+        if laid is None:
+            laid = (*plan_layout(entries, piece), sum(e.nbytes for e in entries))
+            if key is not None:
+                layouts.clear()  # one layout per plan: the newest
+                layouts[key] = laid
+        return laid
 
     def _max_piece(self) -> int:
         if self.cfg.write_mode is WriteMode.MAPPED:  # no cache in between: a checksum per chunk

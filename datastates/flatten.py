@@ -87,10 +87,14 @@ class TensorEntry:
 @dataclass(frozen=True)
 class FlatState:
     """A state already split into `flatten_state`'s (skeleton, entries), to hand to
-    `CheckpointEngine.save` in place of the nested state (e.g. rebuilt from a cached plan)."""
+    `CheckpointEngine.save` in place of the nested state (e.g. rebuilt from a cached plan).
+    `layouts`: a dict the engine keeps its file layout of `entries` in (keyed by their sizes),
+    shared by the caller with the FlatStates of later saves of the same plan: a layout is then
+    not computed again."""
 
     skeleton: Any
     entries: List[TensorEntry]
+    layouts: Optional[dict] = None
 
 
 def tensor_ref(i: int) -> dict:

@@ -144,3 +144,46 @@ def test_plain_sequences_encode_as_before():
     assert items["l"] == [3, 4] and items["mixed"] == [1, [2]]
     assert items["nan"] == [{"__t__": "float", "v": "nan"}]
     assert items["np"][0]["__t__"] == "npscalar"
+
+
+def test_checked_refill_takes_the_tensors_without_comparing_them():
+    """`checked` (the plan check proved the structure unchanged): the refill equals flattening
+    from scratch; a count that differs from the plan's still plans again."""
+    plan = PayloadPlan()
+    plan.flatten(_state(1), _extra(1), allow_pickle=False)
+    for step in (2, 3):
+        sd, extra = _state(step), _extra(step)
+        _assert_same_as_scratch(plan.flatten(sd, extra, False, checked=True), sd, extra)
+    assert (plan.built, plan.refilled) == (1, 2)
+    sd, extra = _state(4), _extra(4)
+    sd["layers"][1].replica_id = 0  # one tensor more to write than the plan holds
+    _assert_same_as_scratch(plan.flatten(sd, extra, False, checked=True), sd, extra)
+    assert (plan.built, plan.refilled) == (2, 2)
+
+
+def test_engine_lays_out_again_when_an_object_tensor_changes_size(tmp_path):
+    """Refilled saves share their plan's layout (`FlatState.layouts`) only while every entry
+    keeps its size: a tensor inside an object (the plan holds none of those) that grows gets a
+    layout of its own, and every tensor and object reads back as saved."""
+    from datastates import CheckpointEngine, CheckpointReader, EngineConfig
+
+    plan = PayloadPlan()
+    eng = CheckpointEngine(EngineConfig(host_cache_bytes=1 << 20))
+    try:
+        for step, n in ((1, 3), (2, 3), (3, 700), (4, 700)):
+            sd = _state(step)
+            sd["rng"].data["torch"] = ((torch.arange(n) + step) % 251).to(torch.uint8)
+            flat = plan.flatten(sd, _extra(step), allow_pickle=False, checked=step > 1)
+            directory = str(tmp_path / f"{step}")
+            eng.wait_for_durable(eng.save(flat, directory, step), timeout=60)
+            reader = CheckpointReader(directory)
+            objects = reader.load_objects()["objects"]
+            assert torch.equal(objects[sd["rng"].unique_key]["torch"], sd["rng"].data["torch"])
+            for name, at, want in (("w", (0, 0), sd["w"].data),
+                                   ("distopt", (2, 0), _extra(step)[0].data)):
+                got = reader.read(name, at, tuple(want.shape))
+                assert torch.equal(got, want.detach()), (step, name)
+            reader.close()
+    finally:
+        eng.close(timeout=10)
+    assert (plan.built, plan.refilled) == (1, 3)

@@ -83,7 +83,7 @@ from ...mapped import cuda_dma_probe
 from ..levels import local_tier
 from .payload import PayloadPlan
 from .replica_check import ReplicaCheck, ReplicaMismatch
-from .plan import SavePlanCache, StructurePolicy
+from .plan import PreparedSave, SavePlanCache, StructurePolicy
 from ..paths import METADATA_FILENAME, TRACKER_FILENAME, checkpoint_dir, prepare_root, \
     probe_writable, set_aside, tracked_iteration, write_tracker, complete_iterations
 
@@ -610,7 +610,7 @@ class LazyCheckpointer:
             self.node_payloads.forget()
         strategy, base = save_strategy(lane.engine, iteration, None, None,
                                        extra_shards=extra_shards, payload_plan=self.node_payloads,
-                                       defer_copies=True)
+                                       defer_copies=True, checked=_checked(self.node_plans, plan))
         return plan, strategy, base, False  # replicas are written on purpose, once per node
 
     def _plan_shared(self, lane: _Lane, items: List[Any],
@@ -640,7 +640,8 @@ class LazyCheckpointer:
         strategy, base = save_strategy(
             lane.engine, iteration,
             self._dp_group if self.config.fully_parallel_save else None, self._wrapper,
-            extra_shards=extra_shards, payload_plan=self.payloads, defer_copies=True)
+            extra_shards=extra_shards, payload_plan=self.payloads, defer_copies=True,
+            checked=_checked(self.plans, plan))
         if strategy is not base:
             self._wrapper = strategy
         return plan, strategy, base, plan.validate
@@ -1293,6 +1294,13 @@ class LazyCheckpointer:
         """Rank 0: one JSON line per iteration end and per committed checkpoint (the timeline
         tool draws both), written off the training loop (`append_telemetry`)."""
         append_telemetry(self.config.root, record, warn=self.log)
+
+
+def _checked(plans: SavePlanCache, plan: PreparedSave) -> bool:
+    """Whether the plan check proved this save's structure the previous one's, on every rank
+    (CHECK's fingerprints): the payload plan, made from that structure and forgotten whenever
+    it changed, is then refilled without comparing each tensor (`PayloadPlan.flatten`)."""
+    return plans.policy is StructurePolicy.CHECK and plan.reuse_distribution
 
 
 def _only_metadata_finalize(request) -> bool:

@@ -12,6 +12,12 @@ offset, shape, dtype, prepended axes or count) is planned from scratch: the plan
 itself, so it is never applied to a structure it was not made for, whatever the fingerprint of
 `plan` or --ckpt-assume-constant-structure said.
 
+A caller that has itself proven the structure unchanged since the plan was made (`checked`: the
+save plan's fingerprint, equal on every rank, `plan.SavePlanCache` under CHECK) skips the
+comparison per tensor: the refill then only takes this save's tensors, in order, and their count
+is still checked. The engine lays out the refilled entries as it laid out the plan's
+(`FlatState.layouts`): nothing per tensor is computed again for a save of the same structure.
+
 Call order, one rank, per save: `plan.flatten(sharded_state_dict, extra_shards, allow_pickle)` in
 the save strategy's `async_save` (after megatron's preprocessing and the fully-parallel wrapper's
 choice of main replicas) gives the `FlatState` for `CheckpointEngine.save`; `plan.forget()` when
@@ -85,6 +91,7 @@ class _Template(NamedTuple):
     expect: List[_Expect]
     entries: List[TensorEntry]  # with no tensor: copied for each save (`TensorEntry.holding`)
     tensors_skeleton: Any  # the skeleton of the payload's "tensors" dict
+    layouts: dict  # the engine's layouts of these entries (`FlatState.layouts`)
 
 
 def _matches(want: _Expect, key, global_offset, global_shape, data: torch.Tensor,
@@ -112,10 +119,13 @@ class PayloadPlan:
         self._template = None
 
     def flatten(self, sharded_state_dict, extra_shards: Sequence[TensorShard],
-                allow_pickle: bool) -> FlatState:
-        """What `flatten_state(engine_payload(...))` gives, as a `FlatState`."""
+                allow_pickle: bool, checked: bool = False) -> FlatState:
+        """What `flatten_state(engine_payload(...))` gives, as a `FlatState`. `checked`: the
+        caller vouches that this save's structure is the one the plan was made from (see the
+        module doc); the tensors are then not compared with the plan one by one."""
         if self._template is not None:
-            flat = self._refill(self._template, sharded_state_dict, extra_shards, allow_pickle)
+            refill = self._take if checked else self._refill
+            flat = refill(self._template, sharded_state_dict, extra_shards, allow_pickle)
             if flat is not None:
                 self.refilled += 1
                 return flat
@@ -136,7 +146,8 @@ class PayloadPlan:
         # entries than tensors: no plan then, every save is flattened from scratch.
         if len(expect) == len(payload[TENSORS]):
             self._template = _Template(expect, [e.holding(None) for e in entries[:len(expect)]],
-                                       skeleton["items"][0][1])
+                                       skeleton["items"][0][1], {})
+            return FlatState(skeleton, entries, self._template.layouts)
         return FlatState(skeleton, entries)
 
     @staticmethod
@@ -174,6 +185,33 @@ class PayloadPlan:
                 return None  # the full path raises the error that names it
         if len(entries) != n:
             return None
-        objects_skeleton, entries = flatten_state(objects, allow_pickle, entries, [OBJECTS])
-        return FlatState(dict_skeleton([(TENSORS, t.tensors_skeleton),
-                                        (OBJECTS, objects_skeleton)]), entries)
+        return _with_objects(t, entries, objects, allow_pickle)
+
+    @staticmethod
+    def _take(t: _Template, sharded_state_dict, extra_shards,
+              allow_pickle: bool) -> Optional[FlatState]:
+        """`_refill` for a structure the caller checked: this save's tensors in order, or None
+        if there are not as many as the plan holds."""
+        data = [sh.data for sh in extra_shards]
+        objects: Dict[str, Any] = {}
+        for item in nested_values(sharded_state_dict):
+            if isinstance(item, ShardedTensor):
+                if _main(item.replica_id):
+                    data.append(item.data)
+            elif isinstance(item, ShardedObject):
+                if _main(item.replica_id):
+                    objects[item.unique_key] = item.data
+            else:
+                return None  # the full path raises the error that names it
+        if len(data) != len(t.entries):
+            return None
+        return _with_objects(t, [e.holding(d) for e, d in zip(t.entries, data)], objects,
+                             allow_pickle)
+
+
+def _with_objects(t: _Template, entries: List[TensorEntry], objects: Dict[str, Any],
+                  allow_pickle: bool) -> FlatState:
+    """The refilled tensor entries and this save's objects, encoded anew."""
+    objects_skeleton, entries = flatten_state(objects, allow_pickle, entries, [OBJECTS])
+    return FlatState(dict_skeleton([(TENSORS, t.tensors_skeleton), (OBJECTS, objects_skeleton)]),
+                     entries, t.layouts)

@@ -69,20 +69,22 @@ BACKEND_VERSION = 1
 
 class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
     """Hands shards to a `CheckpointEngine`; the returned request does no work of its own.
-    With a `PayloadPlan` (kept by the caller across saves), the payload is refilled from it;
-    with `defer_copies`, the caller starts the copies (`engine.start_copies()`) once its save
-    call is done."""
+    With a `PayloadPlan` (kept by the caller across saves), the payload is refilled from it
+    (`checked`: the caller proved the structure unchanged, `PayloadPlan.flatten`); with
+    `defer_copies`, the caller starts the copies (`engine.start_copies()`) once its save call is
+    done."""
 
     def __init__(self, engine: CheckpointEngine, step: int,
                  extra_shards: Sequence[TensorShard] = (),
                  payload_plan: Optional[_payload.PayloadPlan] = None,
-                 defer_copies: bool = False):
+                 defer_copies: bool = False, checked: bool = False):
         super().__init__(BACKEND, BACKEND_VERSION)
         self.engine = engine
         self.step = step
         self.extra_shards = extra_shards
         self.payload_plan = payload_plan
         self.defer_copies = defer_copies
+        self.checked = checked
         self.handle: Optional[SaveHandle] = None
 
     @property
@@ -94,7 +96,7 @@ class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
             state = _payload.engine_payload(sharded_state_dict, self.extra_shards)
         else:
             state = self.payload_plan.flatten(sharded_state_dict, self.extra_shards,
-                                              self.engine.cfg.allow_pickle)
+                                              self.engine.cfg.allow_pickle, self.checked)
         self.handle = self.engine.save(state, str(checkpoint_dir), step=self.step,
                                        defer_copies=self.defer_copies)
         return AsyncRequest(None, (), [])
@@ -107,11 +109,12 @@ class DataStatesSaveStrategy(AsyncSaveShardedStrategy):
 def save_strategy(engine: CheckpointEngine, step: int, dp_group=None, cached_wrapper=None,
                   extra_shards: Sequence[TensorShard] = (),
                   payload_plan: Optional[_payload.PayloadPlan] = None,
-                  defer_copies: bool = False):
+                  defer_copies: bool = False, checked: bool = False):
     """Our strategy wrapped so replicated shards are written once, spread across the DP group
     (megatron's FullyParallelSaveStrategyWrapper assigns each replicated shard one writer).
     Pass the previous wrapper back as `cached_wrapper` to reuse its cached distribution."""
-    base = DataStatesSaveStrategy(engine, step, extra_shards, payload_plan, defer_copies)
+    base = DataStatesSaveStrategy(engine, step, extra_shards, payload_plan, defer_copies,
+                                  checked)
     if dp_group is None or torch.distributed.get_world_size(dp_group) == 1:
         return base, base
     if cached_wrapper is None:
