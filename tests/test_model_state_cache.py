@@ -162,3 +162,12 @@ def test_optimizer_part_is_what_megatron_builds_with_this_steps_values(monkeypat
     cache.model_part(state.model)  # (a save without the optimizer's part)
     cached()
     assert cache.optimizer.built == 4
+    # Per-parameter steps that differ (megatron saves one): its error, from a reused template too.
+    cached()
+    assert cache.optimizer.reused == 4
+    steps = [s["step"] for s in inner.state.values()]
+    steps[-1].add_(1)
+    with pytest.raises(ValueError, match="step differs per parameter"):
+        cached()
+    steps[-1].sub_(1)
+    assert _described(cached()) == _described(megatrons())

@@ -26,6 +26,8 @@ from __future__ import annotations
 import copy
 from typing import Any, List, Optional
 
+import torch
+
 from datastates import TensorShard
 
 from megatron.training.checkpointing import distopt_shards
@@ -179,10 +181,10 @@ class OptimizerStateCache:
                     return None
                 row[key] = _copy(sharded)
             state[pid] = row
-        step = inner._extract_common_per_param_step(torch_raw)
+        step = _common_step(inner, torch_raw)
         if step:
             state["common_step"] = step
-        groups = copy.deepcopy(torch_raw["param_groups"])
+        groups = [_copy_group(group) for group in torch_raw["param_groups"]]
         for group in groups:
             group["params"] = LocalNonpersistentObject(group["params"])
         out = {"state": state, "param_groups": groups}
@@ -205,6 +207,42 @@ class OptimizerStateCache:
             whole["grad_scaler"] = raw["grad_scaler"]
         whole["fp32_from_fp16_params"] = fp32
         return whole
+
+
+def _common_step(inner, torch_raw: dict):
+    """megatron's `_extract_common_per_param_step` (the first parameter's step, which every
+    parameter must share), with one comparison of every step tensor at once instead of one per
+    parameter (0.3 ms for the 117M GPT's 100; on a GPU, each of those waits for the device).
+    Anything else (steps that differ, are not tensors or do not stack) goes to megatron's."""
+    steps = [s["step"] for s in torch_raw["state"].values() if s.get("step") is not None]
+    if not steps:
+        return None
+    if all(type(s) is torch.Tensor for s in steps):
+        try:
+            stacked = torch.stack(steps)
+        except RuntimeError:
+            stacked = None
+        if stacked is not None and bool((stacked == steps[0]).all()):
+            return steps[0]
+    return inner._extract_common_per_param_step(torch_raw)
+
+
+_IMMUTABLE = (bool, int, float, str, type(None))
+
+
+def _copy_group(group: dict) -> dict:
+    """`copy.deepcopy` of a torch optimizer's param group as its `state_dict()` gives it: plain
+    values and tuples or lists of them (``betas``, ``params``) copied without a call per item."""
+    out = {}
+    for k, v in group.items():
+        t = type(v)
+        if t in _IMMUTABLE:
+            out[k] = v
+        elif (t is tuple or t is list) and all(type(x) in _IMMUTABLE for x in v):
+            out[k] = v if t is tuple else list(v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
 
 
 def _same(t, sharded, addresses) -> bool:
