@@ -16,7 +16,7 @@ A caller that has itself proven the structure unchanged since the plan was made 
 save plan's fingerprint, equal on every rank, `plan.SavePlanCache` under CHECK) skips the
 comparison per tensor: the refill then only takes this save's tensors, in order, and their count
 is still checked. The engine lays out the refilled entries as it laid out the plan's
-(`FlatState.layouts`): nothing per tensor is computed again for a save of the same structure.
+(`FlatState.layouts`) instead of computing their file offsets again.
 
 Call order, one rank, per save: `plan.flatten(sharded_state_dict, extra_shards, allow_pickle)` in
 the save strategy's `async_save` (after megatron's preprocessing and the fully-parallel wrapper's
