@@ -8,6 +8,7 @@ import time
 
 import torch
 
+import fs_calls
 from datastates.megatron_adapter import BackgroundMerger, MergerConfig, open_source
 from datastates.megatron_adapter.merge.nodes import job_tmp
 from datastates.universal import UniversalCheckpoint, is_committed, write_universal
@@ -77,10 +78,17 @@ def test_a_worker_killed_on_node_0_commits_nothing_and_node_1_never_recreates(so
     assert not os.path.exists(os.path.join(root, "iter_0000005")) and not os.path.exists(tmp)
     assert is_committed(previous)
     _same_tensors(previous, tensors)
-    # The next merge starts the dead worker again and commits, with both nodes' parts.
+    # The next merge starts the dead worker again and commits, with both nodes' parts. The
+    # mergers' own reads and writes under the root (announcement, parts watched, announcements
+    # looked for) are their files threads': the polling (training) thread makes none but a
+    # restarted worker's log file.
     monkeypatch.delenv("DATASTATES_FAULT_DELAY_MERGE")
-    _commit(mergers, 6, d)
-    _until(mergers, lambda: coord.running is None, "the next merge", timeout=120)
+    with fs_calls.recording(root) as calls:
+        _commit(mergers, 6, d)
+        _until(mergers, lambda: coord.running is None, "the next merge", timeout=120)
+    logs = os.path.join(root, "merge_logs")
+    assert [c for c in calls.calls if not c[1].startswith(logs + os.sep) and c[1] != logs] == []
+    assert calls.calls, "no file-system call seen at all: is the recording broken?"
     out = os.path.join(root, "iter_0000006")
     assert is_committed(out) and follower.parts_written == 1, lines
     assert coord.worker_starts == 2 and follower.worker_starts == 1

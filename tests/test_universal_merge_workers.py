@@ -132,7 +132,9 @@ def test_a_worker_killed_mid_merge_commits_nothing_and_keeps_the_previous(source
                                            max_file_bytes=4096), log=lines.append)
     merger.on_commit(5, d)
     log = os.path.join(root, "merge_logs", "worker-1.log")
-    _wait_for(lambda: os.path.exists(log) and "DATASTATES_FAULT" in open(log).read(),
+    # The trainer polls every iteration: a merge in parts starts at a poll once it is announced.
+    _wait_for(lambda: (merger.poll(), os.path.exists(log)
+                       and "DATASTATES_FAULT" in open(log).read())[1],
               "worker 1 to write its first file")
     tmp = merger.running.tmp
     assert any(n.endswith(".safetensors") for n in os.listdir(tmp))

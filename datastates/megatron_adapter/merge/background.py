@@ -6,8 +6,9 @@ as skipped). So merges never pile up, and the newest checkpoint is always merged
 
 Call order (one process, e.g. rank 0 of the trainer):
   1) `on_commit(iteration, directory)` after each checkpoint is committed (every N-th is merged);
-  2) `poll()` now and then (e.g. every iteration): takes the workers' answers, starts the pending
-     merge when the running one is done;
+  2) `poll()` now and then (e.g. every iteration): takes the workers' answers and the files
+     thread's results (below), starts the pending merge when the running one is done (a merge in
+     parts sends its requests at the poll after its announcement is made);
   3) `wait()` before exiting: lets the running and the pending merge finish, stops the workers.
 Retention asks `iterations_in_use()` (any time) which sources it must keep.
 The merges run in `MergerConfig.workers` persistent worker processes
@@ -23,9 +24,17 @@ a merger and its workers: node 0's decides and commits, the others follow it (no
 a follower's `on_commit` only records the commit, its `poll` finds the merges node 0
 announced). Workers exit with the trainer: at `wait()`/`close()`, at the end of their input, and
 when the trainer is killed (PR_SET_PDEATHSIG, and a watchdog on the parent's pid).
+
+The merger's own reads and writes under the universal root (a merge's announcement and the
+removal of stale temporaries, the other nodes' parts watched while node 0 waits for them, the
+announcements a follower looks for, failure reports, the telemetry line) run on one thread of
+its own, in order (`_io`): on a shared file system each is a metadata round trip, and `on_commit`
+and `poll` run on the training thread. What depends on a result runs back on the polling thread
+(posted into the answers' queue, like the workers' answers), so every state change stays there.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import json
 import os
@@ -60,6 +69,8 @@ def die_with_parent() -> None:
 
 #: A follower remembers this many committed iterations not yet merged (node 0 merges the newest).
 _FOLLOWER_KNOWS = 64
+#: The answers' queue index of a continuation posted by the merger's files thread (`_io`).
+_FILES = -1
 
 
 def worker_command(nice: Optional[int] = None, idle_io: bool = False) -> List[str]:
@@ -125,6 +136,8 @@ class _Job:
     # new part record), and how many part records it has seen.
     remote_since: Optional[float] = None
     parts_seen: int = 0
+    reading: bool = False  # node 0: a look at the other nodes' parts is on the files thread
+    read_at: float = 0.0  # node 0: when the last look began
     committing: bool = False
     error: Optional[str] = None
 
@@ -184,6 +197,8 @@ class BackgroundMerger:
         self._answers: queue.Queue = queue.Queue()
         self._committed: Dict[int, str] = {}  # a follower: iteration -> source, not yet merged
         self._looked = 0.0
+        self._looking = False  # a follower: a look for announcements is on the files thread
+        self._files: Optional[concurrent.futures.ThreadPoolExecutor] = None  # (`_io`)
         os.makedirs(config.root, exist_ok=True)
 
     @property
@@ -262,6 +277,30 @@ class BackgroundMerger:
         for w in self.workers:
             w.close()
         self.workers = []
+        if self._files is not None:  # what it still has to write (telemetry, removals)
+            self._files.shutdown(wait=True)
+            self._files = None
+
+    def _io(self, work: Callable[[], object],
+            then: Optional[Callable[[object, Optional[BaseException]], None]] = None) -> None:
+        """`work` on the files thread, after what was handed to it before; `then(result, error)`
+        afterwards on the polling thread (the next `poll`), or, without `then`, an error only
+        said."""
+        if self._files is None:
+            self._files = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"datastates-merge-files-{self.config.node}")
+
+        def run() -> None:
+            try:
+                result, error = work(), None
+            except Exception as err:  # a failed read or write fails its merge, not training
+                result, error = None, err
+            if then is not None:
+                self._answers.put((_FILES, lambda: then(result, error)))
+            elif error is not None:
+                self.log(f" universal merge node {self.config.node}: {error}")
+
+        self._files.submit(run)
 
     # -- internals -----------------------------------------------------------------------------
     def _next_answer(self) -> None:
@@ -321,15 +360,26 @@ class BackgroundMerger:
             self._send(job, 0, self._request(job, op="merge"))
             return
         if not self.follows:
-            remove_stale_temporaries(job.output)
-            merge_nodes.remove_leftovers(c.root, self.run_id)
             job.tmp = merge_nodes.job_tmp(job.output, self.run_id)
-            try:
+
+            def announce() -> None:
+                remove_stale_temporaries(job.output)
+                merge_nodes.remove_leftovers(c.root, self.run_id)
                 merge_nodes.announce(job.tmp, merge_nodes.Job(job.iteration, c.parts))
-            except OSError as err:
-                job.error = f"cannot create {job.tmp}: {err}"
-                self._finish(job, {})
-                return
+
+            def announced(_, error: Optional[BaseException]) -> None:
+                if error is not None:
+                    job.error = f"cannot create {job.tmp}: {error}"
+                    self._finish(job, {})
+                else:
+                    self._send_parts(job)
+
+            self._io(announce, announced)  # running meanwhile: `iterations_in_use` keeps it
+            return
+        self._send_parts(job)
+
+    def _send_parts(self, job: _Job) -> None:
+        c = self.config
         job.waiting = set(range(c.workers))
         for k in range(c.workers):
             self._send(job, k, self._request(job, op="part", tmp=job.tmp, create=False,
@@ -337,33 +387,51 @@ class BackgroundMerger:
 
     def _look_for_job(self) -> None:
         """A follower: start its parts of the merge node 0 announced, if any (see
-        nodes.py); looks at most every 0.2 s."""
-        if not self._committed or time.time() - self._looked < 0.2:
+        nodes.py); looks at most every 0.2 s, on the files thread."""
+        if not self._committed or self._looking or time.time() - self._looked < 0.2:
             return
-        self._looked = time.time()
-        for it in sorted(self._committed, reverse=True):
-            output = self.output_dir(it)
-            tmp = merge_nodes.job_tmp(output, self.run_id)
-            job = _Job(it, self._committed[it], output, tmp=tmp)
-            try:
-                announced = merge_nodes.announced(tmp, it)
-            except Exception as err:  # a damaged announcement fails that merge, not training
-                announced, job.error = None, str(err)
-            if announced is None and job.error is None:
-                continue
-            for old in [i for i in self._committed if i <= it]:
-                del self._committed[old]
-            if announced is not None and announced.parts != self.config.parts:
-                job.error = (f"node 0 split the merge into {announced.parts} parts, this node "
-                             f"expected {self.config.parts} ({self.config.nodes} nodes of "
-                             f"{self.config.workers} workers): every node must be given the "
-                             f"same --universal-merge-workers")
-            if job.error is not None:
-                self.running = job
-                self._finish(job, {})
-            else:
-                self._start(job)
-            return
+        self._looked, self._looking = time.time(), True
+        committed = dict(self._committed)
+
+        def look():
+            for it in sorted(committed, reverse=True):
+                output = self.output_dir(it)
+                tmp = merge_nodes.job_tmp(output, self.run_id)
+                job = _Job(it, committed[it], output, tmp=tmp)
+                try:
+                    found = merge_nodes.announced(tmp, it)
+                except Exception as err:  # a damaged announcement fails that merge only
+                    found, job.error = None, str(err)
+                if found is not None or job.error is not None:
+                    return job, found
+            return None
+
+        def seen(result, error: Optional[BaseException]) -> None:
+            self._looking = False
+            self._looked = time.time()
+            if error is not None:
+                self.log(f" universal merge node {self.config.node}: cannot look for node 0's "
+                         f"merges: {error}")
+            elif result is not None and self.running is None:
+                self._take_job(*result)
+
+        self._io(look, seen)
+
+    def _take_job(self, job: _Job, announced) -> None:
+        """A follower: the merge node 0 announced (`announced`), or one whose announcement
+        could not be read (`job.error`)."""
+        for old in [i for i in self._committed if i <= job.iteration]:
+            del self._committed[old]
+        if announced is not None and announced.parts != self.config.parts:
+            job.error = (f"node 0 split the merge into {announced.parts} parts, this node "
+                         f"expected {self.config.parts} ({self.config.nodes} nodes of "
+                         f"{self.config.workers} workers): every node must be given the "
+                         f"same --universal-merge-workers")
+        if job.error is not None:
+            self.running = job
+            self._finish(job, {})
+        else:
+            self._start(job)
 
     def _send(self, job: _Job, k: int, request: dict) -> None:
         try:
@@ -371,7 +439,10 @@ class BackgroundMerger:
         except OSError as err:  # died between two requests: its pump reports it
             job.error = job.error or f"worker {k} could not take the request: {err}"
 
-    def _on_answer(self, index: int, answer: Optional[dict]) -> None:
+    def _on_answer(self, index: int, answer) -> None:
+        if index == _FILES:  # a continuation of the files thread's work (`_io`)
+            answer()
+            return
         job = self.running
         if answer is None:
             self.workers[index].alive = False
@@ -394,9 +465,24 @@ class BackgroundMerger:
         self._finish(job, answer)
 
     def _check_parts(self, job: _Job) -> None:
-        """Node 0, its own parts durable: commit once every node's are, fail on a failure."""
+        """Node 0, its own parts durable: a look at every node's, on the files thread (one at a
+        time, at most every 0.2 s; `_parts_seen` follows)."""
+        if job.reading or time.time() - job.read_at < 0.2:
+            return
+        job.reading, job.read_at = True, time.time()
+        self._io(lambda: merge_nodes.progress(job.tmp),
+                 lambda seen, error: self._parts_seen(job, seen, error))
+
+    def _parts_seen(self, job: _Job, seen, error: Optional[BaseException]) -> None:
+        """Node 0: commit once every node's parts are durable, fail on a failure."""
+        job.reading = False
+        if job is not self.running or job.committing:
+            return
         c = self.config
-        seen = merge_nodes.progress(job.tmp)
+        if error is not None:
+            job.error = f"cannot read the parts in {job.tmp}: {error}"
+            self._finish(job, {})
+            return
         missing = sorted(set(range(c.parts)) - set(seen.done))
         if len(seen.done) > job.parts_seen:
             job.parts_seen, job.remote_since = len(seen.done), time.time()
@@ -411,10 +497,18 @@ class BackgroundMerger:
         if job.error is not None:
             self._finish(job, {})
             return
-        merge_nodes.withdraw(job.tmp)
-        job.committing, job.waiting = True, {0}
-        self._send(job, 0, self._request(job, op="commit", tmp=job.tmp, parts=c.parts,
-                                         nodes=c.nodes, started=job.started))
+        job.committing = True
+
+        def withdrawn(_, error: Optional[BaseException]) -> None:
+            if error is not None:
+                job.error = f"cannot withdraw the announcement in {job.tmp}: {error}"
+                self._finish(job, {})
+                return
+            job.waiting = {0}
+            self._send(job, 0, self._request(job, op="commit", tmp=job.tmp, parts=c.parts,
+                                             nodes=c.nodes, started=job.started))
+
+        self._io(lambda: merge_nodes.withdraw(job.tmp), withdrawn)
 
     def _finish(self, job: _Job, answer: dict) -> None:
         self.running = None
@@ -434,17 +528,23 @@ class BackgroundMerger:
             return
         logs = ", ".join(w.log_path for w in self.workers if w is not None)
         if self.follows:  # node 0 fails the merge and removes its directory
-            merge_nodes.report_failure(job.tmp, self.config.node, job.error)
+            error = job.error
+            self._io(lambda: merge_nodes.report_failure(job.tmp, self.config.node, error))
             self.log(f" universal merge iteration {job.iteration:8d} | node "
                      f"{self.config.node}: FAILED, see {logs}: {job.error}")
             return
-        if job.tmp:
-            shutil.rmtree(job.tmp, ignore_errors=True)  # nothing of a failed merge is kept
+        if job.tmp:  # nothing of a failed merge is kept
+            self._io(lambda: shutil.rmtree(job.tmp, ignore_errors=True))
         self.log(f" universal merge iteration {job.iteration:8d} | FAILED, see {logs}: "
                  f"{job.error}")
         self._record({"iteration": job.iteration, "error": job.error, "log": logs})
 
     def _record(self, doc: dict) -> None:
-        with open(os.path.join(self.config.root, TELEMETRY_FILE), "a") as f:
-            f.write(json.dumps(dict(doc, time=time.time())) + "\n")
+        line = json.dumps(dict(doc, time=time.time())) + "\n"
+
+        def append() -> None:
+            with open(os.path.join(self.config.root, TELEMETRY_FILE), "a") as f:
+                f.write(line)
+
+        self._io(append)
 
