@@ -3,6 +3,7 @@ metadata operation waits --latency-ms, code versions side by side in one run.
 
     sudo python benchmarks/slow_metadata_bench.py --latency-ms 20
     sudo python benchmarks/slow_metadata_bench.py --latency-ms 20 --repos /tmp/old,.   # A/B
+    sudo python benchmarks/slow_metadata_bench.py --latency-ms 20 --commit-ranks 64
 
 On a parallel file system (Lustre, GPFS) creating, opening, listing, renaming or removing a file,
 and looking one up, is a round trip to a metadata server; a checkpoint makes every rank do several
@@ -19,6 +20,11 @@ disk (`SlowMetadata`: lookups, creations, opens, listings, renames, removals and
 It prints, per variant, the mean iteration time after the first --skip iterations and its
 median-of-rounds ratio to `none`, and the median stall per save that the checkpoint lines report
 (save call + wait before the optimizer step, the first save excluded: it plans).
+
+`--commit-ranks N` instead times the commit of one version of N ranks (`layout.try_commit`,
+what rank 0's commit thread does once every rank is durable: each rank's marker and the index it
+names are read and checked) on that file system, the markers read one after the other against
+today's way, interleaved over --rounds.
 
 Needs root, /dev/fuse, libfuse 2 (Debian: `apt-get install fuse libfuse2`) and `pip install
 fusepy` in the Python that runs it. The file system is served by a child process of this
@@ -185,6 +191,48 @@ def run(repo: Optional[Path], iters: int, skip: int, save: Path, interval: int) 
     return {"iter_ms": statistics.mean(times), "stall_ms": stalls}
 
 
+def commit_times(ranks: int, latency_ms: float, rounds: int, out: Optional[str]) -> None:
+    """--commit-ranks: `try_commit` of a version of `ranks` ranks (tiny shards, written to the
+    local disk first) on the slow mount, markers read serially against concurrently."""
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from datastates import CheckpointEngine, CommitPolicy, EngineConfig, layout
+
+    work = Path(tempfile.mkdtemp(prefix="slowmeta-", dir=out))
+    backing, mnt = work / "backing", work / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    version = backing / "iter_0000005"
+    concurrent_from = layout._SERIAL_MARKERS
+    times: Dict[str, List[float]] = {"one after the other": [], "concurrently": []}
+    try:
+        for r in range(ranks):
+            with CheckpointEngine(EngineConfig(rank=r, world_size=ranks, host_cache_bytes=1 << 20,
+                                               commit_policy=CommitPolicy.MANUAL)) as eng:
+                eng.wait_for_durable(eng.save({"x": torch.full((4,), float(r))}, str(version), 5))
+        with mounted(backing, mnt, latency_ms):
+            for rnd in range(rounds):
+                order = list(times) if rnd % 2 == 0 else list(reversed(times))
+                for name in order:
+                    layout._SERIAL_MARKERS = 1 << 30 if name == "one after the other" \
+                        else concurrent_from
+                    (version / layout.COMMIT_FILE).unlink(missing_ok=True)
+                    t0 = time.perf_counter()
+                    if not layout.try_commit(str(mnt / version.name), ranks):
+                        raise SystemExit("the version did not commit")
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        layout._SERIAL_MARKERS = concurrent_from
+        shutil.rmtree(work, ignore_errors=True)
+    serial = statistics.median(times["one after the other"])
+    print(f"commit of {ranks} ranks, metadata latency {latency_ms:g} ms, {rounds} rounds:")
+    for name, xs in times.items():
+        print(f"  markers read {name:20s} median {statistics.median(xs):7.2f} s  "
+              f"({', '.join(f'{x:.2f}' for x in xs)})  "
+              f"{serial / statistics.median(xs):5.1f}x")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--serve", nargs=3, metavar=("BACKING", "MOUNTPOINT", "LATENCY_S"),
@@ -197,9 +245,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--save-interval", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="where the backing directory goes (a local disk)")
+    p.add_argument("--commit-ranks", type=int, default=0, metavar="N",
+                   help="time the commit of a version of N ranks instead of training")
     a = p.parse_args(argv)
     if a.serve:
         serve(a.serve[0], a.serve[1], float(a.serve[2]))
+        return 0
+    if a.commit_ranks:
+        commit_times(a.commit_ranks, a.latency_ms, a.rounds, a.out)
         return 0
     repos = [Path(r).resolve() for r in a.repos.split(",")]
     names = ["none"] + [str(r) for r in repos]

@@ -186,3 +186,56 @@ def test_direct_reads_equal_buffered_reads_and_still_verify(tmp_path, monkeypatc
         f.write(bytes([f.read(1)[0] ^ 0x40]))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         CheckpointReader(d, direct=True).read("w")
+
+
+def test_many_ranks_markers_are_read_concurrently_with_the_same_outcomes(tmp_path, monkeypatch):
+    """Above 8 ranks `try_commit` lists the directory once and reads the markers concurrently
+    (each is ~3 metadata round trips on a shared file system): a missing marker still means not
+    yet, a corrupt one still raises naming its rank, and all valid commits."""
+    import json
+    import os
+    import threading
+    import time
+
+    from datastates import layout
+
+    world, d = 12, str(tmp_path / "v")
+    engines = [CheckpointEngine(EngineConfig(rank=r, world_size=world, host_cache_bytes=1 << 20,
+                                             commit_policy=CommitPolicy.MANUAL))
+               for r in range(world)]
+    try:
+        for r, eng in enumerate(engines[:-1]):
+            eng.wait_for_durable(eng.save({"x": torch.full((4,), float(r))}, d, step=5))
+        assert not try_commit(d, world)  # rank 11 has not written
+        engines[-1].wait_for_durable(engines[-1].save({"x": torch.zeros(4)}, d, step=5))
+    finally:
+        for eng in engines:
+            eng.close()
+    marker = os.path.join(d, layout.rank_marker_file(7))
+    good = open(marker).read()
+    doc = json.loads(good)
+    with open(marker, "w") as f:
+        json.dump(dict(doc, index_crc32=doc["index_crc32"] ^ 1), f)
+    with pytest.raises(CheckpointError, match="index checksum") as err:
+        try_commit(d, world)
+    assert err.value.rank == 7 and not is_committed(d)
+    with open(marker, "w") as f:
+        f.write(good)
+    active, most, lock = [0], [0], threading.Lock()
+    read = layout._valid_rank_marker
+
+    def counted(*args):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.02)  # a metadata round trip
+        try:
+            return read(*args)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(layout, "_valid_rank_marker", counted)
+    assert try_commit(d, world) and is_committed(d)
+    assert most[0] > 1  # read side by side, not one after the other
+    assert CheckpointReader(d).ranks() == list(range(world))
