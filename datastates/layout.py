@@ -18,7 +18,7 @@ import json
 import os
 import re
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import CheckpointError
 from .fileio import confined_path, fsync_dir, read_confined, replace_from_spare, safe_join
@@ -166,13 +166,7 @@ def _rank_markers(directory: str, ranks: List[int], world_size: int
     one by one would. (Above `_SERIAL_MARKERS` ranks a missing marker is seen before any other's
     error: the attempt once all are there raises it.)"""
     if len(ranks) <= _SERIAL_MARKERS:
-        docs = []
-        for r in ranks:
-            doc = _valid_rank_marker(directory, r, world_size)
-            if doc is None:
-                return None
-            docs.append(doc)
-        return docs
+        return _all_present(_valid_rank_marker(directory, r, world_size) for r in ranks)
     try:
         present = set(os.listdir(directory))
     except FileNotFoundError:
@@ -182,15 +176,21 @@ def _rank_markers(directory: str, ranks: List[int], world_size: int
     with concurrent.futures.ThreadPoolExecutor(
             min(_MARKER_READERS, len(ranks)), thread_name_prefix="datastates-markers") as pool:
         futures = [pool.submit(_valid_rank_marker, directory, r, world_size) for r in ranks]
-        docs = []
-        for f in futures:
-            doc = f.result()  # (raises that rank's error)
-            if doc is None:
-                for later in futures:
-                    later.cancel()
-                return None
-            docs.append(doc)
+        docs = _all_present(f.result() for f in futures)  # (raises a rank's error, in order)
+        if docs is None:
+            for f in futures:
+                f.cancel()
         return docs
+
+
+def _all_present(docs: Iterable[Optional[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
+    """`docs` as a list, or None at the first that is None (the rest not taken)."""
+    out = []
+    for doc in docs:
+        if doc is None:
+            return None
+        out.append(doc)
+    return out
 
 
 def try_commit(directory: str, world_size: int, ranks: Optional[Sequence[int]] = None) -> bool:
