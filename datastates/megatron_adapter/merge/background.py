@@ -390,7 +390,7 @@ class BackgroundMerger:
         nodes.py); looks at most every 0.2 s, on the files thread."""
         if not self._committed or self._looking or time.time() - self._looked < 0.2:
             return
-        self._looked, self._looking = time.time(), True
+        self._looked, self._looking = time.time(), True  # (every 0.2 s from its start)
         committed = dict(self._committed)
 
         def look():
@@ -408,7 +408,6 @@ class BackgroundMerger:
 
         def seen(result, error: Optional[BaseException]) -> None:
             self._looking = False
-            self._looked = time.time()
             if error is not None:
                 self.log(f" universal merge node {self.config.node}: cannot look for node 0's "
                          f"merges: {error}")
