@@ -189,18 +189,20 @@ def _rng_sharded_objects(layout: RngLayout, is_loading: bool) -> dict:
     offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
     dp_shape, dp_offset = (ps.get_data_parallel_world_size(),), (ps.get_data_parallel_rank(),)
     state = rng_state()  # taken once: both layouts save the same states (a save per iteration)
-    if "cuda_rng_state" not in state:  # Megatron-LM's loader requires it (see `rng_state`)
-        megatron_lm = {**state, "cuda_rng_state": state["torch_rng_state"].clone()}
-    else:
-        megatron_lm = state
-    theirs = {"rng_state": ShardedObject("rng_state", [megatron_lm], shape, offset,
-                                         replica_id=ps.get_data_parallel_rank())}
+
+    def theirs() -> dict:
+        # Megatron-LM's loader requires cuda_rng_state (see `rng_state`).
+        megatron_lm = state if "cuda_rng_state" in state else \
+            {**state, "cuda_rng_state": state["torch_rng_state"].clone()}
+        return {"rng_state": ShardedObject("rng_state", [megatron_lm], shape, offset,
+                                           replica_id=ps.get_data_parallel_rank())}
+
     if layout is RngLayout.MEGATRON_LM:
-        return theirs
+        return theirs()
     key = "rng_state" if layout is RngLayout.PER_RANK else RNG_PER_RANK_KEY
     ours = {key: ShardedObject(key, state, shape + dp_shape, offset + dp_offset, replica_id=0)}
     # Loading reads ours only; Megatron-LM's copy is for Megatron-LM.
-    return ours if is_loading or layout is RngLayout.PER_RANK else {**ours, **theirs}
+    return ours if is_loading or layout is RngLayout.PER_RANK else {**ours, **theirs()}
 
 
 def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading: bool,
