@@ -190,14 +190,15 @@ def count_collectives() -> None:
 
 
 def install_cprofile(skip: int):
-    """cProfile around `LazyCheckpointer.save` calls after the first `skip` (function-level
-    detail inside the spans; it slows what it measures, so read its shares, not its times)."""
+    """cProfile around save calls after the first `skip` (the trainer's dict and
+    `LazyCheckpointer.save`: function-level detail inside the spans; it slows what it measures,
+    so read its shares, not its times)."""
     import cProfile
 
-    import datastates.megatron_adapter.save.checkpointer as checkpointer
+    from megatron.training.checkpointing import lazy as lazy_checkpointing
 
     prof, calls = cProfile.Profile(), [0]
-    fn = checkpointer.LazyCheckpointer.save
+    fn = lazy_checkpointing.LazyCheckpointManager._save
 
     def profiled(*args, **kwargs):
         calls[0] += 1
@@ -209,7 +210,7 @@ def install_cprofile(skip: int):
         finally:
             prof.disable()
 
-    checkpointer.LazyCheckpointer.save = profiled
+    lazy_checkpointing.LazyCheckpointManager._save = profiled
     return prof
 
 
@@ -263,7 +264,8 @@ def main(argv=None) -> int:
                    help="rebuild and validate the plan on every save (the cost before cached "
                         "plans, for a same-machine comparison)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
-                   help="also print the N functions with the most own time inside the save call")
+                   help="also print the N functions with the most own time inside the save call "
+                        "(PROFILE_SORT=cumtime: the most inclusive time)")
     a = p.parse_args(argv)
     from megatron.training import warning_filters
 
