@@ -10,8 +10,11 @@ Trains the GPT of `checkpoint_compare.py` in this process (one rank, or each ran
 which then needs a --save shared by the ranks in --extra; a checkpoint after every iteration)
 with `time.perf_counter` spans wrapped around the functions a save goes through, and prints each
 span's median inclusive time per call (ms) over the saves after the first (the first
-builds caches). Spans nest: an indented line is part of the line above it. "save call" and "wait
-before step" together are the stall `checkpoint_compare.py` reports; "poll" (agreements, the
+builds caches). Spans nest: an indented line is part of the line above it. A save's dict and work
+are part of its call, except a steady in-memory save's: the checkpointer's save worker makes them
+during the next forward/backward (`datastates/megatron_adapter/save/offload.py`), and "wait
+before step" includes the wait for it. "save call" and "wait before step" together are the
+stall `checkpoint_compare.py` reports; "poll" (agreements, the
 commit's collectives, retention) runs at the end of each iteration, outside that stall, and the
 last line adds it: what each save costs the training thread. The commit marker and tracker are
 written by rank 0's commit thread, whose spans are timed there, off the training loop. No change
@@ -86,40 +89,43 @@ def install_spans() -> None:
     mgr = lazy_checkpointing.LazyCheckpointManager
     spans = [
         (mgr, "_save", "save call"),
-        (mgr, "_state_dict", "  sharded state dict (trainer)"),
-        (lazy_checkpointing, "build_sharded_state_dict", "    megatron sharded_state_dict()"),
-        (distopt_shards, "param_state_boxes", "    distributed-optimizer boxes"),
-        (checkpointer.LazyCheckpointer, "save", "  LazyCheckpointer.save"),
+        (lazy_checkpointing, "save_values", "  RNG states and counters taken"),
+        (checkpointer.LazyCheckpointer, "save_built", "  LazyCheckpointer.save_built"),
+        (mgr, "_state_dict", "sharded state dict (trainer; steady in memory: save worker)"),
+        (lazy_checkpointing, "build_sharded_state_dict", "  megatron sharded_state_dict()"),
+        (distopt_shards, "param_state_boxes", "  distributed-optimizer boxes"),
+        (checkpointer.LazyCheckpointer, "_save",
+         "the save's work (steady in memory: on the save worker)"),
         (checkpointer.LazyCheckpointer, "_prepare_directory",
-         "    version directory (rank 0; steady: its files thread)"),
-        (checkpointer, "make_spare", "      spare files (2 per save)"),
-        (checkpointer.LazyCheckpointer, "_before_save", "    commit to settle first (in memory)"),
-        (preprocess, "split", "    preprocessing in one walk (split)"),
-        (checkpointer.SavePlanCache, "prepare", "    plan check (fingerprint)"),
-        (checkpointer.LazyCheckpointer, "_settled", "    commit settled (in memory)"),
-        (checkpointer, "_megatron_save", "    the save: megatron's call, or without it"),
-        (dist_checkpointing, "save", "      megatron dist_checkpointing.save"),
-        (dist_checkpointing.serialization, "save_preprocess", "        megatron save_preprocess"),
-        (state_dict_utils, "apply_factories", "          apply_factories"),
-        (state_dict_utils, "extract_nonpersistent", "          extract_nonpersistent"),
-        (state_dict_utils, "extract_sharded_base", "          extract_sharded_base"),
+         "  version directory (rank 0; steady: its files thread)"),
+        (checkpointer, "make_spare", "    spare files (2 per save)"),
+        (checkpointer.LazyCheckpointer, "_before_save", "  commit to settle first (in memory)"),
+        (preprocess, "split", "  preprocessing in one walk (split)"),
+        (checkpointer.SavePlanCache, "prepare", "  plan check (fingerprint)"),
+        (checkpointer.LazyCheckpointer, "_settled", "  commit settled (in memory)"),
+        (checkpointer, "_megatron_save", "  the save: megatron's call, or without it"),
+        (dist_checkpointing, "save", "    megatron dist_checkpointing.save"),
+        (dist_checkpointing.serialization, "save_preprocess", "      megatron save_preprocess"),
+        (state_dict_utils, "apply_factories", "        apply_factories"),
+        (state_dict_utils, "extract_nonpersistent", "        extract_nonpersistent"),
+        (state_dict_utils, "extract_sharded_base", "        extract_sharded_base"),
         (state_dict_utils, "filter_out_empty_flatten_tensor",
-         "          filter_out_empty_flatten_tensor"),
-        (state_dict_utils, "determine_global_metadata", "          determine_global_metadata"),
-        (state_dict_utils, "validate_sharding_integrity", "          validate_sharding_integrity"),
-        (strategies.DurableCommonSaveStrategy, "save_common", "        common.pt (torch.save)"),
+         "        filter_out_empty_flatten_tensor"),
+        (state_dict_utils, "determine_global_metadata", "        determine_global_metadata"),
+        (state_dict_utils, "validate_sharding_integrity", "        validate_sharding_integrity"),
+        (strategies.DurableCommonSaveStrategy, "save_common", "      common.pt (torch.save)"),
         (fully_parallel.FullyParallelSaveStrategyWrapper, "async_save",
-         "        fully-parallel wrapper async_save"),
-        (strategies.DataStatesSaveStrategy, "async_save", "          DataStates async_save"),
-        (payload.PayloadPlan, "flatten", "            payload (PayloadPlan.flatten)"),
-        (payload, "engine_payload", "              engine_payload (plan built)"),
-        (payload, "flatten_state", "              flatten_state (all / objects only)"),
-        (engine.CheckpointEngine, "save", "            engine.save"),
-        (engine, "flatten_state", "              flatten_state"),
-        (engine, "plan_layout", "              plan_layout"),
-        (engine.CheckpointEngine, "start_copies", "    engine.start_copies"),
+         "      fully-parallel wrapper async_save"),
+        (strategies.DataStatesSaveStrategy, "async_save", "        DataStates async_save"),
+        (payload.PayloadPlan, "flatten", "          payload (PayloadPlan.flatten)"),
+        (payload, "engine_payload", "            engine_payload (plan built)"),
+        (payload, "flatten_state", "            flatten_state (all / objects only)"),
+        (engine.CheckpointEngine, "save", "          engine.save"),
+        (engine, "flatten_state", "            flatten_state"),
+        (engine, "plan_layout", "            plan_layout"),
+        (engine.CheckpointEngine, "start_copies", "  engine.start_copies"),
         (engine.CheckpointEngine, "_withdraw",
-         "engine files made (writer thread; in memory: save call)"),
+         "engine files made (writer thread; in memory: the save's work)"),
         (engine.layout, "invalidate", "  layout.invalidate"),
         (mgr, "before_optimizer_step", "wait before step"),
         (mgr, "after_iteration", "poll (end of iteration)"),

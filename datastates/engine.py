@@ -96,6 +96,7 @@ class CheckpointEngine:
                                       rank=config.rank, file=config.mapped_slot_dir) from e
         self._copy_q: "queue.Queue" = queue.Queue()
         self._held: List[tuple] = []  # (save, its copy groups) not yet handed to copy threads
+        self._marked: Dict[Any, Any] = {}  # `mark_ready`'s CUDA event, for the next save
         self._write_q: "queue.Queue" = queue.Queue()
         self._threads = [threading.Thread(target=self._copy_loop, name=f"datastates-copy-{i}",
                                           daemon=True) for i in range(config.copy_threads)]
@@ -320,8 +321,22 @@ class CheckpointEngine:
                                "uncommitted; earlier versions are intact", rank=self.cfg.rank,
                                file=sv.shard_path)
 
+    def mark_ready(self) -> None:
+        """Before a `save` made on another thread (e.g. the adapter's save worker, during the
+        next forward/backward): records, on the caller's current CUDA stream, the point after
+        which the tensors of that save are ready (the optimizer step's kernels are queued before
+        it), so that its copies do not also wait for the kernels queued between now and the
+        `save`. Without CUDA, nothing."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            dev = torch.device("cuda", torch.cuda.current_device())
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dev))
+            self._marked = {dev: event}
+
     def _record_ready_events(self, entries: List[TensorEntry]) -> Dict[Any, Any]:
-        events = {}
+        """Per CUDA device of `entries`, an event after which their tensors are ready: the one
+        `mark_ready` recorded for it, else one recorded now on the device's current stream."""
+        events, self._marked = self._marked, {}
         for e in entries:
             dev = e.tensor.device
             if e.tensor.is_cuda and dev not in events:

@@ -62,6 +62,16 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.fixture
+def one_rank_megatron(one_rank_group):
+    """`one_rank_group` with megatron-core's parallel state over it (TP = PP = DP = 1)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group_left():
     """Every test starts without a default process group or megatron's microbatch calculator,

@@ -16,19 +16,6 @@ from megatron.core.dist_checkpointing import ShardedTensor
 WAIT_S = 60.0  # a bound for background work to reach a state, never a timing assertion
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def _state(step):
     data = torch.arange(64, dtype=torch.float32).reshape(8, 8) + 1000 * step
     return {"w": ShardedTensor("w", data, data.dtype, (8, 8), (8, 8), (0, 0), (1, 1)),
@@ -94,7 +81,7 @@ def _first_committed(tmp_path):
     return root, ckpt
 
 
-def test_commit_files_are_written_by_the_commit_thread(tmp_path, one_rank, monkeypatch):
+def test_commit_files_are_written_by_the_commit_thread(tmp_path, one_rank_megatron, monkeypatch):
     from datastates.megatron_adapter.save import checkpointer, strategies
 
     threads = []
@@ -122,7 +109,7 @@ def test_commit_files_are_written_by_the_commit_thread(tmp_path, one_rank, monke
         assert (version / "COMMIT.json").is_file() and _loads(root, step)
 
 
-def test_steady_saves_make_no_file_system_call_on_the_training_thread(tmp_path, one_rank):
+def test_steady_saves_make_no_file_system_call_on_the_training_thread(tmp_path, one_rank_megatron):
     """Once a save has planned (the first makes its directory in the call: megatron's save lists
     it), the save calls, the waits before the step and the polls that commit them make no
     file-system call under the root on the training thread: rank 0's version directory and
@@ -154,7 +141,7 @@ def test_steady_saves_make_no_file_system_call_on_the_training_thread(tmp_path, 
     assert _loads(root, 5) and _loads(root, 6)
 
 
-def test_a_commit_in_flight_blocks_neither_poll_nor_the_next_save(tmp_path, one_rank,
+def test_a_commit_in_flight_blocks_neither_poll_nor_the_next_save(tmp_path, one_rank_megatron,
                                                                   monkeypatch):
     entered, release = threading.Event(), threading.Event()
     _hook_tracker(monkeypatch, lambda _root: (entered.set(), release.wait(WAIT_S)))
@@ -174,7 +161,7 @@ def test_a_commit_in_flight_blocks_neither_poll_nor_the_next_save(tmp_path, one_
     assert all(_loads(root, step) for step in (1, 2, 3))
 
 
-def test_a_failed_commit_is_raised_and_the_tracker_stays(tmp_path, one_rank, monkeypatch):
+def test_a_failed_commit_is_raised_and_the_tracker_stays(tmp_path, one_rank_megatron, monkeypatch):
     from datastates.errors import CheckpointError
 
     def full_disk(root):
@@ -190,7 +177,7 @@ def test_a_failed_commit_is_raised_and_the_tracker_stays(tmp_path, one_rank, mon
 
 
 def test_a_finalize_function_megatron_adds_in_future_still_runs_on_the_training_thread(
-        tmp_path, one_rank, monkeypatch):
+        tmp_path, one_rank_megatron, monkeypatch):
     """The commit thread writes metadata.json in place of megatron's only finalize function; if
     megatron's request ever holds another one, every finalize function runs as megatron would run
     it, on the training thread, and the commit thread does not write metadata.json again."""
@@ -218,7 +205,7 @@ def test_a_finalize_function_megatron_adds_in_future_still_runs_on_the_training_
     assert meta["sharded_backend"] == "datastates" and _tracked(root) == 2 and _loads(root, 2)
 
 
-def test_an_error_after_the_last_commit_is_agreed_on_at_finish(tmp_path, one_rank):
+def test_an_error_after_the_last_commit_is_agreed_on_at_finish(tmp_path, one_rank_megatron):
     """What follows the final commit (retention, here) has no later save to be agreed on with:
     `finish` agrees on it once more and raises it, naming the last committed iteration, instead
     of ending the run as if nothing had failed."""
@@ -263,7 +250,7 @@ def test_a_failed_save_names_a_newer_version_complete_on_another_level(tmp_path)
 
 
 @pytest.mark.parametrize("attributed", [True, False])
-def test_a_failure_raised_by_the_next_save_call_stays_with_its_own_save(tmp_path, one_rank,
+def test_a_failure_raised_by_the_next_save_call_stays_with_its_own_save(tmp_path, one_rank_megatron,
                                                                         monkeypatch, attributed):
     """The engine raises a save's background failure at its next call, which may be the next
     save call. It is that earlier save's failure: the run stops naming it. It used to go with

@@ -12,20 +12,12 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 
 
 @pytest.fixture
-def one_rank(tmp_path, monkeypatch):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    parallel_state.initialize_model_parallel()
+def one_rank(one_rank_megatron, monkeypatch):
     calls = []
     real = state_dict_utils.validate_sharding_integrity
     monkeypatch.setattr(state_dict_utils, "validate_sharding_integrity",
                         lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     yield calls
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _state(shapes, step, global_shapes=None):

@@ -47,11 +47,21 @@ its commit thread writes during the optimizer step, then removes the older versi
 (retention); in the next save each node's leader waits for its own commit thread, and the plan
 check's all-reduce both settles the commit (every rank's commit thread succeeded) and orders those
 removals before any rank takes a slot, so memory holds two versions and the engine's two reusable
-shard files (`WriteMode.MAPPED` slots, registered for DMA with CUDA) take turns. An in-memory
-version every iteration costs the training thread 2 control-plane collectives per iteration on N
-ranks: that agreement (an all-gather that carries the commit's figures too, the save call's time
-among them, which Megatron's timer report then prints: `on_call_times`) and the plan check (which
-carries the settle).
+shard files (`WriteMode.MAPPED` slots, registered for DMA with CUDA) take turns.
+
+A steady in-memory save (its structure unchanged in the previous save, as every rank agreed) runs
+on the save worker (`offload.SaveWorker`): the trainer's `save_built` call captures what the next
+forward/backward changes (RNG states, counters) and returns; the worker builds the dict and makes
+the save (plan check, payload, engine call, the version's files) during that forward/backward;
+`before_optimizer_step` joins it, then waits for the copies. While a job is in flight the
+training thread issues no checkpoint collective (the poll after it runs on the worker too), and
+what a job says is said on the training thread at the join. A structure change found by a job's
+plan check (agreed) is handed back: the training thread makes that save at the join (megatron's
+call and its collectives). An in-memory version every iteration then costs the training thread
+one control-plane collective per iteration on N ranks: the agreement before the step (an
+all-gather that carries the commit's figures too, the save call's time among them, which
+Megatron's timer report then prints: `on_call_times`); the plan check, which carries the
+settle, is the worker's.
 """
 from __future__ import annotations
 
@@ -81,6 +91,7 @@ from ...flatten import TensorShard
 from ...layout import COMMIT_FILE, is_committed, try_commit
 from ...mapped import cuda_dma_probe
 from ..levels import local_tier
+from .offload import SaveWorker
 from .payload import PayloadPlan
 from .replica_check import ReplicaCheck, ReplicaMismatch
 from .plan import PreparedSave, SavePlanCache, StructurePolicy
@@ -165,6 +176,12 @@ class LazySaveConfig:
     (`WriteMode.MAPPED`: one copy, no host cache); with CUDA, those pages are registered for DMA,
     and where that fails (`cuda_dma_probe`) the copy goes through the pinned host cache."""
 
+    offload_steady_saves: bool = True
+    """The in-memory level's steady saves (its structure unchanged in the previous save, as
+    every rank agreed) run on the save worker (`offload.SaveWorker`), during the next
+    forward/backward, from what `save_built`'s caller captured in its call; the training thread
+    joins it before the optimizer step. False: every save runs in its call."""
+
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be positive, found {self.cache_bytes}")
@@ -236,6 +253,15 @@ class _Publishing:
     future: Optional[Future]
 
 
+class _Call(NamedTuple):
+    """The training thread's part of a save call whose work ran on the save worker."""
+
+    stall_s: float  # the call, and the commit made before it (`_commit_ahead`)
+    t_start: float  # wall clock at the call
+    t_returned: float  # wall clock when it returned
+    call_s: float  # from the caller's `called_at` (Megatron's timer)
+
+
 class _Settling(NamedTuple):
     """This rank's side of settling the in-memory level's commit in flight (`_settle_here`): its
     commit thread's failure, and the values the next plan check reduces for it (failed here,
@@ -254,13 +280,25 @@ class LazyCheckpointer:
                  on_refused: Optional[Callable[[int, str], None]] = None,
                  on_call_times: Optional[Callable[[int, str, float, float], None]] = None):
         self.config = config
-        self.log = log
+        # Steady in-memory saves run on it (`save_built`); what they say (log lines, records)
+        # is said on the training thread when it joins them.
+        self._worker = SaveWorker()
+        spoken = self._worker.spoken
+        self.log = spoken(log)
         self.after_commit = after_commit
         #: Every rank, when a version of a lane that `commits_ahead` commits: (iteration, root,
         #: fastest and slowest rank's save call in seconds), gathered in its agreement.
-        self.on_call_times = on_call_times
-        self.on_record = on_record  # rank 0: each committed checkpoint's record (as logged)
-        self.on_refused = on_refused  # every rank: (iteration, root) of a version refused
+        self.on_call_times = None if on_call_times is None else spoken(on_call_times)
+        #: Rank 0: each committed checkpoint's record (as logged).
+        self.on_record = None if on_record is None else spoken(on_record)
+        #: Every rank: (iteration, root) of a version refused.
+        self.on_refused = None if on_refused is None else spoken(on_refused)
+        #: The in-memory level's last plan check found its structure unchanged on every rank: its
+        #: next save runs on the worker (`_offloads`). Set from agreed values only.
+        self._memory_steady = False
+        #: A save the worker handed back: its plan check found the structure changed, so it is
+        #: made by the training thread (megatron's collectives), at the join (`_join`).
+        self._redo: Optional[Callable[[], None]] = None
         self._saves = 0  # save calls, for --ckpt-verify-replicas EVERY
         self._verifier = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-verify")
                           if config.verify_replicas_every else None)
@@ -344,7 +382,7 @@ class LazyCheckpointer:
                          "committed": tracked_iteration(config.root),
                          "newest_complete": complete[-1] if complete else None})
         if config.universal_every_n:
-            self._start_mergers(log)
+            self._start_mergers(self.log)
 
     def _copies_once_into(self, slot_dir: str) -> bool:
         """In-memory versions: whether this rank's engine copies each tensor straight into the
@@ -394,6 +432,7 @@ class LazyCheckpointer:
     def busy(self, root: Optional[str] = None) -> bool:
         """Whether `root`'s lane (None: --save's) holds a save not yet committed. The same on
         every rank: saves leave a lane only after an agreement."""
+        self._join()
         return bool(self._lane_of(root or self.config.root).uncommitted())
 
     def _start_mergers(self, log: Callable[[str], None]) -> None:
@@ -443,6 +482,7 @@ class LazyCheckpointer:
     def in_flight(self, iteration: int, root: Optional[str] = None) -> bool:
         """True when the newest save in flight is of `iteration` into `root` (None: the
         config's), e.g. the end-of-training save right after an interval save."""
+        self._join()
         root = root or self.config.root
         lane = self._lane_of(root)
         newest = lane.uncommitted()[-1] if lane.uncommitted() else None
@@ -455,6 +495,74 @@ class LazyCheckpointer:
              called_at: Optional[float] = None) -> None:
         """`called_at`: `time.perf_counter()` when the caller's save call began (e.g. before it
         built `sharded_state_dict`), for the call's time reported at commit (`on_call_times`)."""
+        self._join()
+        self._save(iteration, sharded_state_dict, extra_shards, content_metadata, root, called_at)
+
+    def save_built(self, iteration: int, build: Callable[[], Tuple[Any, Sequence[TensorShard]]],
+                   content_metadata: Optional[dict] = None, root: Optional[str] = None,
+                   called_at: Optional[float] = None) -> None:
+        """`save` of what `build()` returns (the sharded state dict and the extra shards), built
+        in this call or, for a steady in-memory save (`_offloads`), on the save worker during the
+        next forward/backward, which this call then returns without waiting for. `build` may
+        then read the model and the optimizer (unchanged until the next optimizer step, which
+        `before_optimizer_step` holds until the worker is done) but nothing the forward/backward
+        changes: the caller captures the RNG states (and counters) before this call."""
+        t0, wall0 = time.perf_counter(), time.time()
+        called = t0 if called_at is None else called_at
+        self._join()
+        root = root or self.config.root
+        if not self._offloads(root):
+            sd, extra = build()
+            self._save(iteration, sd, extra, content_metadata, root, called)
+            return
+        lane = self._lane_of(root)
+        lane.engine.mark_ready()  # the point in the CUDA stream that the copies wait for
+        # What the training thread spent: the commit before this step (`_commit_ahead`) and this.
+        ahead, self._ahead_s = self._ahead_s, 0.0
+        call = _Call(time.perf_counter() - t0 + ahead, wall0, time.time(),
+                     time.perf_counter() - called)
+
+        def job() -> None:
+            sd, extra = build()
+            self._save(iteration, sd, extra, content_metadata, root, called, offloaded=call)
+
+        self._worker.submit(job)
+
+    def _offloads(self, root: str) -> bool:
+        """Whether a save into `root` runs on the worker: the in-memory level's, while its last
+        plan check found the structure unchanged on every rank and megatron's call is known to
+        do nothing a steady save does not (the job then issues no collective but the control
+        plane's). The same answer on every rank: agreed values only."""
+        lane = self.node_lane
+        return (self.config.offload_steady_saves and lane is not None
+                and root == self.config.non_persistent_root and self._commits_ahead(lane)
+                and self._memory_steady and self._megatron_call_known
+                and not self.disabled and self._failed is None)
+
+    def _join(self) -> float:
+        """Training thread, before anything that reads the lanes or issues a collective: waits for
+        the worker's jobs (saying what they said, raising what one raised), then makes the save it
+        handed back, if any (`_redo`). Returns the seconds waited for the jobs."""
+        if not self._worker.in_flight or self._worker.on_worker():
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            self._worker.join()
+        except BaseException:
+            self._redo = None
+            raise
+        waited = time.perf_counter() - t0
+        redo, self._redo = self._redo, None
+        if redo is not None:
+            redo()
+        return waited
+
+    def _save(self, iteration: int, sharded_state_dict: Any,
+              extra_shards: Sequence[TensorShard], content_metadata: Optional[dict],
+              root: Optional[str], called_at: Optional[float],
+              offloaded: Optional["_Call"] = None) -> None:
+        """`save`'s work, in its call or (`offloaded`: the training thread's part of the call) on
+        the worker."""
         from megatron.core import parallel_state
 
         from .preprocess import split
@@ -464,8 +572,14 @@ class LazyCheckpointer:
         root = root or self.config.root
         # The in-memory level's previous version, committed before this step (`_commit_ahead`):
         # training waited for that too, counted in this save's stall as when it ran here.
-        if root == self.config.non_persistent_root:
+        if root == self.config.non_persistent_root and offloaded is None:
             t0, self._ahead_s = t0 - self._ahead_s, 0.0
+
+        def call_times() -> "_Call":
+            if offloaded is not None:
+                return offloaded
+            return _Call(time.perf_counter() - t0, wall0, time.time(),
+                         time.perf_counter() - called)
         if root not in (self.config.root, self.config.non_persistent_root):
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
                              f"non-persistent root {self.config.non_persistent_root}")
@@ -502,6 +616,18 @@ class LazyCheckpointer:
             deferred = deferred and planned[0].reuse_distribution
         plan, strategy, base, validate = planned
         plans = self.node_plans if node_local else self.plans
+        if offloaded is not None and not plan.failed and \
+                not (plan.reuse_distribution and self._megatron_call_known):
+            # Some rank's structure changed (agreed): megatron's call, with its collectives on
+            # the training thread's groups, is made there, at the join, from this dict.
+            plans.forget()
+            payloads.forget()
+            if writer and not prepare_failed:
+                shutil.rmtree(directory, ignore_errors=True)
+            self._saves -= 1  # (--ckpt-verify-replicas counts the save made there)
+            self._redo = lambda: self._save(iteration, sharded_state_dict, extra_shards,
+                                            content_metadata, root, called_at)
+            return
         request = None
         serialized: List[tuple] = []  # (path, bytes) of common.pt, written once the call is done
 
@@ -510,9 +636,10 @@ class LazyCheckpointer:
             # for this save; its failure is agreed on at the next poll.
             plans.forget()
             payloads.forget()
+            stall, start, returned, call_s = call_times()
             lane.pending.append(_Pending(iteration, root, node_local, directory, None, None,
-                                         time.perf_counter() - t0, wall0, time.time(), [],
-                                         errors, check, call_s=time.perf_counter() - called))
+                                         stall, start, returned, [], errors, check,
+                                         call_s=call_s))
             return
         try:
             # After megatron's collectives, rank 0 hands common.pt to its writer thread and every
@@ -545,9 +672,9 @@ class LazyCheckpointer:
         files += [lane.files.submit(self._write_file, iteration, path, data)
                   for path, data in serialized]
         lane.engine.start_copies()
+        stall, start, returned, call_s = call_times()
         lane.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
-                                     time.perf_counter() - t0, wall0, time.time(), files,
-                                     errors, check, call_s=time.perf_counter() - called))
+                                     stall, start, returned, files, errors, check, call_s=call_s))
 
     def _before_save(self, lane: _Lane, root: str, iteration: int) -> Optional[_Settling]:
         """Every rank, before a save into `lane`: what must be committed first. Returns this
@@ -608,6 +735,8 @@ class LazyCheckpointer:
                 return None
         if not plan.reuse_distribution:
             self.node_payloads.forget()
+        if self._commits_ahead(lane):  # agreed: the next save may run on the worker
+            self._memory_steady = plan.reuse_distribution and not plan.failed
         strategy, base = save_strategy(lane.engine, iteration, None, None,
                                        extra_shards=extra_shards, payload_plan=self.node_payloads,
                                        defer_copies=True, checked=_checked(self.node_plans, plan))
@@ -714,6 +843,7 @@ class LazyCheckpointer:
 
     # -- 3) before optimizer step i+1 --------------------------------------------------------
     def before_optimizer_step(self) -> None:
+        joined_s = self._join()  # a save made on the worker: the training thread waited for it
         for lane in self.lanes:
             if not lane.pending:
                 continue
@@ -723,7 +853,8 @@ class LazyCheckpointer:
             check = lane.pending[-1].replica_check
             if check is not None:  # it reads the live tensors: done before they change
                 self._guard(check.wait)
-            lane.pending[-1].stall_s += time.perf_counter() - t0
+            lane.pending[-1].stall_s += time.perf_counter() - t0 + (
+                joined_s if lane is self.node_lane else 0.0)
             if self._commits_ahead(lane) and self._failed is None and not self.disabled:
                 t1 = time.perf_counter()
                 self._apply_policy(lambda: self._commit_ahead(lane))
@@ -732,13 +863,24 @@ class LazyCheckpointer:
     def record(self, event: Dict[str, Any]) -> None:
         """Rank 0: one more event (a JSON object with "event" and "time") in the telemetry the
         timeline tool reads, e.g. the trainer's validation; other ranks ignore it."""
+        self._join()  # after the lines of the saves before it
         if self.rank == 0:
             self._event(dict(event))
 
     # -- 4) every iteration ------------------------------------------------------------------
     def poll(self, iteration: int) -> None:
+        if self._worker.in_flight:
+            # This iteration's save runs on the worker: the poll's collectives go after it, on
+            # the same thread (every rank submitted the same jobs), joined before the next step.
+            now = time.time()
+            self._worker.submit(lambda: self._poll(iteration, now))
+            return
+        self._poll(iteration, time.time())
+
+    def _poll(self, iteration: int, now: float) -> None:
+        """`poll`'s work; `now`: the wall clock when the iteration ended (its poll call)."""
         if self.rank == 0:
-            self._event({"event": "iteration", "iteration": iteration, "time": time.time()})
+            self._event({"event": "iteration", "iteration": iteration, "time": now})
         if self._uncommitted():
             self._apply_policy(lambda: self._commit_ready(blocking=False, iteration=iteration))
         for merger in (self.universal, self._merge_follower):
@@ -748,6 +890,7 @@ class LazyCheckpointer:
     # -- 5) at exit --------------------------------------------------------------------------
     def finish(self) -> None:
         try:
+            self._join()
             if self._failed is None:
                 self._apply_policy(lambda: self._commit_ready(blocking=True))
                 if self._failed is None and not self.disabled:
@@ -766,6 +909,7 @@ class LazyCheckpointer:
                     self._warn(f"[rank {self.rank}] WARNING: telemetry lines were still waiting "
                                f"for the file system after {self.config.drain_timeout_s:g} s "
                                "(not answering?); they are dropped at exit")
+                self._worker.close()
                 if self._verifier is not None:
                     self._verifier.shutdown(wait=False, cancel_futures=True)
                 for lane in self.lanes:

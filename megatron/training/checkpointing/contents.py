@@ -205,16 +205,35 @@ def _rng_sharded_objects(layout: RngLayout, is_loading: bool) -> dict:
     return ours if is_loading or layout is RngLayout.PER_RANK else {**ours, **theirs()}
 
 
+@dataclass(frozen=True)
+class SaveValues:
+    """What a save's dict holds that the training loop changes before the next optimizer step,
+    taken in the save call: the RNG states (the next forward's dropout draws from them), the
+    counters and the schedule. The rest (the model's and the optimizer's parts) may be built
+    later, until that step (`LazyCheckpointer.save_built`)."""
+
+    rng: dict  # the RNG states' ShardedObjects (none without --save-rng)
+    common: dict  # `common_state`
+    scheduler: dict  # the learning-rate scheduler's state
+
+
+def save_values(state: TrainState, config: RunConfig, include_rng: bool) -> SaveValues:
+    return SaveValues(_rng_sharded_objects(RngLayout.BOTH, False) if include_rng else {},
+                      common_state(state, config),
+                      {} if state.scheduler is None else state.scheduler.state_dict())
+
+
 def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading: bool,
                              include_optim: bool, include_rng: bool,
                              optimizer_metadata: Optional[dict] = None,
                              rng_layout: RngLayout = RngLayout.BOTH,
-                             cache: Any = None) -> dict:
+                             cache: Any = None, values: Optional[SaveValues] = None) -> dict:
     """The dict torch_dist saves: model and optimizer sharded state plus common state, with
     what Megatron-LM's loader reads too (its ``args``, FLOP count and RNG layout).
     `optimizer_metadata` and `rng_layout` describe a checkpoint being loaded (default: ours).
     `cache`: a `state_cache.SaveStateCache` the model's and optimizer's parts come from when
-    saving, if not built anew.
+    saving, if not built anew. `values`: the `save_values` taken in the save call, when the
+    dict is built after it (`rng_layout` is then ours).
 
     Must be called on every rank (the distributed optimizer gathers over DP when saving)."""
     sd = model_sharded_state_dict(state.model) if cache is None else \
@@ -227,10 +246,12 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
             state.optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=metadata)
             if cache is None or is_loading else
             cache.optimizer_part(state.optimizer, dict(sd), metadata))
-        sd["opt_param_scheduler"] = state.scheduler.state_dict()
+        sd["opt_param_scheduler"] = (state.scheduler.state_dict() if values is None
+                                     else values.scheduler)
     if include_rng:
-        sd.update(_rng_sharded_objects(rng_layout, is_loading))
-    sd.update(common_state(state, config))
+        sd.update(_rng_sharded_objects(rng_layout, is_loading) if values is None
+                  else values.rng)
+    sd.update(common_state(state, config) if values is None else values.common)
     return sd
 
 

@@ -39,8 +39,10 @@ from megatron.training.checkpointing import distopt_shards
 from megatron.training.checkpointing.contents import (
     OPTIMIZER_METADATA,
     CheckpointError,
+    SaveValues,
     TrainState,
     build_sharded_state_dict,
+    save_values,
 )
 from megatron.training.checkpointing.manager import LEVEL_NAMES, CheckpointManager, \
     non_persistent_root_of_this_rank
@@ -350,27 +352,31 @@ class LazyCheckpointManager(CheckpointManager):
 
     def _save(self, state: TrainState, root: str) -> None:
         called = time.perf_counter()
-        sd, extra = self._state_dict(state)
-        self.checkpointer.save(state.iteration, sd, extra_shards=extra,
-                               content_metadata=dict(OPTIMIZER_METADATA), root=root,
-                               called_at=called)
+        # Taken now: the next forward/backward changes them; the rest of the dict may be built
+        # on the checkpointer's save worker meanwhile (a steady in-memory save).
+        values = save_values(state, self.config, self.ckpt.save_rng)
+        self.checkpointer.save_built(state.iteration, lambda: self._state_dict(state, values),
+                                     content_metadata=dict(OPTIMIZER_METADATA), root=root,
+                                     called_at=called)
 
-    def _state_dict(self, state: TrainState):
+    def _state_dict(self, state: TrainState, values: Optional[SaveValues] = None):
         """What torch_dist would save; with the distributed optimizer, its parameter state as
         this DP rank's own live slices (no gather at save time, see distopt_shards). The model's
         and the optimizer's parts come from `SaveStateCache` while they can only be what megatron
-        would build again (each save gets its own copy): a level may save every iteration."""
+        would build again (each save gets its own copy): a level may save every iteration.
+        `values`: taken in the save call (`save_values`), if this is built after it."""
         lazy_optim = (self.ckpt.save_optim and self.config.parallel.use_distributed_optimizer
                       and distopt_shards.supported(state.optimizer))
         sd = build_sharded_state_dict(state, self.config, is_loading=False,
                                       include_optim=self.ckpt.save_optim and not lazy_optim,
                                       include_rng=self.ckpt.save_rng,
-                                      cache=self.state_cache)
+                                      cache=self.state_cache, values=values)
         if not lazy_optim:
             return sd, ()
         boxes = self.state_cache.boxes.get(state.optimizer, sd)
         sd["optimizer"] = distopt_shards.optimizer_common_state(state.optimizer)
-        sd["opt_param_scheduler"] = state.scheduler.state_dict()
+        sd["opt_param_scheduler"] = (state.scheduler.state_dict() if values is None
+                                     else values.scheduler)
         return sd, boxes
 
     def validation_done(self, iteration: int, t_start: float, t_end: float) -> None:
