@@ -28,18 +28,32 @@ import torch.distributed as dist
 from .errors import CheckpointError
 
 __all__ = ["agree", "agreed_failure", "all_gather_ints", "all_reduce", "barrier",
-           "control_group", "exchange", "new_side_group", "padded", "post_exchange"]
+           "before_use", "control_group", "exchange", "new_side_group", "padded", "post_exchange"]
 
 T = TypeVar("T")
 
 # (the default group it was made for, the gloo group); holding the first keeps its id unique.
 _CACHE: Optional[Tuple[object, object]] = None
 
+#: Called, on the calling thread, before each use of the control group (`control_group()`): a
+#: caller whose own work on the group is still in flight on another thread finishes it first
+#: (`LazyCheckpointer`'s save worker), so the group's collectives are issued by one thread at a
+#: time, in the same order on every rank.
+_BEFORE_USE: List[Callable[[], None]] = []
+
+
+def before_use(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register `fn` (see `_BEFORE_USE`); returns the call that unregisters it."""
+    _BEFORE_USE.append(fn)
+    return lambda: _BEFORE_USE.remove(fn) if fn in _BEFORE_USE else None
+
 
 def control_group(timeout_s: Optional[float] = None):
     """The gloo group of all ranks for checkpoint collectives (see module doc). `timeout_s`
     bounds each of its collectives when this call creates it (None: torch's default)."""
     global _CACHE
+    for fn in list(_BEFORE_USE):
+        fn()
     if not dist.is_initialized():
         raise RuntimeError("the checkpoint control plane needs torch.distributed to be "
                            "initialized (init_process_group) first")

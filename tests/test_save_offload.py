@@ -72,18 +72,31 @@ def _loads(root, step, second=False):
     return all(torch.equal(loaded[k], want[k].data) for k in empty)
 
 
-def test_a_steady_in_memory_save_runs_on_the_worker_until_the_step(one_rank_megatron, tmp_path):
+def test_a_steady_in_memory_save_runs_on_the_worker_until_the_step(one_rank_megatron, tmp_path,
+                                                                    monkeypatch):
     """The first two saves are made in their call (the first makes the plan, the second finds it
     unchanged on every rank); from the third on, the call returns while the dict is not even
-    built, the poll after it is queued behind it, and the step's hook waits for it. The commit
-    lines said by the worker's jobs reach the log on the training thread. Every version loads."""
+    built, the poll after it is queued behind it, and the step's hook waits for it; from then on
+    the training thread issues no control-plane collective (the versions' agreements too are
+    the worker's). The commit lines said by the worker's jobs reach the log on the training
+    thread. Every version loads."""
+    from datastates import control_plane
     from datastates.megatron_adapter.paths import tracked_iteration
 
+    collectives = []  # (thread name, collective)
+    for name in ("all_gather_ints", "all_reduce", "barrier"):
+        def counted(*args, _real=getattr(control_plane, name), _name=name, **kwargs):
+            collectives.append((threading.current_thread().name, _name))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(control_plane, name, counted)
     run = _Run(tmp_path)
     main = threading.current_thread().name
     for step in (1, 2):
         run.iteration(step)
         assert run.built_on[step] == main
+    assert (main, "all_gather_ints") in collectives  # the agreements so far
+    steady = len(collectives)
     gate = threading.Event()
     run.ckpt.save_built(3, run.build(3, gate=gate), root=run.memory)  # returns: not built yet
     run.ckpt.poll(3)  # queued behind the save
@@ -92,6 +105,8 @@ def test_a_steady_in_memory_save_runs_on_the_worker_until_the_step(one_rank_mega
     assert run.built_on[3].startswith("datastates-save"), run.built_on
     run.iteration(4)
     assert run.built_on[4].startswith("datastates-save"), run.built_on
+    on_worker = [c for c in collectives[steady:] if c[0].startswith("datastates-save")]
+    assert on_worker and len(on_worker) == len(collectives) - steady, collectives[steady:]
     run.ckpt.finish()
     assert tracked_iteration(run.memory) == 4
     assert _loads(run.memory, 4)
@@ -151,3 +166,25 @@ def test_a_failure_on_the_worker_is_raised_before_the_step_once(one_rank_megatro
     run.ckpt.finish()
     assert tracked_iteration(run.memory) == 2
     assert _loads(run.memory, 2)
+
+
+def test_a_collective_on_the_training_thread_waits_for_the_worker(one_rank_megatron, tmp_path):
+    """Another control-plane collective on the training thread while a job is in flight (e.g.
+    --save-interval auto's agreement right after the save call) first joins the job: their
+    collectives would otherwise interleave, in a different order on each rank (a hang)."""
+    from datastates import control_plane
+
+    run = _Run(tmp_path)
+    for step in (1, 2):
+        run.iteration(step)
+    gate = threading.Event()
+    run.ckpt.save_built(3, run.build(3, gate=gate), root=run.memory)
+    opener = threading.Timer(0.5, gate.set)
+    opener.start()
+    control_plane.all_reduce([1])
+    assert gate.is_set() and run.built_on[3].startswith("datastates-save"), run.built_on
+    # Joined: what the job said (the commit of version 2, settled in its plan check) is out.
+    assert any(m.startswith(" checkpoint iteration        2") for _, m in run.lines), run.lines
+    run.ckpt.poll(3)
+    run.ckpt.before_optimizer_step()
+    run.ckpt.finish()

@@ -53,24 +53,27 @@ A steady in-memory save (its structure unchanged in the previous save, as every 
 on the save worker (`offload.SaveWorker`): the trainer's `save_built` call captures what the next
 forward/backward changes (RNG states, counters) and returns; the worker builds the dict and makes
 the save (plan check, payload, engine call, the version's files) during that forward/backward;
-`before_optimizer_step` joins it, then waits for the copies. While a job is in flight the
-training thread issues no checkpoint collective (the poll after it runs on the worker too), and
-what a job says is said on the training thread at the join. A structure change found by a job's
-plan check (agreed) is handed back: the training thread makes that save at the join (megatron's
-call and its collectives). An in-memory version every iteration then costs the training thread
-one control-plane collective per iteration on N ranks: the agreement before the step (an
+`before_optimizer_step` joins it, waits for the copies, and hands the version's agreement and
+commit to the worker, which makes them during the optimizer step (the next save call joins
+them). While a job is in flight the training thread issues no checkpoint collective (the poll
+after it runs on the worker too), and what a job says is said on the training thread at the
+join. A structure change found by a job's plan check (agreed) is handed back: the training thread
+makes that save at the join (megatron's call and its collectives). An in-memory version every
+iteration then costs the training thread no control-plane collective: the agreement (an
 all-gather that carries the commit's figures too, the save call's time among them, which
-Megatron's timer report then prints: `on_call_times`); the plan check, which carries the
-settle, is the worker's.
+Megatron's timer report then prints: `on_call_times`) and the plan check (which carries the
+settle) are the worker's.
 """
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import re
 import shutil
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -299,6 +302,11 @@ class LazyCheckpointer:
         #: A save the worker handed back: its plan check found the structure changed, so it is
         #: made by the training thread (megatron's collectives), at the join (`_join`).
         self._redo: Optional[Callable[[], None]] = None
+        # Another collective of the control group on this (the training) thread, e.g. the
+        # trainer's --save-interval auto agreement right after a save call, waits for the
+        # worker's jobs first: one thread at a time issues the group's collectives.
+        self._unhook = control_plane.before_use(
+            functools.partial(_join_on, weakref.ref(self), threading.get_ident()))
         self._saves = 0  # save calls, for --ckpt-verify-replicas EVERY
         self._verifier = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-verify")
                           if config.verify_replicas_every else None)
@@ -856,6 +864,12 @@ class LazyCheckpointer:
             lane.pending[-1].stall_s += time.perf_counter() - t0 + (
                 joined_s if lane is self.node_lane else 0.0)
             if self._commits_ahead(lane) and self._failed is None and not self.disabled:
+                if self._offloads(self.config.non_persistent_root):
+                    # Its agreement (a collective) and commit run on the worker during the
+                    # optimizer step; the next save call (or step) joins them.
+                    self._worker.submit(lambda: self._apply_policy(
+                        lambda: self._commit_ahead(self.node_lane)))
+                    continue
                 t1 = time.perf_counter()
                 self._apply_policy(lambda: self._commit_ahead(lane))
                 self._ahead_s += time.perf_counter() - t1
@@ -910,6 +924,7 @@ class LazyCheckpointer:
                                f"for the file system after {self.config.drain_timeout_s:g} s "
                                "(not answering?); they are dropped at exit")
                 self._worker.close()
+                self._unhook()
                 if self._verifier is not None:
                     self._verifier.shutdown(wait=False, cancel_futures=True)
                 for lane in self.lanes:
@@ -1438,6 +1453,14 @@ class LazyCheckpointer:
         """Rank 0: one JSON line per iteration end and per committed checkpoint (the timeline
         tool draws both), written off the training loop (`append_telemetry`)."""
         append_telemetry(self.config.root, record, warn=self.log)
+
+
+def _join_on(checkpointer: "weakref.ref[LazyCheckpointer]", thread: int) -> None:
+    """Before a use of the control group: on the training thread (`thread`), the checkpointer's
+    save worker is joined first (a checkpointer no longer referenced joins nothing)."""
+    ckpt = checkpointer()
+    if ckpt is not None and threading.get_ident() == thread:
+        ckpt._join()
 
 
 def _checked(plans: SavePlanCache, plan: PreparedSave) -> bool:

@@ -7,7 +7,9 @@ iteration i needs nothing from the training thread but what the next forward/bac
 (~4-5 ms for the 117M GPT on our CPU: the sharded state dict, the plan check, the payload, the
 engine's call), which at GPU speed (~45 ms per iteration) is most of what a 1.05x budget allows.
 `SaveWorker` runs such work on one thread of its own instead; the training thread joins it right
-before the optimizer step, where it waits for the snapshot's copies anyway.
+before the optimizer step, where it waits for the snapshot's copies anyway, and then hands it the
+version's agreement and commit (collectives: at scale, rounds over every rank), which it makes
+during the optimizer step, joined by the next save call.
 
 Rules that keep every rank in step (the checkpointer follows them; see `LazyCheckpointer`):
 
