@@ -183,7 +183,8 @@ class LazySaveConfig:
     """The in-memory level's steady saves (its structure unchanged in the previous save, as
     every rank agreed) run on the save worker (`offload.SaveWorker`), during the next
     forward/backward, from what `save_built`'s caller captured in its call; the training thread
-    joins it before the optimizer step. False: every save runs in its call."""
+    joins it before the optimizer step, and the version's agreement and commit, which the worker
+    makes during that step, at the next save call. False: every save runs in its call."""
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
