@@ -139,7 +139,7 @@ def test_an_in_memory_version_every_iteration_costs_the_training_thread_no_colle
         timers = run.stdout.count("save-checkpoint-non-persistent ....")
         committed = len(re.findall(r"committed: \S*/in_memory/node0/iter_", run.stdout))
         assert timers == committed == 6, run.describe()  # one per iteration
-        # The final save into --save reports its own, right after its call.
+        # The final save into --save reports its own, when it commits.
         assert run.stdout.count("save-checkpoint ....") == 1, run.describe()
         # Each save but the first took the model's and the optimizer's sharded state from the
         # previous one (state_cache). 7 saves: 6 in memory, the final one into --save.

@@ -1,5 +1,5 @@
-"""The save worker (`offload.SaveWorker`, `LazyCheckpointer.save_built`): a steady in-memory save's
-dict, plan check, payload and engine call run off the training thread, during the next
+"""The save worker (`offload.SaveWorker`, `LazyCheckpointer.save_built`): a steady save's dict,
+plan check, payload and engine call run off the training thread, during the next
 forward/backward, and are joined before the next optimizer step; what they say is said on the
 training thread; a structure change is handed back to it; a failure is raised at the join. One
 process on a one-rank gloo group, no trainer (tests/test_in_memory_level.py runs the trainer on 2
@@ -115,7 +115,8 @@ def test_a_steady_in_memory_save_runs_on_the_worker_until_the_step(one_rank_mega
     assert all(on_main for on_main, _ in run.lines), run.lines
 
 
-def test_a_structure_change_is_saved_by_the_training_thread(one_rank_megatron, tmp_path, monkeypatch):
+def test_a_structure_change_is_saved_by_the_training_thread(one_rank_megatron, tmp_path,
+                                                            monkeypatch):
     """An offloaded save whose structure changed (its plan check, on the worker, says so) is
     handed back: megatron's call, with its collectives on the training thread's groups, is made
     at the join, on the training thread, and that version commits with the new structure. The
@@ -188,3 +189,22 @@ def test_a_collective_on_the_training_thread_waits_for_the_worker(one_rank_megat
     run.ckpt.poll(3)
     run.ckpt.before_optimizer_step()
     run.ckpt.finish()
+
+
+def test_steady_saves_into_save_run_on_the_worker_too(one_rank_megatron, tmp_path):
+    """--save's lane (here without an in-memory level's saves): from its third save on, the dict
+    and the save are made by the worker, committed at a later poll, and every version loads."""
+    from datastates.megatron_adapter.paths import tracked_iteration
+
+    run = _Run(tmp_path)
+    save = run.ckpt.config.root
+    main = threading.current_thread().name
+    for step in (1, 2, 3, 4):
+        run.ckpt.save_built(step, run.build(step), root=save)
+        run.ckpt.poll(step)
+        run.ckpt.before_optimizer_step()
+    assert run.built_on[1] == run.built_on[2] == main
+    assert all(run.built_on[s].startswith("datastates-save") for s in (3, 4)), run.built_on
+    run.ckpt.finish()
+    assert tracked_iteration(save) == 4
+    assert _loads(save, 4)

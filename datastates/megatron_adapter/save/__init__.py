@@ -11,6 +11,6 @@
                     structural fingerprint is unchanged (--ckpt-assume-constant-structure)
   payload.py        what the engine is handed per save (this rank's main replicas), refilled from
                     the previous save's flattened form while every tensor matches it
-  offload.py        the save worker: a steady in-memory save's work off the training thread,
+  offload.py        the save worker: a steady save's work off the training thread,
                     during the next forward/backward, joined before the optimizer step
 """

@@ -49,15 +49,16 @@ check's all-reduce both settles the commit (every rank's commit thread succeeded
 removals before any rank takes a slot, so memory holds two versions and the engine's two reusable
 shard files (`WriteMode.MAPPED` slots, registered for DMA with CUDA) take turns.
 
-A steady in-memory save (its structure unchanged in the previous save, as every rank agreed) runs
-on the save worker (`offload.SaveWorker`): the trainer's `save_built` call captures what the next
-forward/backward changes (RNG states, counters) and returns; the worker builds the dict and makes
-the save (plan check, payload, engine call, the version's files) during that forward/backward;
-`before_optimizer_step` joins it, waits for the copies, and hands the version's agreement and
-commit to the worker, which makes them during the optimizer step (the next save call joins
-them). While a job is in flight the training thread issues no checkpoint collective (the poll
-after it runs on the worker too), and what a job says is said on the training thread at the
-join. A structure change found by a job's plan check (agreed) is handed back: the training thread
+A steady save, of any level (its lane's structure unchanged in the previous save, as every rank
+agreed), runs on the save worker (`offload.SaveWorker`): the trainer's `save_built` call captures
+what the next forward/backward changes (RNG states, counters) and returns; the worker builds the
+dict and makes the save (plan check, payload, engine call, common.pt, the version's files) during
+that forward/backward; `before_optimizer_step` joins it and waits for the copies; an in-memory
+version's agreement and commit are then handed to the worker, which makes them during the
+optimizer step (the next save call joins them). While a job is in flight the training thread
+issues no checkpoint collective (the poll after it runs on the worker too; Megatron's timer
+report of a save call is printed at its commit, from the figures its agreement gathers), and
+what a job says is said on the training thread at the join. A structure change found by a job's plan check (agreed) is handed back: the training thread
 makes that save at the join (megatron's call and its collectives). An in-memory version every
 iteration then costs the training thread no control-plane collective: the agreement (an
 all-gather that carries the commit's figures too, the save call's time among them, which
@@ -180,11 +181,12 @@ class LazySaveConfig:
     and where that fails (`cuda_dma_probe`) the copy goes through the pinned host cache."""
 
     offload_steady_saves: bool = True
-    """The in-memory level's steady saves (its structure unchanged in the previous save, as
-    every rank agreed) run on the save worker (`offload.SaveWorker`), during the next
+    """Steady saves (their lane's structure unchanged in the previous save, as every rank
+    agreed) run on the save worker (`offload.SaveWorker`), during the next
     forward/backward, from what `save_built`'s caller captured in its call; the training thread
-    joins it before the optimizer step, and the version's agreement and commit, which the worker
-    makes during that step, at the next save call. False: every save runs in its call."""
+    joins it before the optimizer step (and an in-memory version's agreement and commit, which
+    the worker makes during that step, at the next save call). False: every save runs in its
+    call."""
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -284,22 +286,24 @@ class LazyCheckpointer:
                  on_refused: Optional[Callable[[int, str], None]] = None,
                  on_call_times: Optional[Callable[[int, str, float, float], None]] = None):
         self.config = config
-        # Steady in-memory saves run on it (`save_built`); what they say (log lines, records)
+        # Steady saves run on it (`save_built`); what they say (log lines, records)
         # is said on the training thread when it joins them.
         self._worker = SaveWorker()
         spoken = self._worker.spoken
         self.log = spoken(log)
         self.after_commit = after_commit
-        #: Every rank, when a version of a lane that `commits_ahead` commits: (iteration, root,
-        #: fastest and slowest rank's save call in seconds), gathered in its agreement.
+        #: Every rank, when a version commits: (iteration, root, fastest and slowest rank's save
+        #: call in seconds), gathered in its agreement (no collective of its own: one after the
+        #: save call would wait for a save made on the worker).
         self.on_call_times = None if on_call_times is None else spoken(on_call_times)
         #: Rank 0: each committed checkpoint's record (as logged).
         self.on_record = None if on_record is None else spoken(on_record)
         #: Every rank: (iteration, root) of a version refused.
         self.on_refused = None if on_refused is None else spoken(on_refused)
-        #: The in-memory level's last plan check found its structure unchanged on every rank: its
-        #: next save runs on the worker (`_offloads`). Set from agreed values only.
-        self._memory_steady = False
+        #: Per lane (its name): its last plan check found the structure unchanged on every rank,
+        #: so its next save runs on the worker (`_offloads`). Set from agreed values only.
+        self._steady: Dict[str, bool] = {}
+        self._offloaded: List[_Lane] = []  # lanes whose save ran on the worker, since the step
         #: A save the worker handed back: its plan check found the structure changed, so it is
         #: made by the training thread (megatron's collectives), at the join (`_join`).
         self._redo: Optional[Callable[[], None]] = None
@@ -511,7 +515,7 @@ class LazyCheckpointer:
                    content_metadata: Optional[dict] = None, root: Optional[str] = None,
                    called_at: Optional[float] = None) -> None:
         """`save` of what `build()` returns (the sharded state dict and the extra shards), built
-        in this call or, for a steady in-memory save (`_offloads`), on the save worker during the
+        in this call or, for a steady save (`_offloads`), on the save worker during the
         next forward/backward, which this call then returns without waiting for. `build` may
         then read the model and the optimizer (unchanged until the next optimizer step, which
         `before_optimizer_step` holds until the worker is done) but nothing the forward/backward
@@ -526,6 +530,7 @@ class LazyCheckpointer:
             return
         lane = self._lane_of(root)
         lane.engine.mark_ready()  # the point in the CUDA stream that the copies wait for
+        self._offloaded.append(lane)
         # What the training thread spent: the commit before this step (`_commit_ahead`) and this.
         ahead, self._ahead_s = self._ahead_s, 0.0
         call = _Call(time.perf_counter() - t0 + ahead, wall0, time.time(),
@@ -538,14 +543,13 @@ class LazyCheckpointer:
         self._worker.submit(job)
 
     def _offloads(self, root: str) -> bool:
-        """Whether a save into `root` runs on the worker: the in-memory level's, while its last
-        plan check found the structure unchanged on every rank and megatron's call is known to
-        do nothing a steady save does not (the job then issues no collective but the control
-        plane's). The same answer on every rank: agreed values only."""
-        lane = self.node_lane
-        return (self.config.offload_steady_saves and lane is not None
-                and root == self.config.non_persistent_root and self._commits_ahead(lane)
-                and self._memory_steady and self._megatron_call_known
+        """Whether a save into `root` runs on the worker: while its lane's last plan check found
+        the structure unchanged on every rank and megatron's call is known to do nothing a steady
+        save does not (the job then issues no collective but the control plane's, and the
+        fully-parallel wrapper keeps its distribution). The same answer on every rank: agreed
+        values only."""
+        steady = self._steady.get(self._lane_of(root).name, False)
+        return (self.config.offload_steady_saves and steady and self._megatron_call_known
                 and not self.disabled and self._failed is None)
 
     def _join(self) -> float:
@@ -744,8 +748,7 @@ class LazyCheckpointer:
                 return None
         if not plan.reuse_distribution:
             self.node_payloads.forget()
-        if self._commits_ahead(lane):  # agreed: the next save may run on the worker
-            self._memory_steady = plan.reuse_distribution and not plan.failed
+        self._steady[lane.name] = plan.reuse_distribution and not plan.failed  # (agreed)
         strategy, base = save_strategy(lane.engine, iteration, None, None,
                                        extra_shards=extra_shards, payload_plan=self.node_payloads,
                                        defer_copies=True, checked=_checked(self.node_plans, plan))
@@ -775,6 +778,7 @@ class LazyCheckpointer:
         if not plan.reuse_distribution:
             self._wrapper = None  # its cached distribution belongs to the previous structure
             self.payloads.forget()
+        self._steady[lane.name] = plan.reuse_distribution and not plan.failed  # (agreed)
         strategy, base = save_strategy(
             lane.engine, iteration,
             self._dp_group if self.config.fully_parallel_save else None, self._wrapper,
@@ -853,6 +857,7 @@ class LazyCheckpointer:
     # -- 3) before optimizer step i+1 --------------------------------------------------------
     def before_optimizer_step(self) -> None:
         joined_s = self._join()  # a save made on the worker: the training thread waited for it
+        offloaded, self._offloaded = self._offloaded, []
         for lane in self.lanes:
             if not lane.pending:
                 continue
@@ -863,7 +868,7 @@ class LazyCheckpointer:
             if check is not None:  # it reads the live tensors: done before they change
                 self._guard(check.wait)
             lane.pending[-1].stall_s += time.perf_counter() - t0 + (
-                joined_s if lane is self.node_lane else 0.0)
+                joined_s if any(o is lane for o in offloaded) else 0.0)
             if self._commits_ahead(lane) and self._failed is None and not self.disabled:
                 if self._offloads(self.config.non_persistent_root):
                     # Its agreement (a collective) and commit run on the worker during the
@@ -1137,12 +1142,6 @@ class LazyCheckpointer:
                 continue
             self._commit_lane(lane, blocking)
 
-    def commits_ahead(self, root: str) -> bool:
-        """Whether saves into `root` are committed right after their copy, before the next
-        optimizer step (the in-memory level), their save call's time reported then
-        (`on_call_times`)."""
-        return root == self.config.non_persistent_root and self._commits_ahead(self._lane_of(root))
-
     def _commits_ahead(self, lane: _Lane) -> bool:
         """The in-memory level's lane: its version is durable once copied (`WriteMode.MAPPED`
         into shared memory), and committed before the next optimizer step."""
@@ -1261,7 +1260,7 @@ class LazyCheckpointer:
                                                                    METADATA_FILENAME)))
                 dist.barrier()  # the one megatron's finalize would have reached (its group)
         stats = self._stats(p, rows)
-        if self.on_call_times is not None and self._commits_ahead(lane):
+        if self.on_call_times is not None:
             calls = [r[5] / 1e9 for r in rows]
             self.on_call_times(p.iteration, p.root, min(calls), max(calls))
         future = None

@@ -3,20 +3,22 @@
 Parameters and optimizer state do not change between optimizer step i and step i+1, so a save of
 iteration i needs nothing from the training thread but what the next forward/backward changes
 (the RNG states, which the caller captures in its save call). A level that saves every iteration
-(the in-memory one) otherwise costs the training thread its whole save call each iteration
-(~4-5 ms for the 117M GPT on our CPU: the sharded state dict, the plan check, the payload, the
-engine's call), which at GPU speed (~45 ms per iteration) is most of what a 1.05x budget allows.
+(the in-memory one, or --save with --save-interval 1) otherwise costs the training thread its
+whole save call each iteration (~4-5 ms for the 117M GPT on our CPU: the sharded state dict, the
+plan check, the payload, the engine's call), which at GPU speed (~45 ms per iteration) is most of
+what a 1.05x budget allows.
 `SaveWorker` runs such work on one thread of its own instead; the training thread joins it right
-before the optimizer step, where it waits for the snapshot's copies anyway, and then hands it the
-version's agreement and commit (collectives: at scale, rounds over every rank), which it makes
-during the optimizer step, joined by the next save call.
+before the optimizer step, where it waits for the snapshot's copies anyway, and then hands it an
+in-memory version's agreement and commit (collectives: at scale, rounds over every rank), which
+it makes during the optimizer step, joined by the next save call.
 
 Rules that keep every rank in step (the checkpointer follows them; see `LazyCheckpointer`):
 
 - One job at a time, in order: jobs run on one thread, in the order they were submitted.
 - The control plane is used by one thread at a time: while a job is in flight (submitted and
   not yet joined), the training thread issues no checkpoint collective; what it would issue
-  meanwhile (the end-of-iteration poll) is submitted after the job instead. Whether work is
+  meanwhile (the end-of-iteration poll) is submitted after the job instead, and any other use of
+  the group on the training thread joins the worker first. Whether work is
   submitted depends only on what every rank agreed on, so every rank's jobs issue the same
   collectives in the same order.
 - A job that raises stops the jobs after it (the training thread would not have gone on either);
