@@ -11,7 +11,7 @@ which then needs a --save shared by the ranks in --extra; a checkpoint after eve
 with `time.perf_counter` spans wrapped around the functions a save goes through, and prints each
 span's median inclusive time per call (ms) over the saves after the first (the first
 builds caches). Spans nest: an indented line is part of the line above it. A save's dict and work
-are part of its call, except a steady in-memory save's: the checkpointer's save worker makes them
+are part of its call, except a steady save's: the checkpointer's save worker makes them
 during the next forward/backward (`datastates/megatron_adapter/save/offload.py`), and "wait
 before step" includes the wait for it. "save call" and "wait before step" together are the
 stall `checkpoint_compare.py` reports; "poll" (agreements, the
@@ -91,11 +91,11 @@ def install_spans() -> None:
         (mgr, "_save", "save call"),
         (lazy_checkpointing, "save_values", "  RNG states and counters taken"),
         (checkpointer.LazyCheckpointer, "save_built", "  LazyCheckpointer.save_built"),
-        (mgr, "_state_dict", "sharded state dict (trainer; steady in memory: save worker)"),
+        (mgr, "_state_dict", "sharded state dict (trainer; steady saves: save worker)"),
         (lazy_checkpointing, "build_sharded_state_dict", "  megatron sharded_state_dict()"),
         (distopt_shards, "param_state_boxes", "  distributed-optimizer boxes"),
         (checkpointer.LazyCheckpointer, "_save",
-         "the save's work (steady in memory: on the save worker)"),
+         "the save's work (steady saves: on the save worker)"),
         (checkpointer.LazyCheckpointer, "_prepare_directory",
          "  version directory (rank 0; steady: its files thread)"),
         (checkpointer, "make_spare", "    spare files (2 per save)"),

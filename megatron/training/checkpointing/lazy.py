@@ -355,7 +355,7 @@ class LazyCheckpointManager(CheckpointManager):
     def _save(self, state: TrainState, root: str) -> None:
         called = time.perf_counter()
         # Taken now: the next forward/backward changes them; the rest of the dict may be built
-        # on the checkpointer's save worker meanwhile (a steady in-memory save).
+        # on the checkpointer's save worker meanwhile (a steady save).
         values = save_values(state, self.config, self.ckpt.save_rng)
         self.checkpointer.save_built(state.iteration, lambda: self._state_dict(state, values),
                                      content_metadata=dict(OPTIMIZER_METADATA), root=root,
