@@ -13,7 +13,8 @@ Call order, every rank (a collective call on all ranks unless said otherwise):
      thread); megatron's validation runs only when the sharded structure changed
      (`plan.py`), and while it has not, megatron's call is replaced by what it would do, from
      one walk of the dict (`preprocess.py`); not collective beyond megatron's own and one flag
-     while checking.
+     while checking. `save_built(iteration, build, ...)` is the same with the dict built by
+     `build()`: in the call, or, for a steady save, on the save worker (below).
   2) forward/backward of iteration i+1 run while the engine copies the snapshot to its host cache
      and its writers drain the cache to storage.
   3) `before_optimizer_step()` before step i+1 waits for the snapshot only if it is not done.
@@ -573,7 +574,7 @@ class LazyCheckpointer:
     def _save(self, iteration: int, sharded_state_dict: Any,
               extra_shards: Sequence[TensorShard], content_metadata: Optional[dict],
               root: Optional[str], called_at: Optional[float],
-              offloaded: Optional["_Call"] = None) -> None:
+              offloaded: Optional[_Call] = None) -> None:
         """`save`'s work, in its call or (`offloaded`: the training thread's part of the call) on
         the worker."""
         from megatron.core import parallel_state
@@ -588,7 +589,7 @@ class LazyCheckpointer:
         if root == self.config.non_persistent_root and offloaded is None:
             t0, self._ahead_s = t0 - self._ahead_s, 0.0
 
-        def call_times() -> "_Call":
+        def call_times() -> _Call:
             if offloaded is not None:
                 return offloaded
             return _Call(time.perf_counter() - t0, wall0, time.time(),
