@@ -105,8 +105,8 @@ def test_a_steady_in_memory_save_runs_on_the_worker_until_the_step(one_rank_mega
     assert run.built_on[3].startswith("datastates-save"), run.built_on
     run.iteration(4)
     assert run.built_on[4].startswith("datastates-save"), run.built_on
-    on_worker = [c for c in collectives[steady:] if c[0].startswith("datastates-save")]
-    assert on_worker and len(on_worker) == len(collectives) - steady, collectives[steady:]
+    later = collectives[steady:]  # (one read: the worker may be adding version 4's agreement)
+    assert later and all(thread.startswith("datastates-save") for thread, _ in later), later
     run.ckpt.finish()
     assert tracked_iteration(run.memory) == 4
     assert _loads(run.memory, 4)
