@@ -244,6 +244,13 @@ class CheckpointManager:
             return True
         self.saves_started += 1
         self._saved.setdefault(root, set()).add(iteration)
+        # --save-interval auto: the next interval is agreed on (a collective) before the call,
+        # not after it: a lazy save's work may then be running on the checkpointer's save
+        # worker, which a collective on this thread would have to wait for.
+        if self.auto is not None and persistent:
+            self.auto.saved(iteration)
+        elif self.auto_non_persistent is not None and not persistent:
+            self.auto_non_persistent.saved(iteration)
         start = time.time()
         track = self.log_save_calls and dist.get_rank() == 0
         if track:
@@ -261,10 +268,6 @@ class CheckpointManager:
             timer = self._timer_name(root)
             slowest = report_times_across_ranks(timer, seconds)
             self.metrics.timer(timer, slowest, iteration)
-        if self.auto is not None and persistent:
-            self.auto.saved(iteration)
-        elif self.auto_non_persistent is not None and not persistent:
-            self.auto_non_persistent.saved(iteration)
         return True
 
     def _defer(self, iteration: int) -> None:

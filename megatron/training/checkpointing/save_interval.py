@@ -102,10 +102,10 @@ class _Pending:
 class AutoInterval:
     """Rank 0 measures and decides; every rank asks `should_save` and calls `saved`.
 
-    Call order: 1) every rank, each iteration: `should_save(iteration)`; 2) every rank, after a
-    save call: `saved(iteration)` (one all-reduce through `agree`); 3) rank 0, whenever a
-    checkpoint becomes durable: `record(iteration, stall_s, durable_s)`; 4) rank 0, at the end of
-    each iteration: `iteration_done(seconds)`.
+    Call order: 1) every rank, each iteration: `should_save(iteration)`; 2) every rank, when it
+    saves `iteration`, right before the save call: `saved(iteration)` (one all-reduce through
+    `agree`); 3) rank 0, whenever a checkpoint becomes durable: `record(iteration, stall_s,
+    durable_s)`; 4) rank 0, at the end of each iteration: `iteration_done(seconds)`.
     """
 
     def __init__(self, mtbf_hours: float, start_iteration: int, is_rank0: bool,
@@ -128,7 +128,7 @@ class AutoInterval:
     def should_save(self, iteration: int) -> bool:
         return iteration >= self.next_save
 
-    # 2) every rank, after the save call of `iteration`
+    # 2) every rank, right before the save call of `iteration`
     def saved(self, iteration: int) -> None:
         if self.is_rank0:
             self._pending[iteration] = _Pending(iteration)
