@@ -217,8 +217,10 @@ class SaveValues:
     scheduler: dict  # the learning-rate scheduler's state
 
 
-def save_values(state: TrainState, config: RunConfig, include_rng: bool) -> SaveValues:
-    return SaveValues(_rng_sharded_objects(RngLayout.BOTH, False) if include_rng else {},
+def save_values(state: TrainState, config: RunConfig, include_rng: bool,
+                rng_layout: RngLayout = RngLayout.BOTH, is_loading: bool = False) -> SaveValues:
+    """`SaveValues` now (`rng_layout`, `is_loading`: as `build_sharded_state_dict`'s)."""
+    return SaveValues(_rng_sharded_objects(rng_layout, is_loading) if include_rng else {},
                       common_state(state, config),
                       {} if state.scheduler is None else state.scheduler.state_dict())
 
@@ -236,6 +238,7 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
     dict is built after it (`rng_layout` is then ours).
 
     Must be called on every rank (the distributed optimizer gathers over DP when saving)."""
+    values = values or save_values(state, config, include_rng, rng_layout, is_loading)
     sd = model_sharded_state_dict(state.model) if cache is None else \
         cache.model_part(state.model)
     if include_optim and state.optimizer is not None:
@@ -246,12 +249,9 @@ def build_sharded_state_dict(state: TrainState, config: RunConfig, *, is_loading
             state.optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=metadata)
             if cache is None or is_loading else
             cache.optimizer_part(state.optimizer, dict(sd), metadata))
-        sd["opt_param_scheduler"] = (state.scheduler.state_dict() if values is None
-                                     else values.scheduler)
-    if include_rng:
-        sd.update(_rng_sharded_objects(rng_layout, is_loading) if values is None
-                  else values.rng)
-    sd.update(common_state(state, config) if values is None else values.common)
+        sd["opt_param_scheduler"] = values.scheduler
+    sd.update(values.rng)  # (empty without `include_rng`)
+    sd.update(values.common)
     return sd
 
 

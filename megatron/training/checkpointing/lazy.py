@@ -361,12 +361,12 @@ class LazyCheckpointManager(CheckpointManager):
                                      content_metadata=dict(OPTIMIZER_METADATA), root=root,
                                      called_at=called)
 
-    def _state_dict(self, state: TrainState, values: Optional[SaveValues] = None):
+    def _state_dict(self, state: TrainState, values: SaveValues):
         """What torch_dist would save; with the distributed optimizer, its parameter state as
         this DP rank's own live slices (no gather at save time, see distopt_shards). The model's
         and the optimizer's parts come from `SaveStateCache` while they can only be what megatron
         would build again (each save gets its own copy): a level may save every iteration.
-        `values`: taken in the save call (`save_values`), if this is built after it."""
+        `values`: taken in the save call (`save_values`): this may be built after it."""
         lazy_optim = (self.ckpt.save_optim and self.config.parallel.use_distributed_optimizer
                       and distopt_shards.supported(state.optimizer))
         sd = build_sharded_state_dict(state, self.config, is_loading=False,
@@ -377,8 +377,7 @@ class LazyCheckpointManager(CheckpointManager):
             return sd, ()
         boxes = self.state_cache.boxes.get(state.optimizer, sd)
         sd["optimizer"] = distopt_shards.optimizer_common_state(state.optimizer)
-        sd["opt_param_scheduler"] = (state.scheduler.state_dict() if values is None
-                                     else values.scheduler)
+        sd["opt_param_scheduler"] = values.scheduler
         return sd, boxes
 
     def validation_done(self, iteration: int, t_start: float, t_end: float) -> None:
