@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import checksum, layout
+from . import checksum, devices, layout
 from .cache import HostCache
 from .config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from .errors import CheckpointError
@@ -98,6 +98,7 @@ class CheckpointEngine:
         self._held: List[tuple] = []  # (save, its copy groups) not yet handed to copy threads
         self._marked: Dict[Any, Any] = {}  # `mark_ready`'s CUDA event, for the next save
         self._write_q: "queue.Queue" = queue.Queue()
+        self._device = devices.creator_device()  # the copy threads' (a new thread's: GPU 0)
         self._threads = [threading.Thread(target=self._copy_loop, name=f"datastates-copy-{i}",
                                           daemon=True) for i in range(config.copy_threads)]
         self._threads += [threading.Thread(target=self._write_loop, name=f"datastates-write-{i}",
@@ -498,6 +499,7 @@ class CheckpointEngine:
     def _copy_loop(self) -> None:
         # Copy threads keep their priority: the training loop waits for them before the next
         # optimizer step, so starving them turns background work into stall.
+        devices.use_device(self._device)
         while True:
             item = self._copy_q.get()
             if item is _STOP:

@@ -30,6 +30,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .devices import use_device
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MappedShard", "SlotPool", "cuda_dma_probe", "map_new_file"]
@@ -45,14 +47,13 @@ def _own_thread(fn: Callable[[], int]) -> int:
     """`fn()` run in a thread of its own, on the caller's current CUDA device. The CUDA runtime
     keeps a failed call's error as that host thread's "last error", and torch's next kernel-launch
     check in the same thread would raise it against an unrelated kernel; a failed registration
-    stays in the thread that made it. (A new thread's current device is device 0: without setting
-    it, every rank of a node would open a context on GPU 0.)"""
+    stays in the thread that made it. (A new thread's current device is device 0: `devices`.)"""
     out: List = []
     device = torch.cuda.current_device()
 
     def run() -> None:
         try:
-            torch.cuda.set_device(device)
+            use_device(device)
             out.append(fn())
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             out.append(e)

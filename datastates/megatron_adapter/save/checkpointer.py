@@ -87,6 +87,7 @@ import torch.distributed as dist
 
 from ... import control_plane, telemetry
 from ...config import Checksum, CommitPolicy, EngineConfig, WriteMode
+from ...devices import creator_device
 from ...engine import CheckpointEngine
 from ...errors import CheckpointError
 from ...faults import fail_point, fault_point
@@ -289,7 +290,7 @@ class LazyCheckpointer:
         self.config = config
         # Steady saves run on it (`save_built`); what they say (log lines, records)
         # is said on the training thread when it joins them.
-        self._worker = SaveWorker()
+        self._worker = SaveWorker(device=creator_device())
         spoken = self._worker.spoken
         self.log = spoken(log)
         self.after_commit = after_commit

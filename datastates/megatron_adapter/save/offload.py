@@ -32,14 +32,19 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, List, Optional
 
+from ...devices import use_device
+
 __all__ = ["SaveWorker"]
 
 
 class SaveWorker:
     """One thread for the checkpointer's offloaded jobs (see module doc)."""
 
-    def __init__(self, name: str = "datastates-save") -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str = "datastates-save", device: Optional[int] = None) -> None:
+        """`device`: the CUDA device the jobs run on (`devices.creator_device()` of the training
+        thread; None without CUDA)."""
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                                        initializer=use_device, initargs=(device,))
         self._jobs: List[Future] = []
         self._held: List[Callable[[], None]] = []  # calls for the training thread, in order
         self._held_lock = threading.Lock()
