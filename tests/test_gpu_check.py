@@ -57,12 +57,14 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     f = steps["f_in_memory_every_iteration"]["figures"]
     assert f["in_memory_versions_committed"] >= 4 and f["none_ms"] > 0 and f["in_memory_ms"] > 0
     assert f["ratio"] == pytest.approx(f["in_memory_ms"] / f["none_ms"], rel=1e-3)
+    assert f["ratio_on_training_thread"] == pytest.approx(
+        f["on_training_thread_ms"] / f["none_ms"], rel=1e-3)
     assert len(f["stall_ms"]) == len(f["copy_ms"]) == f["in_memory_versions_committed"]
     assert f["version_bytes"] > 0 and f["copy_gbps_median"] > 0
     assert f["copy_over_iteration"] == pytest.approx(f["copy_ms_median"] / f["none_ms"], abs=1e-3)
     assert f["one_copy_into_memory"] is True
-    assert {"f_none.out", "f_in_memory.out", "lazy.out", "torch_dist.out", "stock_load.out",
-            "resume.out", "engine_bench.out",
+    assert {"f_none.out", "f_in_memory.out", "f_in_memory_on_training_thread.out", "lazy.out",
+            "torch_dist.out", "stock_load.out", "resume.out", "engine_bench.out",
             "engine_overlap.out", "engine_bench_cpu.out"} <= {p.name for p in logs.iterdir()}
     assert all(r["returncode"] == 0 for r in res["runs"].values()), res["runs"]
 

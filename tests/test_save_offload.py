@@ -31,7 +31,7 @@ class _Run:
     """A LazyCheckpointer with an in-memory level under tmp_path, the thread each save's dict was
     built on, and each log line with whether the training (main) thread said it."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, offload=True):
         from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
 
         self.memory = str(tmp_path / "memory")
@@ -40,7 +40,7 @@ class _Run:
         self.ckpt = LazyCheckpointer(
             LazySaveConfig(root=str(tmp_path / "save"), cache_bytes=1 << 20,
                            non_persistent_root=self.memory, non_persistent_node_local=True,
-                           non_persistent_in_memory=True),
+                           non_persistent_in_memory=True, offload_steady_saves=offload),
             log=lambda m: self.lines.append((threading.current_thread() is
                                              threading.main_thread(), m)))
 
@@ -208,3 +208,17 @@ def test_steady_saves_into_save_run_on_the_worker_too(one_rank_megatron, tmp_pat
     run.ckpt.finish()
     assert tracked_iteration(save) == 4
     assert _loads(save, 4)
+
+
+def test_on_the_training_thread_every_save_is_made_in_its_call(one_rank_megatron, tmp_path):
+    """`offload_steady_saves=False` (--lazy-save-on-training-thread): steady saves too are built
+    and made on the training thread, and every version still commits and loads."""
+    from datastates.megatron_adapter.paths import tracked_iteration
+
+    run = _Run(tmp_path, offload=False)
+    for step in (1, 2, 3, 4):
+        run.iteration(step)
+    run.ckpt.finish()
+    main = threading.current_thread().name
+    assert all(run.built_on[s] == main for s in (1, 2, 3, 4)), run.built_on
+    assert tracked_iteration(run.memory) == 4 and _loads(run.memory, 4)

@@ -130,6 +130,11 @@ def test_megatron_checkpoint_flags_map_onto_ours(capsys):
     assert lazy_save_config(config("--async-lazy-save --save /s --lazy-save-cache-mb 16 "
                                    "--ckpt-assume-constant-structure")
                             ).structure_policy is StructurePolicy.ASSUME_CONSTANT
+    worker = config("--async-lazy-save --save /s --lazy-save-cache-mb 16")
+    on_thread = config("--async-lazy-save --save /s --lazy-save-cache-mb 16 "
+                       "--lazy-save-on-training-thread")
+    assert lazy_save_config(worker).offload_steady_saves
+    assert not lazy_save_config(on_thread).offload_steady_saves
 
 
 def test_local_dir_placeholders():

@@ -264,6 +264,12 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "then wait for the disk) instead of the default, latest wins: it is "
                         "deferred, and the first iteration after the previous one is complete is "
                         "saved instead (each deferral is logged and counted)")
+    g.add_argument("--lazy-save-on-training-thread", action="store_true", default=None,
+                   help="make every lazy save's work (the sharded state dict, the structure "
+                        "check, the engine call) in the save call, on the training thread; by "
+                        "default a save whose structure every rank found unchanged is made by a "
+                        "save worker during the next forward/backward. To compare, or to rule "
+                        "the worker out")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="keep only the newest N complete checkpoints under --save")
     g.add_argument("--ckpt-failure-policy", choices=[x.value for x in CkptFailurePolicy],
@@ -513,7 +519,8 @@ def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) ->
 LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": None, "lazy_save_checksum": "crc32c",
                       "lazy_save_local_dir": None,
                       "lazy_save_local_keep": 2, "lazy_save_peer_replica": False,
-                      "lazy_save_peer_replica_mb": None, "lazy_save_wait_persistent": False}
+                      "lazy_save_peer_replica_mb": None, "lazy_save_wait_persistent": False,
+                      "lazy_save_on_training_thread": False}
 
 
 def default_memory_dir(save: str) -> str:
@@ -979,6 +986,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lazy_save_peer_replica=a.lazy_save_peer_replica,
         lazy_save_peer_replica_mb=a.lazy_save_peer_replica_mb,
         lazy_save_wait_persistent=a.lazy_save_wait_persistent,
+        lazy_save_on_training_thread=a.lazy_save_on_training_thread,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
         non_persistent_save_interval=(None if a.non_persistent_save_interval == "auto"
                                       else a.non_persistent_save_interval),

@@ -317,6 +317,10 @@ class CheckpointConfig:
     lazy_save_wait_persistent: bool = False
     """With a node-local non-persistent level: a persistent save that falls due while the
     previous one is still in flight waits in line (False: it is deferred, latest wins)."""
+    lazy_save_on_training_thread: bool = False
+    """Every lazy save's work is made in its save call, on the training thread (False: a save
+    whose structure every rank found unchanged is made by the save worker during the next
+    forward/backward, `LazySaveConfig.offload_steady_saves`)."""
     ckpt_fully_parallel_save: bool = True
     """Spread the writes of replicated shards over the data-parallel group (Megatron-LM's
     default); False: the first data-parallel rank writes them."""
