@@ -96,6 +96,29 @@ def test_timers_report_is_megatrons():
         "    save-checkpoint ................................: (12.34, 15.67)")
 
 
+def test_a_rank_writes_each_line_whole(monkeypatch):
+    """Ranks on one node share a stdout: a message (a timers report is two lines) and its
+    newline go out in one write, or another rank's line can land between them (seen with
+    PYTHONUNBUFFERED, where each of print's writes reaches the pipe by itself)."""
+    import io
+    import sys
+
+    from megatron.training.log import print_rank_0, print_rank_last
+
+    class Recorder(io.StringIO):
+        writes = []
+
+        def write(self, s):
+            self.writes.append(s)
+            return super().write(s)
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    report = min_max_time_lines({"save-checkpoint": (0.2, 0.3)})
+    print_rank_last(report)
+    print_rank_0(" checkpoint iteration 1 | committed: /x")
+    assert Recorder.writes == [report + "\n", " checkpoint iteration 1 | committed: /x\n"]
+
+
 def test_checkpoint_record_from_the_lazy_telemetry_line():
     line = {"event": "checkpoint", "iteration": 4, "bytes": 3_000_000_000, "stall_ms": 12.5,
             "copy_ms": 40.0, "durable_s": 2.0, "gbps": 1.5, "ranks": 2}

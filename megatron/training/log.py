@@ -16,15 +16,24 @@ def _last_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
+def say(message: str) -> None:
+    """`message` and its newline in one write, flushed: ranks that share a stdout (torchrun's
+    ranks on one node) never split each other's lines. `print` writes the newline on its own,
+    and with `python -u` or PYTHONUNBUFFERED each write reaches the pipe by itself: another
+    rank's line then landed inside a timer report, where no log parser finds it."""
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
 def print_rank_0(message: str) -> None:
     if _rank() == 0:
-        print(message, flush=True)
+        say(message)
 
 
 def print_rank_last(message: str) -> None:
     """Megatron prints training lines from the last rank: it holds the loss under PP."""
     if _last_rank():
-        print(message, flush=True)
+        say(message)
 
 
 def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
