@@ -8,6 +8,7 @@ setting (two torchrun agents on two nodes, DP=2, gloo). About 3 minutes on 2 cor
 """
 import csv
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -101,8 +102,10 @@ def test_every_example_runs_on_a_real_slurm_and_records_real_figures(cluster, tm
         # other trainer flags (torch_dist's sync save runs in the trainer's own tests)
         _submit(env, "throughput.sbatch", ["tiny", "2"], nodes=2,
                 ONLY_VARIANTS="torch datastates_lazy"): "throughput.sbatch",
+        # beyond the paper: an in-memory version every 2 iterations, --save every 20 (here: the
+        # end of training only)
         _submit(env, "end_to_end.sbatch", ["tiny"], nodes=1, ITERATIONS="4", SAVE_INTERVALS="2",
-                ONLY_VARIANTS="datastates_lazy", LAZY_CACHE_MB="64"): "end_to_end.sbatch",
+                ONLY_VARIANTS="datastates_memory", LAZY_CACHE_MB="64"): "end_to_end.sbatch",
         _submit(env, "dp_scaling.sbatch", ["tiny", "2"], nodes=2, ONLY_VARIANTS="torch_dist_async"): "dp_scaling.sbatch",
     }
     states = _wait(env, list(jobs))
@@ -114,7 +117,7 @@ def test_every_example_runs_on_a_real_slurm_and_records_real_figures(cluster, tm
         rows = list(csv.DictReader(f))
     got = sorted((r["experiment"], r["variant"], r["dp"], r["nodes"], r["save_interval"]) for r in rows)
     assert got == sorted([("throughput", v, "2", "2", "1") for v in ("torch", "datastates_lazy")]
-                         + [("end_to_end", "datastates_lazy", "1", "1", "2"),
+                         + [("end_to_end", "datastates_memory", "1", "1", "2"),
                             ("dp_scaling", "torch_dist_async", "2", "2", "1")]), got
     for row in rows:
         what = (row["experiment"], row["variant"])
@@ -124,7 +127,8 @@ def test_every_example_runs_on_a_real_slurm_and_records_real_figures(cluster, tm
         assert float(row["mean_save_ms"]) > 0 and float(row["max_save_ms"]) >= float(row["mean_save_ms"]), (what, row)
         assert int(row["checkpoint_bytes"]) > 0 and float(row["throughput_gbps"]) > 0, (what, row)
         assert float(row["blocked_by_checkpointing_s"]) > 0, (what, row)
-        if row["variant"] == "datastates_lazy":
+        lazy = row["variant"] in ("datastates_lazy", "datastates_memory")
+        if lazy:
             assert float(row["mean_durable_s"]) > 0, row
         with open(row["log"], encoding="utf-8") as f:
             log = f.read()
@@ -133,12 +137,16 @@ def test_every_example_runs_on_a_real_slurm_and_records_real_figures(cluster, tm
         assert log.count(" args: --num-layers 4 --hidden-size 64 ") == 1, log[:2000]
         dp = int(row["dp"])
         assert f"(TP 1, PP 1, DP {dp}), backend gloo" in log, log[-3000:]
-        if row["variant"] == "datastates_lazy":
+        if lazy:
             assert "--lazy-save-cache-mb 64" in log, log[:2000]
 
         # Every checkpoint of the run is complete on disk (kept with KEEP_CHECKPOINTS=1).
         root = log.split("--save ", 1)[1].split()[0]
         saved = list(range(interval, iterations + 1, interval))
+        if row["variant"] == "datastates_memory":  # in memory, then given back at the end
+            assert re.search(r"committed: /\S+/in_memory/node0/iter_0000002\n", log), log[-3000:]
+            assert "in-memory checkpoints: removed iteration(s) [4] from " in log, log[-3000:]
+            saved = [iterations]  # --save: the end of training only
         if row["variant"] == "torch":  # no metadata.json: one file per model-parallel rank
             assert [os.path.isfile(os.path.join(paths.checkpoint_dir(root, it), "mp_rank_00", "model_optim_rng.pt"))
                     for it in saved] == [True] * len(saved), (what, os.listdir(root))

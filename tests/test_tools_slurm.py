@@ -192,13 +192,17 @@ def test_submit_all_covers_the_paper_matrix_and_goes_on_after_a_refusal(tmp_path
     assert "7 submission(s) refused:" in proc.stderr and proc.stderr.count("QOSMaxNodePerJobLimit") == 14
 
 
-def _launch_args(model, variant, dp=1, iters=5, interval=1):
-    script = (f'source "{SLURM}/common.sh"; build_args {model} {dp} {iters} {interval} {variant} /ckpt; '
-              'printf "%s\\0" "${ARGS[@]}"')
-    proc = subprocess.run(["bash", "-c", script], capture_output=True,
-                          env={**os.environ, "REPO": ROOT, "PYTHON": sys.executable})
+def _launch_args(model, variant, dp=1, iters=5, interval=1, **knobs):
+    proc = _build_args(model, variant, dp, iters, interval, **knobs)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.decode().split("\0")[:-1]
+
+
+def _build_args(model, variant, dp, iters, interval, **knobs):
+    script = (f'source "{SLURM}/common.sh"; build_args {model} {dp} {iters} {interval} {variant} /ckpt; '
+              'printf "%s\\0" "${ARGS[@]}"')
+    return subprocess.run(["bash", "-c", script], capture_output=True,
+                          env={**os.environ, "REPO": ROOT, "PYTHON": sys.executable, **knobs})
 
 
 def _parse_with_world(argv, world_size):
@@ -218,6 +222,20 @@ def test_flags_exist_in_pretrain_gpt_parser(model, variant):
     assert config.parallel.pipeline_model_parallel_size == MODELS[model]
     assert sum(config.parallel.stage_layers(config.model.num_layers)) == config.model.num_layers
     assert config.parallel.data_parallel_size == 1 and config.model.seq_length == 2048
+
+
+def test_memory_variant_saves_in_memory_at_the_interval_and_to_save_every_tenth():
+    """datastates_memory (named in ONLY_VARIANTS only): Megatron-LM's in-memory non-persistent
+    flags, parsed by pretrain_gpt.py's parser; PERSISTENT_EVERY sets --save's share."""
+    ckpt = _parse_with_world(_launch_args("7B", "datastates_memory", interval=2),
+                             world_size=8).checkpoint
+    assert ckpt.async_lazy_save and ckpt.non_persistent_ckpt_type == "in_memory"
+    assert (ckpt.non_persistent_save_interval, ckpt.save_interval) == (2, 20)
+    assert "--non-persistent-save-interval" not in _launch_args("7B", "datastates_lazy")
+    argv = _launch_args("7B", "datastates_memory", interval=2, PERSISTENT_EVERY="5")
+    assert argv[argv.index("--save-interval") + 1] == "10"
+    proc = _build_args("7B", "datastates_memory", 1, 5, 2, PERSISTENT_EVERY="1")
+    assert proc.returncode == 2 and b"PERSISTENT_EVERY must be an integer >= 2" in proc.stderr
 
 
 def test_dry_run_as_documented_checks_each_launch_without_slurm(tmp_path):

@@ -24,7 +24,10 @@
 # Checkpointing:
 #   LAZY_CACHE_MB  --lazy-save-cache-mb (default: the largest rank's checkpoint, from tools/dry_run.py,
 #                  so a whole snapshot fits in host memory)
-#   ONLY_VARIANTS  a subset of: torch torch_dist torch_dist_async datastates_lazy (default: all)
+#   ONLY_VARIANTS  a subset of: torch torch_dist torch_dist_async datastates_lazy (default: these
+#                  four, the paper's), or datastates_memory (beyond the paper, only when named: an
+#                  in-memory version at the run's save interval in /dev/shm of each node, and a
+#                  persistent one to --save every PERSISTENT_EVERY of them, default 10)
 #   KEEP_CHECKPOINTS=1   keep each run's checkpoints (default: deleted after the run; they are TBs)
 # Launch:
 #   MASTER_PORT    rendezvous port on the first node (default 29500)
@@ -67,6 +70,7 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 
 ALL_VARIANTS=(torch torch_dist torch_dist_async datastates_lazy)
+KNOWN_VARIANTS=("${ALL_VARIANTS[@]}" datastates_memory)
 # shellcheck disable=SC2206  # ONLY_VARIANTS is a space-separated subset
 VARIANTS=(${ONLY_VARIANTS:-${ALL_VARIANTS[*]}})
 
@@ -104,8 +108,23 @@ variant_args() {
     torch_dist)       VARIANT_ARGS=(--ckpt-format torch_dist) ;;
     torch_dist_async) VARIANT_ARGS=(--ckpt-format torch_dist --async-save) ;;
     datastates_lazy)  VARIANT_ARGS=(--async-lazy-save ${LAZY_CACHE_MB:+--lazy-save-cache-mb "$LAZY_CACHE_MB"}) ;;
-    *) die "unknown variant '$1'; expected one of ${ALL_VARIANTS[*]}" ;;
+    datastates_memory)
+      [[ "${PERSISTENT_EVERY:-10}" =~ ^[0-9]+$ ]] && [ "${PERSISTENT_EVERY:-10}" -ge 2 ] || die "PERSISTENT_EVERY must be an integer >= 2 (in-memory versions per persistent one), got '$PERSISTENT_EVERY'"
+      VARIANT_ARGS=(--async-lazy-save ${LAZY_CACHE_MB:+--lazy-save-cache-mb "$LAZY_CACHE_MB"}
+                    --non-persistent-ckpt-type in_memory) ;;
+    *) die "unknown variant '$1'; expected one of ${KNOWN_VARIANTS[*]}" ;;
   esac
+}
+
+# save_args VARIANT INTERVAL CKPT_DIR: the save flags of one run (SAVE_ARGS). datastates_memory
+# saves in memory every INTERVAL iterations and to --save every PERSISTENT_EVERY x INTERVAL
+# (Megatron-LM's non-persistent flags; at an iteration where both fall due --save takes it).
+save_args() {
+  if [ "$1" = datastates_memory ]; then
+    SAVE_ARGS=(--save "$3" --save-interval "$(($2 * ${PERSISTENT_EVERY:-10}))" --non-persistent-save-interval "$2")
+  else
+    SAVE_ARGS=(--save "$3" --save-interval "$2")
+  fi
 }
 
 # build_args MODEL DP ITERATIONS SAVE_INTERVAL VARIANT CKPT_DIR: fills ARGS for pretrain_gpt.py.
@@ -142,7 +161,8 @@ build_args() {
   else
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$MODEL_VOCAB")
   fi
-  CHECKPOINT_ARGS=(--save "$ckpt_dir" --save-interval "$interval" "${VARIANT_ARGS[@]}")
+  save_args "$variant" "$interval" "$ckpt_dir"
+  CHECKPOINT_ARGS=("${SAVE_ARGS[@]}" "${VARIANT_ARGS[@]}")
   LOGGING_ARGS=(--log-interval 1 --eval-interval "$((iters + 1))" --eval-iters 0)
   # shellcheck disable=SC2206  # EXTRA_ARGS is meant to be word-split
   ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MEMORY_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}"
@@ -159,7 +179,7 @@ check_nodes() {
 # (a bad launch fails here, before any allocation time is spent on srun).
 size_lazy_cache() {
   [ -n "${LAZY_CACHE_MB:-}" ] && return
-  [[ " ${VARIANTS[*]} " == *" datastates_lazy "* ]] || return 0
+  [[ " ${VARIANTS[*]} " == *" datastates_lazy "* || " ${VARIANTS[*]} " == *" datastates_memory "* ]] || return 0
   build_args "$1" "$2" "$3" 1 datastates_lazy "$CKPT_ROOT/sizing"
   local out
   out="$("$PYTHON" "$REPO/tools/dry_run.py" --world-size "$WORLD" --lazy-cache-mb -- "${ARGS[@]}")" || die "tools/dry_run.py refused the launch: ${ARGS[*]}"
