@@ -29,6 +29,7 @@ from megatron.training.config import (
     shared_memory_dir,
 )
 from megatron.training.tokenizer import TokenizerType, build_tokenizer
+from megatron.training.log import say
 
 
 class ArgumentError(ValueError):
@@ -639,7 +640,7 @@ def _check_non_persistent_flags(a: argparse.Namespace) -> None:
 def _warn(message: str) -> None:
     """A start-up warning, printed once (by global rank 0) to stdout like Megatron-LM's."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"WARNING: {message}", flush=True)
+        say(f"WARNING: {message}")
 
 
 def _check_checkpointing(a: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron.training.config import RunConfig
+from megatron.training.log import say
 
 __all__ = ["CheckpointRecord", "Metrics"]
 
@@ -151,8 +152,8 @@ class Metrics:
             for sink in sinks:  # Megatron-LM writes its arguments as text too
                 sink.text("run_config", "```\n" + config.to_json() + "\n```", 0)
             if log.log_memory_to_tensorboard and not torch.cuda.is_available():
-                print("WARNING: --log-memory-to-tensorboard writes CUDA allocator counters; this "
-                      "run has no GPU, so none are written", flush=True)
+                say("WARNING: --log-memory-to-tensorboard writes CUDA allocator counters; this "
+                    "run has no GPU, so none are written")
         return cls(config, sinks if last else [], sinks if first else [])
 
     # -- the last rank ---------------------------------------------------------------------------

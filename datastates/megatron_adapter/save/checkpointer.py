@@ -73,6 +73,7 @@ import functools
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import weakref
@@ -986,12 +987,15 @@ class LazyCheckpointer:
         try:
             local_tier.prune(local_dir, self.rank, self.config.local_keep, protected)
         except OSError as err:
-            print(f"[rank {self.rank}] WARNING: could not remove old local checkpoint copies "
-                  f"under {local_dir}: {err}", flush=True)
+            self._warn(f"[rank {self.rank}] WARNING: could not remove old local checkpoint "
+                       f"copies under {local_dir}: {err}")
 
     @staticmethod
     def _warn(message: str) -> None:
-        print(message, flush=True)  # every rank's own warning (the log callback is rank 0's)
+        """Every rank's own warning (the log callback is rank 0's), in one write: ranks on a
+        node share a stdout, and `print`'s separate newline lets another rank's line in."""
+        sys.stdout.write(message + "\n")
+        sys.stdout.flush()
 
     def _apply_policy(self, fn) -> None:
         """Run `fn`; an agreed save failure either propagates (STOP) or switches checkpointing

@@ -48,7 +48,7 @@ from megatron.training.checkpointing.manager import LEVEL_NAMES, CheckpointManag
     non_persistent_root_of_this_rank
 from megatron.training.arguments import host_cache_budget_mb
 from megatron.training.config import RunConfig
-from megatron.training.log import print_rank_0
+from megatron.training.log import print_rank_0, say
 from megatron.training.metrics import CheckpointRecord
 from megatron.training.checkpointing.retention import apply_retention
 from megatron.training.checkpointing.state_cache import SaveStateCache
@@ -202,20 +202,20 @@ class PeerRestore:
                                              world_size, needed)
         rank = dist.get_rank()
         for saved, (frm, nbytes, seconds) in sorted(self.stats.received.items()):
-            print(f"[rank {rank}] received saved rank {saved}'s shards from peer rank {frm}: "
-                  f"{nbytes / 2**20:.2f} MiB in {seconds:.3f} s", flush=True)
+            say(f"[rank {rank}] received saved rank {saved}'s shards from peer rank {frm}: "
+                f"{nbytes / 2**20:.2f} MiB in {seconds:.3f} s")
 
     def report(self, last_read: dict) -> None:
         rank = dist.get_rank()
         if self.stats.unavailable and rank == 0:
-            print(f"no intact memory copy of saved rank(s) {self.stats.unavailable} on any node: "
-                  f"read from {self.directory}", flush=True)
+            say(f"no intact memory copy of saved rank(s) {self.stats.unavailable} on any node: "
+                f"read from {self.directory}")
         src = last_read["sources"]
         if self.assembled:  # an in-memory version: every byte read came from this node's memory
             nbytes, seconds = (sum(v[i] for v in src.values()) for i in (0, 1))
             src = {"local": (nbytes, seconds)}
-            print(f"[rank {rank}] restored shards from memory {self.directory}: "
-                  f"{nbytes / 2**20:.2f} MiB in {seconds:.3f} s", flush=True)
+            say(f"[rank {rank}] restored shards from memory {self.directory}: "
+                f"{nbytes / 2**20:.2f} MiB in {seconds:.3f} s")
         mine = [sum(n for _, n, _ in self.stats.received.values()),
                 src.get("local", (0, 0.0))[0], src.get("shared", (0, 0.0))[0],
                 int(1e6 * sum(s for _, s in src.values()))]
@@ -317,15 +317,13 @@ class LazyCheckpointManager(CheckpointManager):
                 try:
                     removed = drop_node_local_newer(root, start_iteration)
                 except OSError as err:
-                    print(f"[rank {dist.get_rank()}] WARNING: could not remove the node-local "
-                          f"versions newer than iteration {start_iteration} under {root}: {err}",
-                          flush=True)
+                    say(f"[rank {dist.get_rank()}] WARNING: could not remove the node-local "
+                        f"versions newer than iteration {start_iteration} under {root}: {err}")
             if removed:
                 level = LEVEL_NAMES[self.ckpt.non_persistent_ckpt_type]
-                print(f"[rank {dist.get_rank()}] {level} checkpoints: removed iteration(s) "
-                      f"{removed} from {root}: newer than iteration {start_iteration}, which "
-                      "this run starts from (not every node held them); they are saved again",
-                      flush=True)
+                say(f"[rank {dist.get_rank()}] {level} checkpoints: removed iteration(s) "
+                    f"{removed} from {root}: newer than iteration {start_iteration}, which "
+                    "this run starts from (not every node held them); they are saved again")
             control_plane.barrier()
             self.start()
         super().begin_training(start_iteration)
@@ -412,8 +410,8 @@ class LazyCheckpointManager(CheckpointManager):
         try:
             removed = release_memory(root, self.ckpt.save)
         except OSError as err:
-            print(f"[rank {dist.get_rank()}] WARNING: could not remove the in-memory checkpoints "
-                  f"under {root}: {err}", flush=True)
+            say(f"[rank {dist.get_rank()}] WARNING: could not remove the in-memory checkpoints "
+                f"under {root}: {err}")
             return
         if removed:
             print_rank_0(f"in-memory checkpoints: removed iteration(s) {removed} from {root} "

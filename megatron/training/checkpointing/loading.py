@@ -47,7 +47,7 @@ from megatron.training.checkpointing.verify import damage_hint, newest_intact
 from megatron.training.config import CkptFormat, RunConfig
 from megatron.training.checkpointing.from_universal import load_universal
 from megatron.training.checkpointing.lazy import local_dir_of_this_rank, restore_peer_copies
-from megatron.training.log import print_rank_0
+from megatron.training.log import print_rank_0, say
 from megatron.training.metrics import Metrics
 from megatron.training.timers import count_loaded, loaded_bytes, report_times_across_ranks
 
@@ -296,7 +296,7 @@ def resume_root(config: RunConfig) -> Optional[str]:
 
 def _log(line: str) -> None:
     """A line of a level's restore, from every rank that has one (they name their rank)."""
-    print(line, flush=True)
+    say(line)
 
 
 def _adopt_left_memory(root: str) -> None:
@@ -505,8 +505,8 @@ def _report_sources(directory: str, read: dict) -> None:
     """Every rank: where its shards came from (--lazy-save-local-dir), bytes and read seconds."""
     rank = dist.get_rank()
     for saved_rank, why in sorted(read["fallbacks"].items()):
-        print(f"[rank {rank}] WARNING: the local copy of saved rank {saved_rank}'s shards failed "
-              f"verification ({why}); read from {directory} instead", flush=True)
+        say(f"[rank {rank}] WARNING: the local copy of saved rank {saved_rank}'s shards failed "
+            f"verification ({why}); read from {directory} instead")
     parts = []
     for kind, where in (("local", read["local_copy"]), ("shared", directory)):
         if kind in read["sources"]:
@@ -514,7 +514,7 @@ def _report_sources(directory: str, read: dict) -> None:
             parts.append(f"{kind} {where}: {nbytes / 2**20:.2f} MiB in {seconds:.3f} s")
     if not parts:
         parts.append("no shard bytes read")
-    print(f"[rank {rank}] restored shards from " + "; ".join(parts), flush=True)
+    say(f"[rank {rank}] restored shards from " + "; ".join(parts))
 
 
 def _backend_note(directory: str) -> str:

@@ -22,7 +22,7 @@ from datastates.universal import is_universal
 from megatron.training.checkpointing.contents import CheckpointError, check_model_shape, \
     saved_run_config
 from megatron.training.checkpointing.from_universal import verify_universal_share
-from megatron.training.log import print_rank_0
+from megatron.training.log import print_rank_0, say
 
 
 def damage_hint(root: str, iteration: int) -> str:
@@ -76,7 +76,7 @@ def newest_intact(root: str, tracked: int, config) -> int:
             return it
         reason = f"iteration {it}: " + (str(error) if error is not None else
                                          "damaged on another rank")
-        print(f"[rank {dist.get_rank()}] checkpoint verification failed: {reason}", flush=True)
+        say(f"[rank {dist.get_rank()}] checkpoint verification failed: {reason}")
         reasons.append(reason)
     raise CheckpointError("--ckpt-fallback-to-previous: no intact checkpoint under the --load "
                           "directory: " + " | ".join(reasons), path=root)
