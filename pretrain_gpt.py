@@ -33,8 +33,7 @@ def main(argv=None) -> int:
         rank = os.environ.get("RANK", "0")
         if rank != "0":
             time.sleep(RANK0_REPORTS_WITHIN_S)
-        print(f"pretrain_gpt.py: error: {'' if rank == '0' else f'[rank {rank}] '}{err}",
-              file=sys.stderr, flush=True)
+        _error_line(f"{'' if rank == '0' else f'[rank {rank}] '}{err}")
         return 2
     from megatron.training.initialize import destroy_distributed
     from megatron.training.training import setup, train
@@ -61,7 +60,14 @@ def _report(err: BaseException) -> None:
         traceback.print_exc()
     if getattr(err, "agreed", False) and os.environ.get("RANK", "0") != "0":
         return
-    print(f"pretrain_gpt.py: error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    _error_line(f"{type(err).__name__}: {err}")
+
+
+def _error_line(text: str) -> None:
+    """One line on stderr, in one write: the ranks of a node share it, and a rank's error must
+    not be split by another's."""
+    sys.stderr.write(f"pretrain_gpt.py: error: {text}\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
