@@ -239,46 +239,6 @@ def test_a_version_queued_behind_a_failed_commit_is_not_committed(tmp_path, one_
     assert _loads(root, 1)
 
 
-def test_commits_started_before_a_failure_stopped_the_run_still_finish(tmp_path,
-                                                                       one_rank_megatron,
-                                                                       monkeypatch):
-    """Iteration 2's commit is queued behind iteration 1's, still running, when an agreed
-    failure stops the run (here set as `_apply_policy` sets it under STOP): `finish` does not
-    commit anything more, but both started commits finish, versions durable on every rank."""
-    from datastates.errors import CheckpointError
-    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
-    from datastates.megatron_adapter.save import checkpointer
-
-    entered, release = threading.Event(), threading.Event()
-    real = checkpointer.write_tracker
-
-    def held(root, iteration, *a, **k):
-        if iteration == 1:
-            entered.set()
-            release.wait(WAIT_S)
-        return real(root, iteration, *a, **k)
-
-    root = tmp_path / "ckpt"
-    ckpt = LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20),
-                            log=lambda _msg: None)
-    monkeypatch.setattr(checkpointer, "write_tracker", held)
-    try:
-        _durable_unpolled(ckpt, (1,))
-        ckpt.poll(1)
-        assert entered.wait(WAIT_S)
-        _durable_unpolled(ckpt, (2,))
-        ckpt.poll(2)  # 1 not done: 2's commit is queued behind it
-        started = [ckpt.persistent.publishing.future, ckpt.persistent.queued[-1].future]
-        ckpt._failed = CheckpointError("a later save failed on every rank")
-        ckpt.finish()
-        release.set()
-        for future in started:
-            future.result(timeout=WAIT_S)
-    finally:
-        release.set()
-    assert _tracked(root) == 2 and _loads(root, 1) and _loads(root, 2)
-
-
 def test_a_finalize_function_megatron_adds_in_future_still_runs_on_the_training_thread(
         tmp_path, one_rank_megatron, monkeypatch):
     """The commit thread writes metadata.json in place of megatron's only finalize function; if

@@ -941,10 +941,7 @@ class LazyCheckpointer:
                     self._verifier.shutdown(wait=False, cancel_futures=True)
                 for lane in self.lanes:
                     lane.files.shutdown(wait=False, cancel_futures=True)
-                    # Commits already started (queued behind one still running, when a failure
-                    # ended the run) are of versions durable on every rank: they still run, and
-                    # the interpreter waits for them at exit, as for the one running.
-                    lane.publisher.shutdown(wait=False)
+                    lane.publisher.shutdown(wait=False, cancel_futures=True)
                 for merger in (self.universal, self._merge_follower):
                     if merger is not None:
                         merger.wait()  # no merge process outlives the run
