@@ -5,7 +5,6 @@ the next save, versions still commit in order, and a failed commit is raised as 
 import errno
 import importlib
 import json
-import os
 import threading
 import time
 
@@ -175,68 +174,6 @@ def test_a_failed_commit_is_raised_and_the_tracker_stays(tmp_path, one_rank_mega
         _poll_until(ckpt, 2, lambda: False)  # the agreed failure ends the loop
     assert "iteration 2" in str(err.value) and "No space left" in str(err.value)
     assert _tracked(root) == 1 and _loads(root, 1)
-
-
-def _durable_unpolled(ckpt, steps):
-    """Saves of `steps`, each followed by the step's hook but no poll, until each is durable
-    here: a lane that fell behind (a slow fsync, a loaded machine)."""
-    for step in steps:
-        ckpt.save(step, _state(step))
-        ckpt.before_optimizer_step()
-    lane = ckpt.persistent
-    for p in lane.pending:  # what the checkpointer's own blocking wait records (`_wait_durable`)
-        for record in lane.engine.wait_for_durable(p.handle, timeout=WAIT_S):
-            ckpt.durable[os.path.normpath(record.directory)] = record
-        for written in p.files:  # common.pt
-            written.result(timeout=WAIT_S)
-
-
-def _commit_thread_idle(ckpt):
-    ckpt.persistent.publisher.submit(lambda: None).result(timeout=WAIT_S)
-
-
-def test_a_lane_that_fell_behind_commits_every_durable_version_at_the_next_poll(
-        tmp_path, one_rank_megatron):
-    """One poll starts the commit of every version durable everywhere, queued in order on the
-    commit thread; the next one settles them all, logging each in order. (With one commit per
-    poll, a lane saving every iteration stayed as far behind as its slowest moment put it.)"""
-    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
-
-    root, lines = tmp_path / "ckpt", []
-    ckpt = LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20), log=lines.append)
-    _durable_unpolled(ckpt, (1, 2, 3, 4))
-    ckpt.poll(4)
-    _commit_thread_idle(ckpt)
-    assert _tracked(root) == 4
-    assert all((root / f"iter_{s:07d}" / "COMMIT.json").is_file() for s in (1, 2, 3, 4))
-    ckpt.poll(4)
-    assert ckpt.publishing is None and not ckpt.busy()
-    said = [int(m.split()[2]) for m in lines if m.startswith(" checkpoint iteration")]
-    assert said == [1, 2, 3, 4], lines
-    ckpt.finish()
-    assert all(_loads(root, step) for step in (1, 2, 3, 4))
-
-
-def test_a_version_queued_behind_a_failed_commit_is_not_committed(tmp_path, one_rank_megatron,
-                                                                   monkeypatch):
-    """Iteration 2's tracker write fails while iteration 3's commit waits behind it on the
-    commit thread: 3 is not committed either, the tracker stays at 1, and the agreed error
-    names iteration 2."""
-    from datastates.errors import CheckpointError
-
-    def full_disk(root):
-        raise OSError(errno.ENOSPC, "No space left on device", str(root))
-
-    _hook_tracker(monkeypatch, full_disk)
-    root, ckpt = _first_committed(tmp_path)
-    _durable_unpolled(ckpt, (2, 3))
-    with pytest.raises(CheckpointError) as err:
-        ckpt.poll(3)  # both commits start, queued
-        _commit_thread_idle(ckpt)
-        ckpt.poll(3)  # the agreed failure
-    assert "iteration 2" in str(err.value) and "No space left" in str(err.value)
-    assert _tracked(root) == 1 and not (root / "iter_0000003" / "COMMIT.json").exists()
-    assert _loads(root, 1)
 
 
 def test_a_finalize_function_megatron_adds_in_future_still_runs_on_the_training_thread(

@@ -245,14 +245,11 @@ class _Lane:
     files: ThreadPoolExecutor  # its common.pt writer (temp, fsync, rename)
     pending: Deque[_Pending] = field(default_factory=deque)
     publishing: Optional["_Publishing"] = None
-    #: Commits started behind `publishing` (a lane of files catching up: `_commit_lane`), in
-    #: order, each run by the commit thread after the one before it.
-    queued: Deque["_Publishing"] = field(default_factory=deque)
 
     def uncommitted(self) -> List[_Pending]:
-        """Saves not yet committed: those being published, then those in flight."""
+        """Saves not yet committed: the one being published, then those in flight."""
         head = [self.publishing.pending] if self.publishing is not None else []
-        return head + [q.pending for q in self.queued] + list(self.pending)
+        return head + list(self.pending)
 
 
 @dataclass
@@ -1019,7 +1016,6 @@ class LazyCheckpointer:
             for lane in self.lanes:  # never committed: they stay partial and unloadable
                 lane.pending.clear()
                 lane.publishing = None
-                lane.queued.clear()
             self.log(f"WARNING: {err}. Continuing WITHOUT checkpointing for the rest of this "
                      "run (--ckpt-failure-policy continue): no further saves, no retry.")
 
@@ -1159,17 +1155,6 @@ class LazyCheckpointer:
 
     def _commit_lane(self, lane: _Lane, blocking: bool) -> None:
         self._poll_engine(lane)
-        if not blocking and not self._commits_ahead(lane):
-            # A poll settles every commit done everywhere, in order, then starts the commit of
-            # every save durable everywhere, queued on the lane's commit thread behind those
-            # still running: a lane that fell behind (a slow fsync, a loaded machine) catches
-            # up at the next poll. (One commit per poll kept a save-every-iteration lane as far
-            # behind as its slowest moment had put it: a crash then lost those iterations too.)
-            while lane.publishing is not None and self._settle(lane, blocking=False):
-                pass
-            while lane.pending and self._commit_head(lane, blocking=False):
-                pass
-            return
         while True:
             if lane.publishing is not None and not self._settle(lane, blocking):
                 return
@@ -1286,14 +1271,8 @@ class LazyCheckpointer:
             self.on_call_times(p.iteration, p.root, min(calls), max(calls))
         future = None
         if publishes and not self._local_errors:
-            before = (lane.queued[-1] if lane.queued else lane.publishing)
-            future = lane.publisher.submit(self._publish, p, own_metadata or self.rank != 0,
-                                           before.future if before is not None else None)
-        pub = _Publishing(p, stats, future)
-        if lane.publishing is None:
-            lane.publishing = pub
-        else:
-            lane.queued.append(pub)
+            future = lane.publisher.submit(self._publish, p, own_metadata or self.rank != 0)
+        lane.publishing = _Publishing(p, stats, future)
 
     def _settle(self, lane: _Lane, blocking: bool) -> bool:
         """All ranks: whether the commit in flight is done everywhere (waiting for it if
@@ -1364,7 +1343,7 @@ class LazyCheckpointer:
             self._agree(pub.pending, True)  # raises, naming the ranks whose commit failed
         if agreed == 0:
             return False
-        lane.publishing = lane.queued.popleft() if lane.queued else None
+        lane.publishing = None
         self._after_publish(pub)
         if lane is self.node_lane and self.memory_replicator is not None and idle and \
                 pub.pending.node_local:  # after retention: the newest one is held
@@ -1420,16 +1399,10 @@ class LazyCheckpointer:
         if self._last_published is not None:
             self._agree(self._last_published, True)
 
-    def _publish(self, p: _Pending, write_metadata_json: bool,
-                 before: Optional[Future] = None) -> None:
+    def _publish(self, p: _Pending, write_metadata_json: bool) -> None:
         """The commit thread of rank 0 (and, for a node-local version, of every node's leader for
         its node): metadata.json (unless megatron's finalize wrote it) made durable, commit
-        marker, then tracker. `before`: the commit queued ahead of this one (done by now, on
-        this thread); if it failed, this version is not committed either: the tracker stays
-        where the failure is reported."""
-        if before is not None and before.exception() is not None:
-            raise CheckpointError("not committed: the commit of the version before it failed "
-                                  f"({before.exception()})", rank=self.rank, file=p.directory)
+        marker, then tracker."""
         metadata = os.path.join(p.directory, METADATA_FILENAME)
         if write_metadata_json:  # what megatron's finalize writes, on rank 0 only
             from .strategies import write_metadata
