@@ -71,6 +71,7 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 
 ALL_VARIANTS=(torch torch_dist torch_dist_async datastates_lazy)
 KNOWN_VARIANTS=("${ALL_VARIANTS[@]}" datastates_memory)
+PERSISTENT_EVERY="${PERSISTENT_EVERY:-10}"  # datastates_memory: in-memory versions per --save one
 # shellcheck disable=SC2206  # ONLY_VARIANTS is a space-separated subset
 VARIANTS=(${ONLY_VARIANTS:-${ALL_VARIANTS[*]}})
 
@@ -109,7 +110,7 @@ variant_args() {
     torch_dist_async) VARIANT_ARGS=(--ckpt-format torch_dist --async-save) ;;
     datastates_lazy)  VARIANT_ARGS=(--async-lazy-save ${LAZY_CACHE_MB:+--lazy-save-cache-mb "$LAZY_CACHE_MB"}) ;;
     datastates_memory)
-      [[ "${PERSISTENT_EVERY:-10}" =~ ^[0-9]+$ ]] && [ "${PERSISTENT_EVERY:-10}" -ge 2 ] || die "PERSISTENT_EVERY must be an integer >= 2 (in-memory versions per persistent one), got '$PERSISTENT_EVERY'"
+      [[ "$PERSISTENT_EVERY" =~ ^[0-9]+$ ]] && [ "$PERSISTENT_EVERY" -ge 2 ] || die "PERSISTENT_EVERY must be an integer >= 2 (in-memory versions per persistent one), got '$PERSISTENT_EVERY'"
       VARIANT_ARGS=(--async-lazy-save ${LAZY_CACHE_MB:+--lazy-save-cache-mb "$LAZY_CACHE_MB"}
                     --non-persistent-ckpt-type in_memory) ;;
     *) die "unknown variant '$1'; expected one of ${KNOWN_VARIANTS[*]}" ;;
@@ -121,7 +122,7 @@ variant_args() {
 # (Megatron-LM's non-persistent flags; at an iteration where both fall due --save takes it).
 save_args() {
   if [ "$1" = datastates_memory ]; then
-    SAVE_ARGS=(--save "$3" --save-interval "$(($2 * ${PERSISTENT_EVERY:-10}))" --non-persistent-save-interval "$2")
+    SAVE_ARGS=(--save "$3" --save-interval "$(($2 * $PERSISTENT_EVERY))" --non-persistent-save-interval "$2")
   else
     SAVE_ARGS=(--save "$3" --save-interval "$2")
   fi
