@@ -5,6 +5,7 @@ the next save, versions still commit in order, and a failed commit is raised as 
 import errno
 import importlib
 import json
+import os
 import threading
 import time
 
@@ -174,6 +175,107 @@ def test_a_failed_commit_is_raised_and_the_tracker_stays(tmp_path, one_rank_mega
         _poll_until(ckpt, 2, lambda: False)  # the agreed failure ends the loop
     assert "iteration 2" in str(err.value) and "No space left" in str(err.value)
     assert _tracked(root) == 1 and _loads(root, 1)
+
+
+def _durable_unpolled(ckpt, steps):
+    """Saves of `steps`, each followed by the step's hook but no poll, until each is durable
+    here: a lane that fell behind (a slow fsync, a loaded machine)."""
+    for step in steps:
+        ckpt.save(step, _state(step))
+        ckpt.before_optimizer_step()
+    lane = ckpt.persistent
+    for p in lane.pending:  # what the checkpointer's own blocking wait records (`_wait_durable`)
+        for record in lane.engine.wait_for_durable(p.handle, timeout=WAIT_S):
+            ckpt.durable[os.path.normpath(record.directory)] = record
+        for written in p.files:  # common.pt
+            written.result(timeout=WAIT_S)
+
+
+def _commit_thread_idle(ckpt):
+    ckpt.persistent.publisher.submit(lambda: None).result(timeout=WAIT_S)
+
+
+def test_a_lane_that_fell_behind_commits_every_durable_version_at_the_next_poll(
+        tmp_path, one_rank_megatron):
+    """One poll starts one commit of every version durable everywhere, written in order by the
+    commit thread; the next poll settles them, logging each in order. (With one version per
+    commit, a lane saving every iteration stayed as far behind as its slowest moment put it.)"""
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
+
+    root, lines = tmp_path / "ckpt", []
+    ckpt = LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20), log=lines.append)
+    _durable_unpolled(ckpt, (1, 2, 3, 4))
+    ckpt.poll(4)
+    assert not ckpt.persistent.pending
+    _commit_thread_idle(ckpt)
+    assert _tracked(root) == 4
+    assert all((root / f"iter_{s:07d}" / "COMMIT.json").is_file() for s in (1, 2, 3, 4))
+    ckpt.poll(4)
+    assert ckpt.publishing is None and not ckpt.busy()
+    said = [int(m.split()[2]) for m in lines if m.startswith(" checkpoint iteration")]
+    assert said == [1, 2, 3, 4], lines
+    ckpt.finish()
+    assert all(_loads(root, step) for step in (1, 2, 3, 4))
+
+
+def test_a_failed_commit_of_several_names_the_first_and_settles_those_before(
+        tmp_path, one_rank_megatron, monkeypatch):
+    """Iterations 2, 3 and 4 are committed together; 3's tracker write fails: 2 is committed and
+    logged, 4 is not committed, the tracker stays at 2, and the agreed error names 3."""
+    from datastates.errors import CheckpointError
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
+    from datastates.megatron_adapter.save import checkpointer
+
+    real = checkpointer.write_tracker
+
+    def full_at_3(root, iteration, *a, **k):
+        if iteration == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(root))
+        return real(root, iteration, *a, **k)
+
+    monkeypatch.setattr(checkpointer, "write_tracker", full_at_3)
+    root, lines = tmp_path / "ckpt", []
+    ckpt = LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20), log=lines.append)
+    _durable_unpolled(ckpt, (2, 3, 4))
+    with pytest.raises(CheckpointError) as err:
+        ckpt.poll(4)  # one commit of 2, 3 and 4
+        _commit_thread_idle(ckpt)
+        ckpt.poll(4)  # the agreed failure
+    assert "iteration 3" in str(err.value) and "No space left" in str(err.value)
+    assert "it still names iteration 2" in str(err.value)
+    said = [int(m.split()[2]) for m in lines if m.startswith(" checkpoint iteration")]
+    assert said == [2], lines
+    assert _tracked(root) == 2 and not (root / "iter_0000004" / "COMMIT.json").exists()
+    assert _loads(root, 2)
+
+
+def test_a_refused_version_among_several_commits_those_before_it_first(tmp_path,
+                                                                        one_rank_megatron):
+    """Iterations 2, 3 and 4 wait durable; 3's replicas disagree (agreed on every rank): 2 is
+    committed and settled before the refusal is raised, 3 is never committed, 4 still waits."""
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
+    from datastates.megatron_adapter.save.replica_check import ReplicaMismatch
+
+    root = tmp_path / "ckpt"
+    ckpt = LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20),
+                            log=lambda _msg: None)
+    _durable_unpolled(ckpt, (2, 3, 4))
+    refused = []
+
+    def verify(p):
+        if p.iteration == 3:
+            refused.append(_tracked(root))
+            raise ReplicaMismatch("replicas of iteration 3 differ", rank=0, ranks=[0])
+
+    for p in ckpt.persistent.pending:
+        p.replica_check = object()
+    ckpt._verify_replicas = verify
+    with pytest.raises(ReplicaMismatch):
+        ckpt.poll(4)
+    assert refused == [None]  # nothing committed when it was found
+    assert _tracked(root) == 2 and ckpt.publishing is None
+    assert not (root / "iter_0000003" / "COMMIT.json").exists()
+    assert [p.iteration for p in ckpt.persistent.pending] == [4]
 
 
 def test_a_finalize_function_megatron_adds_in_future_still_runs_on_the_training_thread(

@@ -248,18 +248,26 @@ class _Lane:
 
     def uncommitted(self) -> List[_Pending]:
         """Saves not yet committed: the one being published, then those in flight."""
-        head = [self.publishing.pending] if self.publishing is not None else []
+        head = list(self.publishing.items) if self.publishing is not None else []
         return head + list(self.pending)
 
 
 @dataclass
 class _Publishing:
-    """A save every rank agreed is durable, whose commit marker and tracker the publishing rank's
-    commit thread is writing (`future`; None on the other ranks)."""
+    """Saves every rank agreed are durable (one, or each that was waiting when a lane had fallen
+    behind), whose commit markers and trackers the publishing rank's commit thread is writing,
+    in order (`future`; None on the other ranks). `published`: the iterations it has committed,
+    appended by that thread; it stops at the first failure."""
 
-    pending: _Pending
-    stats: Dict[str, float]
-    future: Optional[Future]
+    items: List[_Pending]
+    stats: List[Dict[str, float]]
+    future: Optional[Future] = None
+    published: List[int] = field(default_factory=list)
+
+    @property
+    def pending(self) -> _Pending:
+        """The newest of them (the in-memory level's only one: it commits one at a time)."""
+        return self.items[-1]
 
 
 class _Call(NamedTuple):
@@ -269,6 +277,13 @@ class _Call(NamedTuple):
     t_start: float  # wall clock at the call
     t_returned: float  # wall clock when it returned
     call_s: float  # from the caller's `called_at` (Megatron's timer)
+
+
+class _Agreed(NamedTuple):
+    """What every rank said of a save agreed durable everywhere (`_agree`)."""
+
+    rows: List[List[int]]  # each rank's `_figures`
+    next_durable: bool  # every rank also has the save after it durable
 
 
 class _Settling(NamedTuple):
@@ -1086,19 +1101,22 @@ class LazyCheckpointer:
                 p.errors.append(err)
         return True
 
-    def _agree(self, p: _Pending, local_done: bool, record=None) -> Optional[List[List[int]]]:
+    def _agree(self, p: _Pending, local_done: bool, record=None,
+               next_durable: bool = False) -> Optional[_Agreed]:
         """All ranks: every rank's figures of `p` (`_figures`: what this rank's `record` says,
-        zeros without one) when every rank has `p` durable (or committed), None while some rank
-        has not; raises the same CheckpointError on every rank if any rank recorded an error.
+        zeros without one) when every rank has `p` durable (or committed), and whether every
+        rank has the save after it (`next_durable` here) durable too; None while some rank has
+        not `p`; raises the same CheckpointError on every rank if any rank recorded an error.
         One all-gather: the in-memory level agrees every iteration, and at scale each collective
         is a round over every rank that the training loop waits for."""
         errors = self._local_errors + p.errors  # a later save's own errors wait for its turn
         err = errors[0] if errors else None
         code = -1 if err is not None else int(local_done)
-        rows = control_plane.all_gather_ints([code] + _figures(p, record))
+        rows = control_plane.all_gather_ints([code, int(next_durable)] + _figures(p, record))
         agreed = min(row[0] for row in rows)
         if agreed >= 0:
-            return [row[1:] for row in rows] if agreed else None
+            return _Agreed([row[2:] for row in rows], bool(min(row[1] for row in rows))) \
+                if agreed else None
         root = p.root
         where = "--save" if root == self.config.root else f"non-persistent root {root}"
         failure = control_plane.agreed_failure(
@@ -1154,14 +1172,24 @@ class LazyCheckpointer:
         return lane is self.node_lane and self.config.non_persistent_in_memory
 
     def _commit_lane(self, lane: _Lane, blocking: bool) -> None:
+        """Every rank: the lane's commit in flight settled, then its oldest saves committed, in
+        order (waiting for each if `blocking`; else the commit started is agreed on at the next
+        poll). One commit covers every save that every rank holds durable (`_agree_heads`), so
+        a lane that has fallen behind (a slow fsync, a loaded machine) catches up at once, and
+        no save is agreed on while a commit is still running: a failure is agreed on after the
+        versions before it settled everywhere."""
         self._poll_engine(lane)
         while True:
             if lane.publishing is not None and not self._settle(lane, blocking):
                 return
-            if not lane.pending or not self._commit_head(lane, blocking):
+            if not lane.pending:
                 return
+            batch = self._agree_heads(lane, blocking)
+            if not batch:
+                return
+            self._commit(lane, batch)
             if not blocking:
-                return  # its commit thread has just started: agreed on at the next poll
+                return
 
     def _commit_ahead(self, lane: _Lane) -> None:
         """Every rank, in `before_optimizer_step` once the snapshot is copied: the in-memory
@@ -1170,29 +1198,57 @@ class LazyCheckpointer:
         and takes the older version's slots."""
         self._poll_engine(lane)
         if lane.publishing is None and lane.pending:
-            self._commit_head(lane, blocking=True)
+            batch = self._agree_heads(lane, blocking=True)
+            if batch:
+                self._commit(lane, batch)
 
     def _poll_engine(self, lane: _Lane) -> None:
         for record in self._guard(lane.engine.poll) or []:
             self.durable[os.path.normpath(record.directory)] = record
 
-    def _commit_head(self, lane: _Lane, blocking: bool) -> bool:
-        """Every rank: the lane's oldest save agreed on (waiting for it to be durable here if
-        `blocking`) and, when every rank has it, its commit started. False: not yet."""
-        head = lane.pending[0]
-        key = os.path.normpath(head.directory)
-        if blocking and head.handle is not None:
-            self._wait_durable(lane, head, key)
-        rows = self._agree(head, key in self.durable and self._files_durable(head, blocking),
-                           self.durable.get(key))
-        if rows is None:
-            return False
-        lane.pending.popleft()
-        self.durable.pop(key)
-        if head.replica_check is not None:
-            self._verify_replicas(head)  # raises ReplicaMismatch: never committed
-        self._commit(lane, head, rows)
-        return True
+    def _agree_heads(self, lane: _Lane, blocking: bool) -> List[Tuple[_Pending, List[List[int]]]]:
+        """Every rank: the lane's oldest saves that every rank has durable, each with every
+        rank's figures, taken off the lane in order (each verified against its replicas first):
+        the oldest (waiting for it here if `blocking`; [] while some rank has not got it), then
+        each next one while every rank had it durable already when the one before was agreed
+        on. The in-memory level takes one: its slots hold two versions. If a later one fails
+        (agreed on every rank), those before it are committed and settled first."""
+        batch: List[Tuple[_Pending, List[List[int]]]] = []
+        more = True
+        try:
+            while lane.pending and more:
+                head = lane.pending[0]
+                if batch and head.node_local != batch[0][0].node_local:
+                    break  # another publisher
+                key = os.path.normpath(head.directory)
+                if blocking and not batch and head.handle is not None:
+                    self._wait_durable(lane, head, key)
+                after = lane.pending[1] if len(lane.pending) > 1 and \
+                    not self._commits_ahead(lane) else None
+                agreed = self._agree(head, key in self.durable and
+                                     self._files_durable(head, blocking),
+                                     self.durable.get(key),
+                                     next_durable=after is not None and self._durable_here(after))
+                if agreed is None:
+                    break
+                lane.pending.popleft()
+                self.durable.pop(key)
+                if head.replica_check is not None:
+                    self._verify_replicas(head)  # raises ReplicaMismatch: never committed
+                batch.append((head, agreed.rows))
+                more = agreed.next_durable
+        except CheckpointError as err:
+            if batch and err.ranks is not None:  # agreed on every rank (no rank lost)
+                self._commit(lane, batch)
+                self._settle(lane, blocking=True)
+            raise
+        return batch
+
+    def _durable_here(self, p: _Pending) -> bool:
+        """Without waiting or taking anything: whether `p` is durable on this rank, its
+        common.pt written and no failure on record."""
+        return (os.path.normpath(p.directory) in self.durable and not p.errors
+                and not self._local_errors and all(f.done() for f in p.files))
 
     def _wait_durable(self, lane: _Lane, head: _Pending, key: str) -> None:
         """Blocking: until `head` is durable on this rank or a failure is on record for it (or
@@ -1246,33 +1302,42 @@ class LazyCheckpointer:
                               rank=self.rank,
                               file=p.directory, ranks=failure.ranks) from err
 
-    def _commit(self, lane: _Lane, p: _Pending, rows: List[List[int]]) -> None:
-        publishes = self.rank == 0 or (p.node_local and self.rank == self.node.leader)
-        # megatron's only finalize function writes metadata.json on rank 0, then meets the others
-        # in a barrier. The commit thread writes the same file instead, off the training loop
-        # (releasing its spare waits for the journal behind the writers' fsyncs: 6-20 ms here),
-        # and the agreement that follows orders the ranks. Any other finalize function (a future
-        # megatron's) still runs here, as megatron would run it.
-        own_metadata = _only_metadata_finalize(p.request)
-        if not own_metadata:
-            if publishes:
-                release_spare(os.path.join(p.directory, METADATA_FILENAME))
-            try:
-                for fn in p.request.finalize_fns:
-                    fn()
-            except OSError as err:  # failed before megatron's barrier: meet the others there
-                # megatron's json.dump into metadata.json names no file
-                self._local_errors.append(naming(err, os.path.join(p.directory,
-                                                                   METADATA_FILENAME)))
-                dist.barrier()  # the one megatron's finalize would have reached (its group)
-        stats = self._stats(p, rows)
-        if self.on_call_times is not None:
-            calls = [r[5] / 1e9 for r in rows]
-            self.on_call_times(p.iteration, p.root, min(calls), max(calls))
-        future = None
+    def _commit(self, lane: _Lane, batch: List[Tuple[_Pending, List[List[int]]]]) -> None:
+        """Every rank, saves agreed durable everywhere (`_agree_heads`): their commit started
+        on the publishing rank's commit thread, one after the other."""
+        pub = _Publishing([p for p, _ in batch], [])
+        writes = []  # per save: whether the commit thread writes metadata.json
+        for p, rows in batch:
+            # megatron's only finalize function writes metadata.json on rank 0, then meets the
+            # others in a barrier. The commit thread writes the same file instead, off the
+            # training loop (releasing its spare waits for the journal behind the writers'
+            # fsyncs: 6-20 ms here), and the agreement that follows orders the ranks. Any other
+            # finalize function (a future megatron's) still runs here, as megatron would run it.
+            own_metadata = _only_metadata_finalize(p.request)
+            if not own_metadata:
+                self._finalize(p)
+            writes.append(own_metadata or self.rank != 0)
+            pub.stats.append(self._stats(p, rows))
+            if self.on_call_times is not None:
+                calls = [r[5] / 1e9 for r in rows]
+                self.on_call_times(p.iteration, p.root, min(calls), max(calls))
+        node_local = pub.items[0].node_local
+        publishes = self.rank == 0 or (node_local and self.rank == self.node.leader)
         if publishes and not self._local_errors:
-            future = lane.publisher.submit(self._publish, p, own_metadata or self.rank != 0)
-        lane.publishing = _Publishing(p, stats, future)
+            pub.future = lane.publisher.submit(self._publish_all, pub, writes)
+        lane.publishing = pub
+
+    def _finalize(self, p: _Pending) -> None:
+        """megatron's finalize functions of `p`, on the training thread, as megatron runs them."""
+        if self.rank == 0 or (p.node_local and self.rank == self.node.leader):
+            release_spare(os.path.join(p.directory, METADATA_FILENAME))
+        try:
+            for fn in p.request.finalize_fns:
+                fn()
+        except OSError as err:  # failed before megatron's barrier: meet the others there
+            # megatron's json.dump into metadata.json names no file
+            self._local_errors.append(naming(err, os.path.join(p.directory, METADATA_FILENAME)))
+            dist.barrier()  # the one megatron's finalize would have reached (its group)
 
     def _settle(self, lane: _Lane, blocking: bool) -> bool:
         """All ranks: whether the commit in flight is done everywhere (waiting for it if
@@ -1328,7 +1393,9 @@ class LazyCheckpointer:
             except FutureTimeout:
                 err = CheckpointError(f"writing the commit marker and tracker took longer than "
                                       f"{self.config.drain_timeout_s:g} s (storage not "
-                                      "responding?)", rank=self.rank, file=pub.pending.directory)
+                                      "responding?)", rank=self.rank,
+                                      file=pub.items[min(len(pub.published),
+                                                         len(pub.items) - 1)].directory)
         return done, err
 
     def _settled(self, lane: _Lane, agreed: int, idle: bool,
@@ -1338,13 +1405,12 @@ class LazyCheckpointer:
         raises the agreed failure, or False while not done, or what follows the commit."""
         pub = lane.publishing
         if agreed < 0:
-            if err is not None:
-                self._local_errors.insert(0, err)
-            self._agree(pub.pending, True)  # raises, naming the ranks whose commit failed
+            self._commit_failed(pub, err)
         if agreed == 0:
             return False
         lane.publishing = None
-        self._after_publish(pub)
+        for p, stats in zip(pub.items, pub.stats):
+            self._after_publish(p, stats, pub.future is not None)
         if lane is self.node_lane and self.memory_replicator is not None and idle and \
                 pub.pending.node_local:  # after retention: the newest one is held
             self.memory_replicator.hand_off(pub.pending.iteration)
@@ -1360,18 +1426,35 @@ class LazyCheckpointer:
         except (OSError, RuntimeError, CheckpointError) as err:
             p.retain_errors.append(err)
 
-    def _after_publish(self, pub: _Publishing) -> None:
-        """All ranks, once `pub`'s version is committed: retention and the log line (publishing
-        rank), the universal merge, local copies and replicas. Their failures are agreed on at
-        the next poll."""
-        p = pub.pending
+    def _commit_failed(self, pub: _Publishing, err: Optional[BaseException]) -> None:
+        """All ranks, once some rank's commit of `pub` failed (`err`: this rank's, if any): raises
+        the agreed failure, naming the ranks whose commit failed. Of several saves, the first
+        that failed on any rank is named, once every rank's commit thread has stopped, and those
+        before it (committed everywhere) are settled first."""
+        first = 0
+        if len(pub.items) > 1:
+            _, err = self._commit_done(pub, blocking=True)
+            mine = len(pub.published) if err is not None else len(pub.items)
+            first = control_plane.all_reduce([mine], op=dist.ReduceOp.MIN)[0]
+            for p, stats in zip(pub.items[:first], pub.stats[:first]):
+                self._after_publish(p, stats, pub.future is not None)
+            if mine != first:
+                err = None  # a later save's: never committed, and the run stops at this one
+        if err is not None:
+            self._local_errors.insert(0, err)
+        self._agree(pub.items[first], True)  # raises
+
+    def _after_publish(self, p: _Pending, stats: Dict[str, float], published_here: bool) -> None:
+        """All ranks, once `p` is committed (`published_here`: by this rank's commit thread):
+        retention and the log line (publishing rank), the universal merge, local copies and
+        replicas. Their failures are agreed on at the next poll."""
         self._last_published = p
-        if pub.future is not None:  # retention ran on the commit thread (`_publish`)
+        if published_here:  # retention ran on the commit thread (`_publish`)
             self._local_errors.extend(p.retain_errors)
             p.retain_errors.clear()
             try:
                 if self.rank == 0:
-                    self._log(p, pub.stats)
+                    self._log(p, stats)
                     if self.universal is not None and p.root == self.config.root:
                         fail_point("merge", p.iteration, self.rank, p.directory)
                         self.universal.on_commit(p.iteration, p.directory)
@@ -1398,6 +1481,13 @@ class LazyCheckpointer:
         is agreed on here, once, naming the last committed version, instead of being lost."""
         if self._last_published is not None:
             self._agree(self._last_published, True)
+
+    def _publish_all(self, pub: _Publishing, writes: List[bool]) -> None:
+        """The commit thread: each of `pub`'s saves committed in order (`_publish`), stopping
+        at the first failure (raised: the tracker names the save before it)."""
+        for p, write_metadata_json in zip(pub.items, writes):
+            self._publish(p, write_metadata_json)
+            pub.published.append(p.iteration)
 
     def _publish(self, p: _Pending, write_metadata_json: bool) -> None:
         """The commit thread of rank 0 (and, for a node-local version, of every node's leader for
