@@ -64,10 +64,10 @@ def _report(err: BaseException) -> None:
 
 
 def _error_line(text: str) -> None:
-    """One line on stderr, in one write: the ranks of a node share it, and a rank's error must
-    not be split by another's."""
-    sys.stderr.write(f"pretrain_gpt.py: error: {text}\n")
-    sys.stderr.flush()
+    """One line on stderr, in one write: the ranks of a node share it."""
+    from megatron.training.log import say  # imported by then (megatron-core, torch)
+
+    say(f"pretrain_gpt.py: error: {text}", sys.stderr)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,7 @@ def test_a_rank_writes_each_line_whole(monkeypatch):
     import io
     import sys
 
+    import pretrain_gpt
     from megatron.training.log import print_rank_0, print_rank_last
 
     class Recorder(io.StringIO):
@@ -113,10 +114,14 @@ def test_a_rank_writes_each_line_whole(monkeypatch):
             return super().write(s)
 
     monkeypatch.setattr(sys, "stdout", Recorder())
+    monkeypatch.setattr(sys, "stderr", Recorder())
     report = min_max_time_lines({"save-checkpoint": (0.2, 0.3)})
     print_rank_last(report)
     print_rank_0(" checkpoint iteration 1 | committed: /x")
-    assert Recorder.writes == [report + "\n", " checkpoint iteration 1 | committed: /x\n"]
+    pretrain_gpt._error_line("CheckpointError: the save failed")  # stderr, shared the same way
+    assert Recorder.writes == [report + "\n", " checkpoint iteration 1 | committed: /x\n",
+                               "pretrain_gpt.py: error: CheckpointError: the save failed\n"]
+    assert sys.stderr.getvalue() == Recorder.writes[-1]
 
 
 def test_checkpoint_record_from_the_lazy_telemetry_line():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, TextIO, Tuple
 
 import torch.distributed as dist
 
@@ -16,13 +16,15 @@ def _last_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
-def say(message: str) -> None:
-    """`message` and its newline in one write, flushed: ranks that share a stdout (torchrun's
-    ranks on one node) never split each other's lines. `print` writes the newline on its own,
-    and with `python -u` or PYTHONUNBUFFERED each write reaches the pipe by itself: another
-    rank's line then landed inside a timer report, where no log parser finds it."""
-    sys.stdout.write(message + "\n")
-    sys.stdout.flush()
+def say(message: str, stream: Optional[TextIO] = None) -> None:
+    """`message` and its newline in one write to `stream` (stdout by default), flushed: ranks
+    that share a stdout or stderr (torchrun's ranks on one node) never split each other's lines.
+    `print` writes the newline on its own, and with `python -u` or PYTHONUNBUFFERED each write
+    reaches the pipe by itself: another rank's line then landed inside a timer report, where no
+    log parser finds it."""
+    stream = stream or sys.stdout
+    stream.write(message + "\n")
+    stream.flush()
 
 
 def print_rank_0(message: str) -> None:
