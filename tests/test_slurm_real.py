@@ -130,6 +130,9 @@ def test_every_example_runs_on_a_real_slurm_and_records_real_figures(cluster, tm
         lazy = row["variant"] in ("datastates_lazy", "datastates_memory")
         if lazy:
             assert float(row["mean_durable_s"]) > 0, row
+            # --save's own: every iteration saved, or (in memory) the end of training only
+            assert row["persistent_checkpoints"] == ("1" if row["variant"] == "datastates_memory"
+                                                     else row["checkpoints_saved"]), row
         with open(row["log"], encoding="utf-8") as f:
             log = f.read()
         # The knobs reach the trainer (no paper settings followed by overrides), and the ranks of

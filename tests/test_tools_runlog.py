@@ -1,10 +1,12 @@
 """tools/runlog.py and tools/slurm_results.py on the trainer's real output.
 
-The logs in tests/trainer_logs/ are pretrain_gpt.py's stdout, unedited: the tiny model of
-tests/trainer_launch.py on 2 gloo ranks, 3 iterations, `--save-interval 1`, one file per format
-(`torch`, `torch_dist`, `torch_dist --async-save`, `--async-lazy-save`, and `--async-lazy-save
---lazy-save-local-dir`). The two `*_timers.log` come from the trainer of branch `tensorboard`
-(commit b416b93), which adds Megatron's `(min, max) time across ranks (ms):` report after every
+The logs in tests/trainer_logs/ are pretrain_gpt.py's stdout, unedited but for the --save
+directory (a temporary one, renamed `/checkpoints/...`): the tiny model of tests/trainer_launch.py
+on 2 gloo ranks, 3 iterations, `--save-interval 1`, one file per format (`torch`, `torch_dist`,
+`torch_dist --async-save`, `--async-lazy-save`, and `--async-lazy-save --lazy-save-local-dir`);
+`datastates_memory.log`: 4 iterations of `--async-lazy-save --save-interval 2
+--non-persistent-ckpt-type in_memory --non-persistent-save-interval 1`. The two `*_timers.log`
+come from the trainer of branch `tensorboard` (commit b416b93), which adds Megatron's `(min, max) time across ranks (ms):` report after every
 save call. Regenerate them when the trainer's log lines change.
 """
 import csv
@@ -75,6 +77,24 @@ def test_lazy_saves_are_read_from_their_committed_lines(name):
     assert float(row["mean_durable_s"]) == pytest.approx(sum(d for *_, d in LAZY[name].values()) / 3, abs=1e-3)
 
 
+def test_levels_are_told_apart_by_their_directories():
+    """The in-memory level (`datastates_memory.log`: every iteration into /dev/shm, --save every
+    2, 4 iterations; both levels commit iteration 4): the persistent columns hold --save's lines
+    alone, the others every level's."""
+    fig = _figures("datastates_memory.log")
+    assert [d.rsplit("/", 1)[-1] for d, _ in fig.committed_to] == [
+        "iter_0000001", "iter_0000003", "iter_0000002", "iter_0000004", "iter_0000004"]
+    assert [p["stall (ms)"] for p in fig.persistent()] == [16.2, 4.7]
+    row = csv_row(fig, variant="datastates_memory")
+    assert row["persistent_checkpoints"] == 2
+    assert float(row["persistent_mean_save_ms"]) == pytest.approx((16.2 + 4.7) / 2, abs=1e-3)
+    assert float(row["persistent_mean_durable_s"]) == pytest.approx((0.012 + 0.013) / 2, abs=1e-3)
+    assert row["checkpoints_saved"] == 4  # iterations saved, on any level
+    # A run of one level: its lines are --save's.
+    one = csv_row(_figures("datastates_lazy.log"))
+    assert one["persistent_checkpoints"] == 3 and one["persistent_mean_save_ms"] == one["mean_save_ms"]
+
+
 def test_megatron_lm_lines_and_the_launch_wrapper_line():
     # Upstream Megatron-LM's save line and timers report (their format, for logs of runs made with
     # Megatron-LM itself) and the line examples/slurm/common.sh writes after each launch.
@@ -112,3 +132,12 @@ def test_slurm_results_appends_rows_with_bytes_measured_on_disk(tmp_path):
     assert float(stock["mean_save_ms"]) == pytest.approx((3242.1 + 599.3 + 174.3) / 3, abs=1e-3)
     # the lazy log names a directory that is gone: its own bytes figure is used
     assert lazy["checkpoint_bytes"] == "2662400" and lazy["checkpoints_saved"] == "3"
+    # A results.csv of another version's columns is refused by name, and left as it was.
+    old = tmp_path / "old.csv"
+    old.write_text("experiment,model,log\nthroughput,7B,x.log\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "slurm_results.py"), "--csv", str(old),
+                           "--log", str(log), "--experiment", "throughput", "--model", "tiny", "--dp", "2",
+                           "--nodes", "2", "--variant", "torch_dist", "--iterations", "3", "--save-interval", "1"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 2 and "its columns are not this version's" in proc.stderr, proc.stderr
+    assert old.read_text() == "experiment,model,log\nthroughput,7B,x.log\n"

@@ -15,6 +15,7 @@ Recognized lines (everything else is ignored):
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -41,7 +42,11 @@ class RunFigures:
     """Per-checkpoint save time (timer max across ranks, or our blocking time), ms."""
     committed: dict = field(default_factory=dict)
     """--async-lazy-save: iteration -> the fields of its ``checkpoint iteration N`` line, by name
-    (``bytes``, ``stall (ms)``, ``copy (ms)``, ``durable (s)``, ``throughput (GB/s)``, ...)."""
+    (``bytes``, ``stall (ms)``, ``copy (ms)``, ``durable (s)``, ``throughput (GB/s)``, ...), of
+    every level (the last line of an iteration wins)."""
+    committed_to: list = field(default_factory=list)
+    """Each ``checkpoint iteration N`` line's (version directory, fields), in log order: with
+    the in-memory or node-local level, the levels' lines are told apart by their directories."""
     blocked_s: Optional[float] = None
     """Training-loop time blocked by checkpointing, whole run (the trainer's summary line)."""
     newest_checkpoint: Optional[str] = None
@@ -55,6 +60,16 @@ class RunFigures:
         if self.committed:
             return [c["stall (ms)"] for c in self.committed.values() if "stall (ms)" in c]
         return list(self.save_ms)
+
+    def persistent(self) -> list:
+        """The fields of the committed lines of --save's versions: those under the directory of
+        the summary's newest complete checkpoint (every line when the log has no summary, or
+        names no checkpoint)."""
+        if self.newest_checkpoint is None:
+            return [fields for _, fields in self.committed_to]
+        root = os.path.dirname(os.path.normpath(self.newest_checkpoint))
+        return [fields for directory, fields in self.committed_to
+                if os.path.dirname(os.path.normpath(directory)) == root]
 
     def mean_iteration_ms(self, skip_first: bool = False) -> Optional[float]:
         items = sorted(self.iteration_ms.items())
@@ -97,6 +112,7 @@ def parse_log(lines) -> RunFigures:
         if m:
             fields = (f.split(":", 1) for f in m.group(2).split("|") if ":" in f)
             figures.committed[int(m.group(1))] = {k.strip(): float(v) for k, v in fields}
+            figures.committed_to.append((m.group(3), figures.committed[int(m.group(1))]))
             figures.saved_iterations.append(int(m.group(1)))
             continue
         m = _SUMMARY.search(line)
@@ -110,12 +126,15 @@ CSV_COLUMNS = (
     "experiment", "model", "dp", "nodes", "variant", "iterations", "save_interval", "rc", "wall_seconds",
     "iterations_logged", "mean_iteration_ms", "mean_iteration_ms_after_first", "checkpoints_saved",
     "mean_save_ms", "max_save_ms", "checkpoint_bytes", "throughput_gbps", "mean_durable_s",
-    "blocked_by_checkpointing_s", "log",
+    "blocked_by_checkpointing_s", "persistent_checkpoints", "persistent_mean_save_ms",
+    "persistent_mean_durable_s", "log",
 )
 """``mean_save_ms``/``max_save_ms``: time training was blocked per checkpoint (``RunFigures.stall_ms``);
 ``checkpoint_bytes``: one checkpoint, all ranks (measured on disk by the caller, else the lazy
 line's); ``throughput_gbps``: checkpoint_bytes / mean_save_ms, the paper's "checkpoint throughput";
-``mean_durable_s``: save call to durable on every rank (lazy saves only)."""
+``mean_durable_s``: save call to durable on every rank (lazy saves only); these count every
+level's checkpoints. ``persistent_*``: --save's alone (lazy saves; with the in-memory or node-local
+level, the other levels' lines are left out), ``persistent_mean_save_ms`` as ``mean_save_ms``."""
 
 
 def csv_row(figures: RunFigures, **run) -> dict:
@@ -143,4 +162,14 @@ def csv_row(figures: RunFigures, **run) -> dict:
         mean_durable_s=fmt(sum(durable) / len(durable) if durable else None),
         blocked_by_checkpointing_s=fmt(figures.blocked_s),
     )
+    persistent = figures.persistent()
+    if persistent:
+        row.update(persistent_checkpoints=len(persistent),
+                   persistent_mean_save_ms=fmt(_mean(p.get("stall (ms)") for p in persistent)),
+                   persistent_mean_durable_s=fmt(_mean(p.get("durable (s)") for p in persistent)))
     return row
+
+
+def _mean(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None

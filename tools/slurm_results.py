@@ -41,6 +41,12 @@ def directory_bytes(directory) -> "int | None":
 def append_row(csv_path: str, row: dict) -> None:
     with open(csv_path, "a+", newline="", encoding="utf-8") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released on close
+        f.seek(0)
+        header = f.readline().rstrip("\r\n")
+        if header and header != ",".join(CSV_COLUMNS):
+            raise ValueError(f"{csv_path}: its columns are not this version's (expected "
+                             f"{','.join(CSV_COLUMNS)}; found {header}); move it aside or name "
+                             "another --csv")
         f.seek(0, os.SEEK_END)
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         if f.tell() == 0:
@@ -60,7 +66,11 @@ def main(argv=None) -> int:
                   variant=args.variant, iterations=args.iterations, save_interval=args.save_interval, log=args.log,
                   checkpoint_bytes=directory_bytes(figures.newest_checkpoint))
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-    append_row(args.csv, row)
+    try:
+        append_row(args.csv, row)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"{args.csv}: {args.experiment} {args.model} dp{args.dp} {args.variant}: "
           f"{row['iterations_logged']} iterations, mean {row['mean_iteration_ms']} ms, "
           f"{row['checkpoints_saved']} checkpoints, mean save {row['mean_save_ms']} ms", file=sys.stderr)
