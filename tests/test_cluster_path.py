@@ -3,6 +3,7 @@ node-local tier, two nodes on one machine, and a lazy save that overlaps the nex
 import os
 import re
 import shutil
+import time
 
 from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, Node, after, free_port, launch
 
@@ -58,22 +59,24 @@ def test_two_nodes_one_lost_resume_from_local_copy_and_shared(tmp_path):
     shared --save); node 1 is killed and its local dir deleted; both resume: node 0 reads its
     shards from its local copy, node 1 from --save, and the losses match an uninterrupted run.
 
-    Node 1's copy of iteration 7 is held (a fault point), so the kill lands before the run can
-    end: without it a fast machine finished all 8 iterations before the kill, and the test
-    resumed from nothing."""
+    Node 1's copy of iteration 11 is held (a fault point), so the kill lands before the run can
+    end: without it a fast machine finished every iteration before the kill, and the test
+    resumed from nothing. The kill waits for the tracker to name iteration 3, not for its log
+    line: the line is printed at a poll after the commit, and training may already be held
+    (under load, 1 run in 5 here never printed it)."""
     args = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--use-distributed-optimizer",
-                                      "--train-iters", "8"]
+                                      "--train-iters", "12"]
     reference = launch(2, args)
     assert reference.returncode == 0, reference.describe()
     save = tmp_path / "save"
     lazy = args + LAZY + ["--save", str(save), "--load", str(save)]
-    first = _two_nodes(lazy, tmp_path, "first", {1: {"DATASTATES_FAULT_DELAY_COPY": "600@7:1"}})
-    first[0].wait_for(" checkpoint iteration        3 |", timeout=240)
+    first = _two_nodes(lazy, tmp_path, "first", {1: {"DATASTATES_FAULT_DELAY_COPY": "600@11:1"}})
+    _wait_for_tracker(save, 3, first[0], timeout=240)
     first[1].kill()
     shutil.rmtree(tmp_path / "node1")
     first[0].result(timeout=60)
     latest = int((save / "latest_checkpointed_iteration.txt").read_text())
-    assert 3 <= latest < 7  # iteration 7 cannot commit: node 1 never copied it
+    assert 3 <= latest < 11  # iteration 11 cannot commit: node 1 never copied it
     assert (tmp_path / "node0" / f"iter_{latest:07d}").is_dir()
 
     second = _two_nodes(lazy, tmp_path, "second")
@@ -85,9 +88,19 @@ def test_two_nodes_one_lost_resume_from_local_copy_and_shared(tmp_path):
     assert len(node1) == 1 and "from shared " in node1[0] and "local" not in node1[0], node1
     losses = {**runs[0].losses(), **runs[1].losses()}
     assert losses == after(reference.losses(), latest), (losses, reference.losses())
-    assert (save / "iter_0000008" / "COMMIT.json").is_file()
+    assert (save / "iter_0000012" / "COMMIT.json").is_file()
     kept = sorted(os.listdir(tmp_path / "node0"))
-    assert kept == ["iter_0000007", "iter_0000008"], kept  # --lazy-save-local-keep default 2
+    assert kept == ["iter_0000011", "iter_0000012"], kept  # --lazy-save-local-keep default 2
+
+
+def _wait_for_tracker(save, iteration, node, timeout):
+    """Until --save's tracker names `iteration` or a later one (node: the run to report if not)."""
+    tracker, deadline = save / "latest_checkpointed_iteration.txt", time.time() + timeout
+    while not (tracker.is_file() and int(tracker.read_text() or -1) >= iteration):
+        if node.proc.poll() is not None or time.time() > deadline:
+            raise AssertionError(f"the tracker never reached {iteration}: "
+                                 f"{node.result().describe()}")
+        time.sleep(0.2)
 
 
 ONE_RANK = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0"]
