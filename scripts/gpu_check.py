@@ -54,9 +54,11 @@ from typing import Dict, List, Optional
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from trainer_launch import (NO_DROPOUT, TINY_MODEL, Run, after, copy_checkpoints,  # noqa: E402
                             launch)
+
+from tools.runlog import parse_log  # noqa: E402  (the log parser tested on the trainer's lines)
 
 BUDGET_S = 480.0
 # cuBLAS picks its reduction order per workspace; a fixed one keeps two identical runs identical,
@@ -70,7 +72,6 @@ LAZY = ["--async-lazy-save", "--save-interval", "1"]
 # b and c train with the distributed optimizer: c's resume then reads each rank's ranges of its
 # state straight into the optimizer, copied there from the reader on CUDA (loading.py).
 DISTOPT = ["--use-distributed-optimizer"]
-_STALL = re.compile(r" checkpoint iteration\s+(\d+) \|.*? stall \(ms\): ([\d.]+)")
 _BACKEND = re.compile(r"> GPT model: .*backend (\w+)")
 
 
@@ -288,7 +289,8 @@ def step_lazy_vs_torch_dist(ck: Check) -> Step:
             problems.append(_describe_failed_run(label, run))
     if not problems:
         backend = _BACKEND.search(lazy.stdout)
-        stalls = {int(m.group(1)): float(m.group(2)) for m in _STALL.finditer(lazy.stdout)}
+        stalls = {it: c["stall (ms)"]
+                  for it, c in parse_log(lazy.stdout.splitlines()).committed.items()}
         fault = f"DATASTATES_FAULT phase=copy step={FAULT_ITERATION}" in lazy.stderr
         first = {k: v for k, v in lazy.losses().items() if k <= FAULT_ITERATION}
         step.figures.update(backend=backend.group(1) if backend else None, fault_fired=fault,
@@ -432,12 +434,12 @@ GPT_117M = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1e-4", "--min-lr",
             "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--log-interval",
             "1", "--seed", "1234"]
-_ELAPSED = re.compile(r" iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+) \|")
 
 
 def _steady_ms(run: Run, skip: int) -> Optional[float]:
     """Mean logged iteration time after the first `skip` iterations (start-up left out)."""
-    times = [float(m.group(2)) for m in _ELAPSED.finditer(run.stdout) if int(m.group(1)) > skip]
+    times = [ms for it, ms in parse_log(run.stdout.splitlines()).iteration_ms.items()
+             if it > skip]
     return sum(times) / len(times) if times else None
 
 
@@ -467,7 +469,7 @@ def step_in_memory_every_iteration(ck: Check) -> Step:
         ("no-checkpoint", none), ("in-memory", memory),
         ("in-memory on the training thread", on_thread)) if run is None or run.returncode != 0]
     if not problems:
-        committed = len(re.findall(r"committed: \S*/in_memory/node0/iter_", memory.stdout))
+        committed = len(_in_memory_commits(memory.stdout))
         a, b, c = _steady_ms(none, 2), _steady_ms(memory, 2), _steady_ms(on_thread, 2)
         step.figures = {"iterations": iters, "none_ms": a, "in_memory_ms": b,
                         "ratio": round(b / a, 4) if a and b else None,
@@ -488,8 +490,10 @@ def step_in_memory_every_iteration(ck: Check) -> Step:
     return step
 
 
-_MEMORY_VERSION = re.compile(r" checkpoint iteration\s+\d+ \| bytes: (\d+) \| stall \(ms\): "
-                             r"([\d.]+) \| copy \(ms\): ([\d.]+) \|.*committed: \S*/in_memory/")
+def _in_memory_commits(stdout: str) -> List[dict]:
+    """The fields of each in-memory version's commit line (`tools.runlog`), in log order."""
+    return [fields for directory, fields in parse_log(stdout.splitlines()).committed_to
+            if "/in_memory/" in directory]
 
 
 def _memory_versions(stdout: str, iteration_ms: Optional[float]) -> dict:
@@ -499,7 +503,7 @@ def _memory_versions(stdout: str, iteration_ms: Optional[float]) -> dict:
     copy's rate, and the median copy against an iteration without checkpoints. A copy longer
     than an iteration makes the optimizer step wait whatever the training thread costs; a large
     stall with a copy that fits is the training thread's own work per save."""
-    rows = [(int(b), float(st), float(c)) for b, st, c in _MEMORY_VERSION.findall(stdout)]
+    rows = [(int(c["bytes"]), c["stall (ms)"], c["copy (ms)"]) for c in _in_memory_commits(stdout)]
     out = {"stall_ms": [st for _, st, _ in rows], "copy_ms": [c for _, _, c in rows],
            "version_bytes": rows[0][0] if rows else None}
     if rows:
