@@ -3,7 +3,6 @@ node-local tier, two nodes on one machine, and a lazy save that overlaps the nex
 import os
 import re
 import shutil
-import time
 
 from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, Node, after, free_port, launch
 
@@ -71,7 +70,7 @@ def test_two_nodes_one_lost_resume_from_local_copy_and_shared(tmp_path):
     save = tmp_path / "save"
     lazy = args + LAZY + ["--save", str(save), "--load", str(save)]
     first = _two_nodes(lazy, tmp_path, "first", {1: {"DATASTATES_FAULT_DELAY_COPY": "600@11:1"}})
-    _wait_for_tracker(save, 3, first[0], timeout=240)
+    first[0].wait_for_tracker(save, 3, timeout=240)
     first[1].kill()
     shutil.rmtree(tmp_path / "node1")
     first[0].result(timeout=60)
@@ -91,16 +90,6 @@ def test_two_nodes_one_lost_resume_from_local_copy_and_shared(tmp_path):
     assert (save / "iter_0000012" / "COMMIT.json").is_file()
     kept = sorted(os.listdir(tmp_path / "node0"))
     assert kept == ["iter_0000011", "iter_0000012"], kept  # --lazy-save-local-keep default 2
-
-
-def _wait_for_tracker(save, iteration, node, timeout):
-    """Until --save's tracker names `iteration` or a later one (node: the run to report if not)."""
-    tracker, deadline = save / "latest_checkpointed_iteration.txt", time.time() + timeout
-    while not (tracker.is_file() and int(tracker.read_text() or -1) >= iteration):
-        if node.proc.poll() is not None or time.time() > deadline:
-            raise AssertionError(f"the tracker never reached {iteration}: "
-                                 f"{node.result().describe()}")
-        time.sleep(0.2)
 
 
 ONE_RANK = TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0"]

@@ -114,7 +114,7 @@ def test_local_non_persistent_versions_stay_on_their_node_and_resume_on_every_no
     # node, and the resume rightly falls back to --save).
     first = _two_nodes(flags, tmp_path / "first", {"DATASTATES_FAULT_DELAY_COPY": "600@10",
                                                    "DATASTATES_FAULT_DELAY_COMMIT": "600@8"})
-    first[0].wait_for(f"committed: {local / 'node0' / 'iter_0000006'}", timeout=240)
+    first[0].wait_for_tracker(local / "node0", 6, timeout=240)
     for node in first:
         node.kill()
     runs = [n.result() for n in first]

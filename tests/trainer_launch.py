@@ -178,6 +178,17 @@ class Node:
                 raise AssertionError(f"{text!r} not printed: {self.result().describe()}")
             time.sleep(0.2)
 
+    def wait_for_tracker(self, root, iteration: int, timeout: float) -> None:
+        """Until the tracker of `root` names `iteration` or a later one. A commit's log line is
+        printed by the poll that settles it, which never comes while training is held (a fault
+        point, on purpose): the tracker, written by the commit thread, is what a kill waits for."""
+        tracker, deadline = Path(root) / "latest_checkpointed_iteration.txt", time.time() + timeout
+        while not (tracker.is_file() and int(tracker.read_text() or -1) >= iteration):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise AssertionError(f"the tracker of {root} never reached {iteration}: "
+                                     f"{self.result().describe()}")
+            time.sleep(0.2)
+
     def kill(self) -> None:
         _kill_tree(self.proc)
 
