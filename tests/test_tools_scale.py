@@ -103,6 +103,27 @@ def test_lazy_back_pressure_when_the_host_cache_is_full():
     assert roomy.final_drain_s > 30  # but the run's end waits for the flushes
 
 
+def test_in_memory_level_keeps_a_slow_file_system_off_the_loop_latest_wins():
+    """datastates_memory, a version every iteration and one to storage every 2: a 10 s flush
+    against 4 s iterations cannot keep up, so storage takes the newest version whenever the
+    previous one is durable (14 of the 20 due, the last one at the end of training) and training
+    never waits for it, where datastates_lazy's cache fills and every iteration waits."""
+    case = _case(iterations=40)
+    memory = predict(case, PLAIN, Variant.DATASTATES_MEMORY, persistent_every=2)
+    lazy = predict(case, PLAIN, Variant.DATASTATES_LAZY)
+    assert memory.storage_saves == 14 and lazy.storage_saves == 40
+    assert memory.breakdown["d2h_wait"] == 0 and lazy.breakdown["d2h_wait"] > 3
+    # Only the end of training waits for the flush in flight (2 s) before its own save.
+    assert memory.breakdown["back_pressure"] * 40 == pytest.approx(2.0)
+    assert memory.breakdown["coordination"] * 40 == pytest.approx(40 * 0.5 + 0.5)
+    # Storage fast enough: every save due is made, and the last one is the end of training's.
+    fast = predict(case, dataclasses.replace(PLAIN, write_stream_gbps=100.0),
+                   Variant.DATASTATES_MEMORY, persistent_every=2)
+    assert fast.storage_saves == 20 and fast.stall_per_checkpoint_s == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="persistent_every"):
+        predict(case, PLAIN, Variant.DATASTATES_MEMORY, persistent_every=0)
+
+
 def test_paper_inputs_are_the_documented_derivation_and_calibration():
     inputs = load_inputs(PAPER_INPUTS)
     derived = derive_paper_phases()
@@ -195,12 +216,25 @@ def test_dp16_disagreement_is_both_legs_as_docs_scale_md_says():
         lazy_row.predicted)
 
 
-def test_slurm_time_limit_covers_the_projection_with_a_margin(capsys):
+def test_slurm_time_limit_covers_the_projection_with_a_margin(capsys, tmp_path):
     assert project_scale.slurm_time_limit([0.0]) == "00:30:00"  # at least half an hour
     assert project_scale.slurm_time_limit([3600.0, 3600.0]) == "02:45:00"  # 2 x (1.25 h + 5 min), rounded up
     assert project_scale.main(["--slurm-time", "--experiment", "e2e", "--models", "70B"]) == 0
     out = capsys.readouterr().out
     assert out.endswith("slurm time limit: 06:00:00\n")  # 4.24 h projected for the 8 runs
+    # The variants a job runs (examples/slurm's ONLY_VARIANTS): the in-memory level's two runs.
+    assert project_scale.main(["--slurm-time", "--experiment", "e2e", "--models", "70B",
+                               "--variants", "datastates_memory", "--persistent-every", "5"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[3] for line in out.splitlines()[1:3]] == ["datastates_memory"] * 2
+    assert out.endswith("slurm time limit: 01:30:00\n")
+    assert project_scale.main(["--experiment", "e2e", "--models", "7B", "--variants",
+                               "datastates_memory", "--json", str(tmp_path / "p.json")]) == 0
+    rows = json.loads((tmp_path / "p.json").read_text())["predictions"]
+    assert [r["storage_saves"] for r in rows] == [1, 5]  # every 10 of 50: the end; every 1: 5
+    with pytest.raises(SystemExit):
+        project_scale.main(["--persistent-every", "0"])
+    assert "--persistent-every must be >= 1, got 0" in capsys.readouterr().err
 
 
 def _shape(**kw):

@@ -178,6 +178,12 @@ def test_submit_all_covers_the_paper_matrix_and_goes_on_after_a_refusal(tmp_path
     assert proc.returncode == 0, proc.stderr
     assert [l.split("--gpus-per-node=")[1].split()[0] for l in proc.stdout.splitlines()] == ["8", "8"]
     assert all("--nodes 10 --time=02:00:00 " in l for l in proc.stdout.splitlines()), proc.stdout
+    # The limit covers the variants the jobs run: the in-memory level's alone is shorter.
+    proc = subprocess.run(["bash", os.path.join(SLURM, "submit_all.sh"), "--dry-run", "70B"],
+                          env={**env, "ONLY_VARIANTS": "datastates_memory"}, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "--nodes 20 --time=01:30:00 " in proc.stdout.splitlines()[1], proc.stdout  # end_to_end
     # A refused submission is reported and the others still go.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

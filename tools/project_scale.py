@@ -25,7 +25,7 @@ from tools.scale.compare import dp_scaling_rows, end_to_end_checks, format_check
 from tools.scale.inputs import load_inputs
 from tools.scale.merge import format_merge_table, merge_table
 from tools.scale.paper import paper_case
-from tools.scale.projection import Phases, Platform, ScaleCase, Variant, predict
+from tools.scale.projection import PAPER_VARIANTS, Phases, Platform, ScaleCase, Variant, predict
 
 DEFAULT_INPUTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale", "paper_polaris.json")
 _PLATFORM_FLAGS = [f.name for f in dataclasses.fields(Platform)]
@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--experiment", choices=["throughput", "e2e"], default="throughput")
     parser.add_argument("--iterations", type=int, default=50, help="e2e iterations")
     parser.add_argument("--checkpoint-interval", nargs="+", type=int, default=[10, 1], help="e2e intervals")
+    parser.add_argument("--variants", nargs="+", choices=[v.value for v in Variant],
+                        default=[v.value for v in PAPER_VARIANTS],
+                        help="how checkpoints are taken (default: the paper's four; "
+                             "datastates_memory: the in-memory level, see --persistent-every)")
+    parser.add_argument("--persistent-every", type=int, default=10,
+                        help="datastates_memory: in-memory versions per save to storage "
+                             "(examples/slurm's PERSISTENT_EVERY)")
     parser.add_argument("--bytes", choices=["formula", "paper"], default="formula",
                         help="checkpoint size: our GPT's formula (default) or scaled to the paper's sizes")
     parser.add_argument("--weights-writer", choices=[w.value for w in WeightsWriter],
@@ -130,7 +137,10 @@ def _merge_rate(args):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.persistent_every < 1:
+        parser.error(f"--persistent-every must be >= 1, got {args.persistent_every}")
     try:
         inputs = load_inputs(args.inputs)
         overrides = {k: getattr(args, k) for k in _PLATFORM_FLAGS if getattr(args, k) is not None}
@@ -143,14 +153,15 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'case':<22} {'variant':<17} {'GB/ckpt':>8} {'stall s':>8} {'GB/s':>8} {'e2e s':>8} {'no-ckpt s':>9}")
     for case in cases:
-        for variant in Variant:
-            p = predict(case, platform, variant)
+        for variant in map(Variant, args.variants):
+            p = predict(case, platform, variant, args.persistent_every)
             rows.append({"case": case.name, "variant": variant.value, "checkpoint_gb": case.checkpoint_bytes / 1e9,
                          "max_rank_gb": max(case.bytes_per_rank) / 1e9, "ranks": case.ranks,
                          "stall_per_checkpoint_s": p.stall_per_checkpoint_s,
                          "checkpoint_throughput_gbps": p.checkpoint_throughput_gbps,
                          "end_to_end_s": p.end_to_end_s, "end_to_end_no_checkpoint_s": p.end_to_end_no_checkpoint_s,
-                         "final_drain_s": p.final_drain_s, "breakdown_s": p.breakdown})
+                         "final_drain_s": p.final_drain_s, "breakdown_s": p.breakdown,
+                         "storage_saves": p.storage_saves})
             print(f"{case.name:<22} {variant.value:<17} {case.checkpoint_bytes / 1e9:>8.1f} "
                   f"{p.stall_per_checkpoint_s:>8.2f} {p.checkpoint_throughput_gbps:>8.1f} "
                   f"{p.end_to_end_s:>8.1f} {p.end_to_end_no_checkpoint_s:>9.1f}")

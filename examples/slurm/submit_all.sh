@@ -31,6 +31,7 @@ projected_time() {
   [ "$GPUS_PER_NODE" -gt 0 ] || return 0  # the projection is of GPU nodes
   limit="$("$PYTHON" "$REPO/tools/project_scale.py" --slurm-time --experiment "$experiment" --models "$2" \
            --dp "$3" --gpus-per-node "$GPUS_PER_NODE" ${ITERATIONS:+--iterations "$ITERATIONS"} ${SAVE_INTERVALS:+--checkpoint-interval $SAVE_INTERVALS} \
+           --variants "${VARIANTS[@]}" --persistent-every "$PERSISTENT_EVERY" \
            2>/dev/null | sed -n 's/^slurm time limit: //p')"
   [ -n "$limit" ] && echo "--time=$limit"
 }

@@ -33,6 +33,17 @@ class Variant(str, enum.Enum):
     DATASTATES_LAZY = "datastates_lazy"
     """Lazy: pinned D2H copy overlaps the next forward/backward and blocks only before the next
     update; a bounded host cache drains to storage in the background (back-pressure when full)."""
+    DATASTATES_MEMORY = "datastates_memory"
+    """Beyond the paper: lazy saves into each node's shared memory (the in-memory level, copied
+    once, at ``d2h_gbps``) at every checkpoint interval, and a lazy save to storage (as
+    ``datastates_lazy``) every ``persistent_every`` of them; one that falls due while the previous
+    is still flushing is taken at the first iteration after it is durable (latest wins), and the
+    end of training saves to storage once more unless its last iteration is there already."""
+
+
+PAPER_VARIANTS = (Variant.TORCH_SAVE, Variant.TORCH_DIST, Variant.TORCH_DIST_ASYNC,
+                  Variant.DATASTATES_LAZY)
+"""The variants the paper compares (examples/slurm runs these unless told otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,8 @@ class Prediction:
     final_drain_s: float
     breakdown: dict = field(default_factory=dict)
     """Seconds per checkpoint by cause (coordination, staging, write, d2h_wait, back_pressure)."""
+    storage_saves: int = 0
+    """Checkpoints written to storage (datastates_memory: the others went to memory only)."""
 
 
 def _write_gbps(platform: Platform, streams: int, ranks: int) -> float:
@@ -122,23 +135,31 @@ def _write_gbps(platform: Platform, streams: int, ranks: int) -> float:
                platform.fs_aggregate_gbps / ranks)
 
 
-def predict(case: ScaleCase, platform: Platform, variant: Variant) -> Prediction:
-    """Simulate ``case`` with checkpoints taken by ``variant``."""
-    if case.iterations < 1 or case.checkpoint_interval < 1:
-        raise ValueError(f"iterations and checkpoint interval must be >= 1, got "
-                         f"{case.iterations} and {case.checkpoint_interval}")
+def predict(case: ScaleCase, platform: Platform, variant: Variant,
+            persistent_every: int = 10) -> Prediction:
+    """Simulate ``case`` with checkpoints taken by ``variant`` (``persistent_every``: for
+    ``datastates_memory``, the in-memory versions per save to storage)."""
+    if case.iterations < 1 or case.checkpoint_interval < 1 or persistent_every < 1:
+        raise ValueError(f"iterations, checkpoint interval and persistent_every must be >= 1, got "
+                         f"{case.iterations}, {case.checkpoint_interval} and {persistent_every}")
     size_gb = max(case.bytes_per_rank) / 1e9
     coordination = platform.coordination_s + platform.coordination_s_per_mp_rank * case.mp_ranks
     sim = _Simulation(case, platform, variant, size_gb, coordination)
     for iteration in range(1, case.iterations + 1):
-        sim.iteration(take_checkpoint=iteration % case.checkpoint_interval == 0)
+        due = iteration % case.checkpoint_interval == 0
+        if variant is Variant.DATASTATES_MEMORY:
+            sim.memory_iteration(due, due and (iteration // case.checkpoint_interval)
+                                 % persistent_every == 0, last=iteration == case.iterations)
+        else:
+            sim.iteration(take_checkpoint=due)
     base = case.iterations * case.phases.total
     checkpoints = case.iterations // case.checkpoint_interval
     stall = (sim.clock - base) / checkpoints if checkpoints else 0.0
     drain = max(0.0, sim.flush_end - sim.clock, sim.copy_end - sim.clock)
     throughput = case.checkpoint_bytes / 1e9 / stall if stall > 0 else float("inf")
     breakdown = {k: v / checkpoints for k, v in sim.causes.items()} if checkpoints else {}
-    return Prediction(variant, stall, throughput, sim.clock + drain, base, drain, breakdown)
+    return Prediction(variant, stall, throughput, sim.clock + drain, base, drain, breakdown,
+                      sim.storage_saves)
 
 
 class _Simulation:
@@ -153,6 +174,8 @@ class _Simulation:
         self.flush_ends: list[float] = []  # per snapshot, for the host-cache capacity
         self.causes = {"coordination": 0.0, "staging": 0.0, "write": 0.0, "back_pressure": 0.0,
                        "d2h_wait": 0.0}
+        self.persistent_owed = False  # datastates_memory: a save to storage deferred (latest wins)
+        self.storage_saves = 0
 
     def _block(self, cause: str, seconds: float) -> None:
         seconds = max(0.0, seconds)
@@ -168,8 +191,35 @@ class _Simulation:
         if take_checkpoint:
             self._checkpoint()
 
+    def memory_iteration(self, due: bool, persistent_due: bool, last: bool) -> None:
+        """datastates_memory: one iteration, then the save it takes: to storage when one is due
+        (or owed) and the previous one is durable, else into memory when the interval says so;
+        the last iteration ends on storage."""
+        phases = self.case.phases
+        self.clock += phases.forward + phases.backward
+        self._block("d2h_wait", self.copy_end - self.clock)
+        self.clock += phases.update
+        self.persistent_owed = self.persistent_owed or persistent_due
+        if self.persistent_owed and self.flush_end <= self.clock:
+            self.persistent_owed = False
+            self._to_storage()
+            return
+        if due:  # into memory: two slots, the older one committed by the end of its copy
+            self._block("coordination", self.coordination)
+            self.copy_end = self.clock + self.size_gb / self.platform.d2h_gbps  # (the last one
+            # was copied before this update)
+        if last:  # not saved to storage at this iteration: the end of training does
+            self._block("back_pressure", self.flush_end - self.clock)  # after the one in flight
+            self._to_storage()
+
+    def _to_storage(self) -> None:
+        self.storage_saves += 1
+        self._block("coordination", self.coordination)
+        self._lazy_checkpoint()
+
     def _checkpoint(self) -> None:
         p, size, ranks = self.platform, self.size_gb, self.case.ranks
+        self.storage_saves += 1
         self._block("coordination", self.coordination)
         if self.variant is Variant.TORCH_SAVE:
             self._block("staging", size / p.staging_gbps)
