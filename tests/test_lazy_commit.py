@@ -177,11 +177,11 @@ def test_a_failed_commit_is_raised_and_the_tracker_stays(tmp_path, one_rank_mega
     assert _tracked(root) == 1 and _loads(root, 1)
 
 
-def _durable_unpolled(ckpt, steps):
+def _durable_unpolled(ckpt, steps, state=_state):
     """Saves of `steps`, each followed by the step's hook but no poll, until each is durable
     here: a lane that fell behind (a slow fsync, a loaded machine)."""
     for step in steps:
-        ckpt.save(step, _state(step))
+        ckpt.save(step, state(step))
         ckpt.before_optimizer_step()
     lane = ckpt.persistent
     for p in lane.pending:  # what the checkpointer's own blocking wait records (`_wait_durable`)
@@ -247,6 +247,72 @@ def test_a_failed_commit_of_several_names_the_first_and_settles_those_before(
     assert said == [2], lines
     assert _tracked(root) == 2 and not (root / "iter_0000004" / "COMMIT.json").exists()
     assert _loads(root, 2)
+
+
+def _several_worker(rank, store, root, out):
+    """One of two gloo ranks: `_durable_unpolled` of 1-4 (each rank its own tensor), a tracker
+    that cannot move to 3 (rank 0's commit thread), two polls."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from datastates.errors import CheckpointError
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
+    from datastates.megatron_adapter.save import checkpointer
+
+    def own(step):  # this rank's tensor, a key of its own
+        data = torch.arange(64, dtype=torch.float32).reshape(8, 8) + 1000 * step + rank
+        return {f"w{rank}": ShardedTensor(f"w{rank}", data, data.dtype, (8, 8), (8, 8), (0, 0),
+                                          (1, 1)), "iteration": step}
+
+    real = checkpointer.write_tracker
+
+    def full_at_3(root, iteration, *a, **k):
+        if iteration == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(root))
+        return real(root, iteration, *a, **k)
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel()
+    checkpointer.write_tracker = full_at_3
+    try:
+        lines, seen = [], []
+        ckpt = LazyCheckpointer(LazySaveConfig(root=root, cache_bytes=1 << 20), log=lines.append)
+        _durable_unpolled(ckpt, (1, 2, 3, 4), own)
+        try:
+            ckpt.poll(4)  # one commit of all four, on rank 0's commit thread
+            seen.append(len(ckpt.persistent.pending))
+            if rank == 0:
+                _commit_thread_idle(ckpt)
+            dist.barrier()
+            ckpt.poll(4)  # the agreed failure
+        except CheckpointError as err:
+            seen.append(str(err).split("] ", 1)[1])
+        seen.append([int(m.split()[2]) for m in lines if m.startswith(" checkpoint iteration")])
+        try:
+            ckpt.finish()
+        except CheckpointError:
+            pass
+        torch.save(seen, f"{out}.{rank}")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_two_ranks_commit_several_and_agree_on_the_first_that_failed(tmp_path):
+    """Two gloo ranks, four versions durable on both before a poll: one commit covers them all;
+    rank 0's tracker cannot move to 3, and both ranks raise the same error naming iteration 3,
+    after 1 and 2 settled (rank 0 logs them); 4 is never committed; neither rank hangs."""
+    from trainer_launch import spawn_ranks
+
+    root = tmp_path / "ckpt"
+    spawn_ranks(_several_worker, 2, (str(tmp_path / "store"), str(root), str(tmp_path / "seen")))
+    seen = [torch.load(f"{tmp_path / 'seen'}.{r}", weights_only=True) for r in (0, 1)]
+    assert seen[0][0] == seen[1][0] == 0  # none left waiting after the first poll
+    assert seen[0][1] == seen[1][1], seen  # the same agreed error
+    assert "iteration 3 failed on rank(s) [0]" in seen[0][1] and "No space left" in seen[0][1]
+    assert "it still names iteration 2" in seen[0][1]
+    assert seen[0][2] == [1, 2] and seen[1][2] == []  # rank 0 logs what committed
+    assert _tracked(root) == 2 and not (root / "iter_0000004" / "COMMIT.json").exists()
 
 
 def test_a_refused_version_among_several_commits_those_before_it_first(tmp_path,

@@ -2,7 +2,6 @@
 skipped only while the sharded structure is unchanged, and a changed structure is validated,
 saved and loaded back correctly. One process on a one-rank gloo group, no trainer (two gloo
 processes where the ranks differ)."""
-import time
 
 import pytest
 import torch
@@ -237,20 +236,13 @@ def test_a_deferred_directory_is_made_before_megatrons_call_when_another_rank_ch
     two gloo processes: in the first every save commits and loads back; in the second rank 0
     cannot make that directory, and both ranks stop with the same error naming rank 0's
     failure, neither hangs."""
-    import torch.multiprocessing as mp
+    from trainer_launch import spawn_ranks
 
     # Read by the spawned processes at import: rank 0's directory of step 13 (the second run's).
     monkeypatch.setenv("DATASTATES_FAULT_FAIL_PREPARE", "eacces@13:0")
     ok, failing = tmp_path / "ok", tmp_path / "failing"
-    ctx = mp.start_processes(_deferred_worker, nprocs=2, join=False,
-                             args=(str(tmp_path / "store2"), (str(ok), str(failing)),
-                                   str(tmp_path / "seen")))
-    deadline = time.monotonic() + 120  # a bound for a hang, never a timing assertion
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail("the two ranks hung (one waited in a collective the other never joined)")
+    spawn_ranks(_deferred_worker, 2, (str(tmp_path / "store2"), (str(ok), str(failing)),
+                                      str(tmp_path / "seen")))
     seen = [torch.load(f"{tmp_path / 'seen'}.{r}", weights_only=True) for r in (0, 1)]
 
     def check(root, step, changed):  # each rank's own tensors, as `_deferred_worker` saves them

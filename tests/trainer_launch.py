@@ -109,6 +109,22 @@ def launch(nproc: int, args: List[str], timeout: float = 240.0,
     return Run(proc.returncode, "".join(out_lines) + (stdout_rest or ""), stderr or "")
 
 
+def spawn_ranks(fn: Callable, nprocs: int, args: tuple, bound_s: float = 120.0) -> None:
+    """`fn(rank, *args)` in `nprocs` spawned processes (gloo ranks of a test), joined; fails the
+    test, killing them, if they are not done within `bound_s` (a bound for a hang, never a timing
+    assertion: one rank waiting in a collective the others never joined)."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, nprocs=nprocs, join=False, args=args)
+    deadline = time.monotonic() + bound_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the ranks hung (one waited in a collective another never joined)")
+
+
 def send_sigterm_to_tree(proc: subprocess.Popen) -> None:
     try:
         for p in [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True):
