@@ -1321,15 +1321,18 @@ class LazyCheckpointer:
             if self.on_call_times is not None:
                 calls = [r[5] / 1e9 for r in rows]
                 self.on_call_times(p.iteration, p.root, min(calls), max(calls))
-        node_local = pub.items[0].node_local
-        publishes = self.rank == 0 or (node_local and self.rank == self.node.leader)
-        if publishes and not self._local_errors:
+        if self._publishes(pub.items[0]) and not self._local_errors:
             pub.future = lane.publisher.submit(self._publish_all, pub, writes)
         lane.publishing = pub
 
+    def _publishes(self, p: _Pending) -> bool:
+        """Whether this rank commits `p`: rank 0, and for a node-local version each node's
+        leader (its node's)."""
+        return self.rank == 0 or (p.node_local and self.rank == self.node.leader)
+
     def _finalize(self, p: _Pending) -> None:
         """megatron's finalize functions of `p`, on the training thread, as megatron runs them."""
-        if self.rank == 0 or (p.node_local and self.rank == self.node.leader):
+        if self._publishes(p):
             release_spare(os.path.join(p.directory, METADATA_FILENAME))
         try:
             for fn in p.request.finalize_fns:
