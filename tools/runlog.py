@@ -144,10 +144,9 @@ def csv_row(figures: RunFigures, **run) -> dict:
 
     row = {k: run.get(k, "") for k in CSV_COLUMNS}
     stalls = figures.stall_ms()
-    mean_stall = sum(stalls) / len(stalls) if stalls else None
+    mean_stall = _mean(stalls)
     lazy_bytes = [c["bytes"] for c in figures.committed.values() if "bytes" in c]
     nbytes = run.get("checkpoint_bytes") or (max(lazy_bytes) if lazy_bytes else None)
-    durable = [c["durable (s)"] for c in figures.committed.values() if "durable (s)" in c]
     row.update(
         rc="" if figures.rc is None else figures.rc,
         wall_seconds=fmt(figures.wall_seconds),
@@ -159,7 +158,7 @@ def csv_row(figures: RunFigures, **run) -> dict:
         max_save_ms=fmt(max(stalls) if stalls else None),
         checkpoint_bytes="" if nbytes is None else int(nbytes),
         throughput_gbps=fmt(nbytes / mean_stall / 1e6 if nbytes and mean_stall else None),
-        mean_durable_s=fmt(sum(durable) / len(durable) if durable else None),
+        mean_durable_s=fmt(_mean(c.get("durable (s)") for c in figures.committed.values())),
         blocked_by_checkpointing_s=fmt(figures.blocked_s),
     )
     persistent = figures.persistent()

@@ -16,6 +16,7 @@ import fcntl
 import os
 import sys
 
+from tools.errors import ToolInputError
 from tools.runlog import CSV_COLUMNS, csv_row, parse_log
 
 
@@ -44,9 +45,9 @@ def append_row(csv_path: str, row: dict) -> None:
         f.seek(0)
         header = f.readline().rstrip("\r\n")
         if header and header != ",".join(CSV_COLUMNS):
-            raise ValueError(f"{csv_path}: its columns are not this version's (expected "
-                             f"{','.join(CSV_COLUMNS)}; found {header}); move it aside or name "
-                             "another --csv")
+            raise ToolInputError(f"its columns are not this version's (expected "
+                                 f"{','.join(CSV_COLUMNS)}; found {header}); move it aside or "
+                                 "name another --csv", path=csv_path)
         f.seek(0, os.SEEK_END)
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         if f.tell() == 0:
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     try:
         append_row(args.csv, row)
-    except ValueError as err:
+    except ToolInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{args.csv}: {args.experiment} {args.model} dp{args.dp} {args.variant}: "

@@ -183,22 +183,22 @@ class _Simulation:
         self.clock += seconds
 
     def iteration(self, take_checkpoint: bool) -> None:
+        self._compute()
+        if take_checkpoint:
+            self._checkpoint()
+
+    def _compute(self) -> None:
         phases = self.case.phases
         self.clock += phases.forward + phases.backward
         # Only the update mutates the state: a lazy copy must be finished before it.
         self._block("d2h_wait", self.copy_end - self.clock)
         self.clock += phases.update
-        if take_checkpoint:
-            self._checkpoint()
 
     def memory_iteration(self, due: bool, persistent_due: bool, last: bool) -> None:
         """datastates_memory: one iteration, then the save it takes: to storage when one is due
         (or owed) and the previous one is durable, else into memory when the interval says so;
         the last iteration ends on storage."""
-        phases = self.case.phases
-        self.clock += phases.forward + phases.backward
-        self._block("d2h_wait", self.copy_end - self.clock)
-        self.clock += phases.update
+        self._compute()
         self.persistent_owed = self.persistent_owed or persistent_due
         if self.persistent_owed and self.flush_end <= self.clock:
             self.persistent_owed = False
