@@ -218,6 +218,41 @@ def test_a_lane_that_fell_behind_commits_every_durable_version_at_the_next_poll(
     assert all(_loads(root, step) for step in (1, 2, 3, 4))
 
 
+def test_settling_several_keeps_the_local_copies_of_the_ones_after_each(tmp_path,
+                                                                        one_rank_megatron):
+    """With node-local copies (--lazy-save-local-dir, newest 2 kept): 1-4 committed at once while
+    5 and 6 are still in flight. Pruning after each of 1-4 must keep the copies of those after
+    it in the same commit: a crash between two of them would otherwise leave the tracker naming
+    a version whose local copy is gone (the suite's lost-node test saw iteration 3's removed
+    while settling 2). After the commit every committed copy beyond the newest two is gone."""
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
+    from datastates.megatron_adapter.levels.local_tier import local_iterations
+
+    root, local = tmp_path / "ckpt", tmp_path / "local"
+    ckpt = LazyCheckpointer(LazySaveConfig(root=str(root), cache_bytes=1 << 20,
+                                           local_dir=str(local)), log=lambda _msg: None)
+    _durable_unpolled(ckpt, (1, 2, 3, 4))
+    for step in (5, 6):  # in flight: not yet known durable here
+        ckpt.save(step, _state(step))
+        ckpt.before_optimizer_step()
+    seen = []
+    real = ckpt._prune_local
+
+    def prune(committed, *a, **k):
+        real(committed, *a, **k)
+        seen.append((committed, local_iterations(str(local))))
+
+    ckpt._prune_local = prune
+    ckpt.poll(6)  # one commit of 1-4
+    _commit_thread_idle(ckpt)
+    ckpt.poll(6)  # settled: each of 1-4 after another
+    assert [c for c, _ in seen] == [1, 2, 3, 4]
+    for committed, left in seen:
+        assert all(later in left for later in range(committed, 5)), seen
+    assert seen[-1][1] == [4, 5, 6], seen  # 1-3 gone, as after a commit of 4 alone
+    ckpt.finish()
+
+
 def test_a_failed_commit_of_several_names_the_first_and_settles_those_before(
         tmp_path, one_rank_megatron, monkeypatch):
     """Iterations 2, 3 and 4 are committed together; 3's tracker write fails: 2 is committed and

@@ -1408,12 +1408,10 @@ class LazyCheckpointer:
         raises the agreed failure, or False while not done, or what follows the commit."""
         pub = lane.publishing
         if agreed < 0:
-            self._commit_failed(pub, err)
+            self._commit_failed(lane, pub, err)
         if agreed == 0:
             return False
-        lane.publishing = None
-        for p, stats in zip(pub.items, pub.stats):
-            self._after_publish(p, stats, pub.future is not None)
+        self._after_publish_first(lane, pub, len(pub.items))
         if lane is self.node_lane and self.memory_replicator is not None and idle and \
                 pub.pending.node_local:  # after retention: the newest one is held
             self.memory_replicator.hand_off(pub.pending.iteration)
@@ -1429,7 +1427,17 @@ class LazyCheckpointer:
         except (OSError, RuntimeError, CheckpointError) as err:
             p.retain_errors.append(err)
 
-    def _commit_failed(self, pub: _Publishing, err: Optional[BaseException]) -> None:
+    def _after_publish_first(self, lane: _Lane, pub: _Publishing, count: int) -> None:
+        """All ranks: `_after_publish` of `pub`'s first `count` saves, in order, each with the
+        saves after it still on the lane as uncommitted (so pruning keeps their local copies:
+        a crash between two of them leaves the tracker naming one whose copy is there)."""
+        for k in range(count):
+            rest = _Publishing(pub.items[k + 1:], pub.stats[k + 1:], pub.future)
+            lane.publishing = rest if rest.items else None
+            self._after_publish(pub.items[k], pub.stats[k], pub.future is not None)
+
+    def _commit_failed(self, lane: _Lane, pub: _Publishing,
+                       err: Optional[BaseException]) -> None:
         """All ranks, once some rank's commit of `pub` failed (`err`: this rank's, if any): raises
         the agreed failure, naming the ranks whose commit failed. Of several saves, the first
         that failed on any rank is named, once every rank's commit thread has stopped, and those
@@ -1439,8 +1447,7 @@ class LazyCheckpointer:
             _, err = self._commit_done(pub, blocking=True)
             mine = len(pub.published) if err is not None else len(pub.items)
             first = control_plane.all_reduce([mine], op=dist.ReduceOp.MIN)[0]
-            for p, stats in zip(pub.items[:first], pub.stats[:first]):
-                self._after_publish(p, stats, pub.future is not None)
+            self._after_publish_first(lane, pub, first)
             if mine != first:
                 err = None  # a later save's: never committed, and the run stops at this one
         if err is not None:
