@@ -2,6 +2,7 @@
 across in-memory, persistent and replica saves).
 
     python benchmarks/peer_kill_trials.py --trials 20 --seed 0 [--workdir DIR] [--renumber]
+                                          [--in-transfer]
 
 Each trial runs the tiny GPT as two torchrun agents on this machine (two "nodes", one rank each,
 DP2 with the distributed optimizer) with an in-memory version every iteration, its peer replica
@@ -11,7 +12,13 @@ loss line, plus a seeded fraction of an iteration) both agents are SIGKILLed; in
 in half of those (seeded) the replacement is numbered before the survivor, as torchrun or Slurm
 would number a new host whose name sorts first: the survivor's memory is then under the other
 node's index, as `adopt_left_memory` leaves it on a real cluster (`take_over`; one machine here,
-where every index is present, so the restart itself renames nothing). The restart runs to the
+where every index is present, so the restart itself renames nothing). With --in-transfer, a third
+of the trials (seeded) kill inside a peer transfer instead: one rank's receiving end of an
+in-memory version's replica is paused by the `replica` fault point once every byte arrived,
+before the files are moved into place (datastates/faults.py), for longer than the job has left
+to run; training goes on meanwhile (later versions commit in memory, their replicas are skipped:
+latest wins) and the kill lands after a seeded one to three of them (a trial whose replica
+was skipped, latest wins, is killed two iterations after it). The restart runs to the
 end. A trial passes when:
   - the restart resumes from at least the newest version that was complete on some level before
     the kill: --save's tracker, the in-memory version both nodes' trackers name, or, with a lost
@@ -82,8 +89,15 @@ def _replica_floor(memory: str, lost: int) -> int:
     return best
 
 
+#: --in-transfer: the replica fault point pauses the receiving end longer than the job has left
+#: to run (training goes on meanwhile, later replicas are skipped: latest wins); the kill lands
+#: one to three iterations after the pause began.
+TRANSFER_PAUSE = 120.0
+_FAULT_LINE = "DATASTATES_FAULT phase=replica step={step} rank={rank}"
+
+
 def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, log,
-              renumber: bool = False) -> dict:
+              renumber: bool = False, in_transfer: bool = False) -> dict:
 
     save = os.path.join(workdir, f"trial{k}", "save")
     memory = memory_of(save)
@@ -94,22 +108,35 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
     kill_after, frac = rng.randint(2, ITERS - 2), rng.random()
     lost = rng.choice([None, 0, 1])
     renumbered = renumber and lost is not None and rng.random() < 0.5
+    paused = rng.choice([0, 1]) if in_transfer and rng.random() < 1 / 3 else None
+    if paused is not None:
+        kill_after = min(kill_after, ITERS - 4)  # room for the iterations run during the pause
+        if kill_after % PERSISTENT_EVERY == 0:
+            kill_after -= 1  # that iteration is --save's (Megatron-LM's rule): no in-memory one
+    env = {} if paused is None else {
+        "DATASTATES_FAULT_DELAY_REPLICA": f"{TRANSFER_PAUSE}@{kill_after}:{paused}"}
 
-    def nodes(name):
+    def nodes(name, extra_env=None):
         port, logs = free_port(), os.path.join(workdir, f"trial{k}", name)
         os.makedirs(logs)
-        return [Node(r, 2, 1, port, flags, logs) for r in (0, 1)]
+        return [Node(r, 2, 1, port, flags, logs, extra_env=extra_env) for r in (0, 1)]
 
     try:
-        first = nodes("first")
+        first = nodes("first", env)
         deadline = time.time() + 240
-        t_line = None
+        t_line, hit = None, False  # hit: the pause in the transfer began
+        fault = _FAULT_LINE.format(step=kill_after, rank=paused)
         while True:
             seen = [int(m.group(1)) for m in _LOSS.finditer(first[1].stdout())]  # the last rank
-            if seen and max(seen) >= kill_after and t_line is None:
-                t_line = time.time()
-            if t_line is not None and time.time() >= t_line + frac * 0.08:
-                break
+            if paused is None:
+                if seen and max(seen) >= kill_after and t_line is None:
+                    t_line = time.time()
+                if t_line is not None and time.time() >= t_line + frac * 0.08:
+                    break
+            else:
+                hit = hit or any(fault in n.err_path.read_text() for n in first)  # rank, not node
+                if seen and max(seen) >= kill_after + (1 + int(frac * 3) if hit else 2):
+                    break  # or without the pause: that version's replica was skipped
             if first[1].proc.poll() is not None or time.time() > deadline:
                 break
             time.sleep(0.005)
@@ -142,6 +169,7 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
         ok = (all(r.returncode == 0 for r in second) and resumed >= floor and losses == expected
               and not corrupt)
         result = dict(trial=k, kill_after=kill_after, frac=round(frac, 2), lost_node=lost,
+                      in_transfer=None if paused is None else dict(rank=paused, hit=hit),
                       renumbered=renumbered, last_logged=last, persistent=persistent, in_memory=in_memory, floor=floor,
                       resumed=resumed, level=level, lost_iterations=max(0, last - resumed),
                       bit_identical=losses == expected, corrupt=corrupt, ok=ok)
@@ -160,6 +188,9 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
     p.add_argument("--renumber", action="store_true",
                    help="in half the trials with a lost node, the survivor is numbered anew")
+    p.add_argument("--in-transfer", action="store_true",
+                   help="a third of the kills land inside a peer transfer (the replica fault "
+                        "point pauses one rank's receiving end)")
     a = p.parse_args(argv)
     from megatron.training.config import shared_memory_dir
 
@@ -173,7 +204,8 @@ def main(argv=None) -> int:
     reference = ref.losses()
     rng = random.Random(a.seed)
     results = [run_trial(k, rng, workdir, lambda s: shared_memory_dir(s, "in_memory"),
-                         reference, lambda m: print(m, flush=True), a.renumber)
+                         reference, lambda m: print(m, flush=True), a.renumber,
+                         a.in_transfer)
                for k in range(a.trials)]
     lost = [r["lost_iterations"] for r in results]
     levels = {lv: sum(r["level"] == lv for r in results) for lv in ("memory", "--save", "scratch")}
@@ -181,7 +213,9 @@ def main(argv=None) -> int:
           f"{sum(r['bit_identical'] for r in results)}, corrupt: "
           f"{sum(bool(r['corrupt']) for r in results)}, node lost: "
           f"{sum(r['lost_node'] is not None for r in results)} (renumbered: "
-          f"{sum(r['renumbered'] for r in results)}), resumed from: {levels}, "
+          f"{sum(r['renumbered'] for r in results)}), killed inside a transfer: "
+          f"{sum(bool(r['in_transfer'] and r['in_transfer']['hit']) for r in results)} of "
+          f"{sum(r['in_transfer'] is not None for r in results)} planned, resumed from: {levels}, "
           f"iterations lost: mean {sum(lost) / len(lost):.2f} max {max(lost)}")
     print(f"wall time: {time.time() - t0:.0f} s, workdir {workdir}")
     for r in results:

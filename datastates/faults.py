@@ -20,6 +20,9 @@ Phases (in the order a save goes through them):
   commit   trainer (rank 0), after every rank is durable and metadata.json is written, before
            COMMIT.json
   tracker  trainer (rank 0), after COMMIT.json, before latest_checkpointed_iteration.txt moves
+  replica  peer replica thread (--lazy-save-peer-replica), once every byte of its version
+           arrived from the previous node, before it is moved into place (the received files
+           are still temporary; step: the version's iteration)
   merge    universal-checkpoint merge process (started by rank 0 after a commit), after its
            first safetensors file, before its index, manifest and commit marker; its stderr goes
            to <universal root>/merge_logs/worker-K.log (K: the worker)
@@ -56,7 +59,7 @@ from typing import Dict, Optional
 from .errors import CheckpointError
 
 ENV_PREFIX = "DATASTATES_FAULT_DELAY_"
-PHASES = ("copy", "flush", "commit", "tracker", "merge")
+PHASES = ("copy", "flush", "commit", "tracker", "replica", "merge")
 FAIL_PREFIX = "DATASTATES_FAULT_FAIL_"
 FAIL_STEPS = ("probe", "prepare", "common", "write", "commit", "tracker", "retention", "merge")
 FAIL_KINDS = ("error", "enospc", "erofs", "eacces", "kill")

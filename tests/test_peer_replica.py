@@ -443,10 +443,12 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         tmp_path):
     """--non-persistent-ckpt-type in_memory with --lazy-save-peer-replica on two nodes: every
     in-memory version that the network keeps up with is copied to the other node. Rank 1's copy
-    of in-memory iteration 5 stalls (the job cannot go past it), both nodes are killed and node
-    1's memory is deleted (a lost node): the restart brings rank 1's shards back from node 0,
-    resumes from memory (not from --save, which holds nothing) and prints the losses of an
-    uninterrupted run (the third run's, from scratch). Then node 1's memory as the kill left it,
+    of in-memory iteration 5 stalls (the job cannot go past it) and rank 0's receiving end of
+    node 1's iteration 4 stops before the files are moved into place, both nodes are killed and
+    node 1's memory is deleted (a lost node): the restart brings rank 1's shards of iteration 3,
+    not of the half-received 4, back from node 0, resumes from memory (not from --save, which
+    holds nothing) and prints the losses of an uninterrupted run (the third run's, from
+    scratch). Then node 1's memory as the kill left it,
     without its replica of node 0's, under a fresh --save: no version every rank has, so the run
     starts from scratch, and node 1's versions it would save again are removed first (one line),
     not rewritten. Then node 0's memory alone, at DP1; and node 0's memory under node 1's index
@@ -474,10 +476,16 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
                     os.path.join(peer, n, layout.rank_marker_file(1)))]
         return max(done, default=None)
 
+    def printed(text):
+        return any(text in n.err_path.read_text() for n in first)
+
     try:
-        first = nodes("first", env={"DATASTATES_FAULT_DELAY_COPY": "120@5:1"})
+        # Rank 0 also stops receiving node 1's version 4 once every byte arrived, before the
+        # files are moved into place: the kill lands in the middle of that transfer.
+        first = nodes("first", env={"DATASTATES_FAULT_DELAY_COPY": "120@5:1",
+                                    "DATASTATES_FAULT_DELAY_REPLICA": "120@4:0"})
         deadline = time.time() + 240
-        while not ("phase=copy step=5 rank=1" in first[1].err_path.read_text()
+        while not (printed("phase=copy step=5 rank=1") and printed("phase=replica step=4 rank=0")
                    and (replicated() or 0) >= 3):
             assert time.time() < deadline and first[0].proc.poll() is None, \
                 first[0].result().describe() + first[1].result().describe()
@@ -488,6 +496,8 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         assert "DataStates peer replicas: the newest complete in-memory checkpoint" in out, out
         assert "and 2 of the previous node's (peer replicas)" in out, out
         held = replicated()
+        partial = os.listdir(os.path.join(memory, "node0", "peer", "iter_0000004"))
+        assert held == 3 and partial and all(n.endswith(".peer.tmp") for n in partial), partial
         assert not (save / "latest_checkpointed_iteration.txt").exists()
         shutil.copytree(os.path.join(memory, "node1"), tmp_path / "node1_memory")
         shutil.copytree(os.path.join(memory, "node0"), tmp_path / "node0_memory")
@@ -498,7 +508,7 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         m = re.search(r"loading the in-memory checkpoint of iteration (\d+) from ", second[0].stdout)
         assert m, second[0].describe()
         resumed = int(m.group(1))
-        assert resumed >= held >= 3, (resumed, held)
+        assert resumed == held, (resumed, held)  # never the half-received replica of 4
         assert re.search(rf"\[rank 1\] received its in-memory shards of iteration {resumed} from "
                          r"peer rank 0: \d", second[1].stdout), second[1].describe()
         assert f"in-memory checkpoint of iteration {resumed}: rank(s) 1 (from rank 0) restored " \

@@ -41,6 +41,7 @@ from ... import control_plane
 
 from ... import layout
 from ...errors import CheckpointError
+from ...faults import fault_point
 from ...fileio import atomic_write, fsync_dir, fsync_file, hold_for_reading
 from . import local_tier
 from ..paths import COMMON_FILENAME, METADATA_FILENAME, RUN_CONFIG_FILENAME, checkpoint_dir
@@ -268,13 +269,14 @@ def _matches(copy_dir: str, shared_dir: str, rank: int) -> bool:
 
 
 def _transfer(sends: Dict[Tuple[int, int], _Outgoing], recvs: Dict[Tuple[int, int], _Incoming],
-              group=None) -> None:
+              group=None, step: Optional[int] = None) -> None:
     """Streams keyed by (peer rank, saved rank): send each to its peer and receive each into its
     files, in rounds of at most _CHUNK bytes per stream (the saved rank is the message tag, so
     two streams between one pair never mix), then move what arrived into place. Both ends know
     every size beforehand. Two buffers per stream take turns: while one round is on the wire,
     the previous round's bytes are written out and the next round's read in, each straight
-    between its file and the buffer the collective uses (no copy in Python)."""
+    between its file and the buffer the collective uses (no copy in Python). `step`: the
+    replicated version's iteration, for the `replica` fault point (none while restoring)."""
     total = max([sum(x.sizes) for x in list(sends.values()) + list(recvs.values())] + [0])
     slots = [{key: torch.empty(min(_CHUNK, sum(x.sizes)), dtype=torch.uint8)
               for key, x in list(sends.items()) + list(recvs.items())} for _ in range(2)]
@@ -304,6 +306,8 @@ def _transfer(sends: Dict[Tuple[int, int], _Outgoing], recvs: Dict[Tuple[int, in
             in_flight = (works, offset, into)
         if in_flight is not None:
             land(in_flight)
+        if step is not None:
+            fault_point("replica", step, torch.distributed.get_rank())
         for incoming in recvs.values():
             incoming.commit()
     finally:
@@ -484,7 +488,7 @@ class PeerReplicator:
                              names + _rank_names(self.predecessor))
         _transfer({(self.successor, self.rank): own} if send_ok else {},
                   {(self.predecessor, self.predecessor): into} if into is not None else {},
-                  group=self._group)
+                  group=self._group, step=iteration)
         self._drop_older(iteration)
         self.replicated.append((iteration, own_size if send_ok else 0,
                                 time.perf_counter() - t0))
