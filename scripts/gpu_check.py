@@ -499,19 +499,26 @@ def _in_memory_commits(stdout: str) -> List[dict]:
 def _memory_versions(stdout: str, iteration_ms: Optional[float]) -> dict:
     """What step f's in-memory versions cost, to tell which part keeps the ratio above 1.05x:
     each version's stall (the training thread's save call and its wait before the next optimizer
-    step) and copy time (device to shared memory, overlapping the next forward/backward), the
-    copy's rate, and the median copy against an iteration without checkpoints. A copy longer
-    than an iteration makes the optimizer step wait whatever the training thread costs; a large
-    stall with a copy that fits is the training thread's own work per save."""
-    rows = [(int(c["bytes"]), c["stall (ms)"], c["copy (ms)"]) for c in _in_memory_commits(stdout)]
-    out = {"stall_ms": [st for _, st, _ in rows], "copy_ms": [c for _, _, c in rows],
-           "version_bytes": rows[0][0] if rows else None}
+    step), copy start (from the save call until the copies could start: the save worker's
+    build) and copy time (device to shared memory, overlapping the next forward/backward), the
+    copy's rate, and the median copy, and copy start plus copy, against an iteration without
+    checkpoints. A copy that ends after the forward/backward makes the optimizer step wait
+    whatever the training thread costs; a large stall with a copy that fits is the training
+    thread's own work per save."""
+    rows = [(int(c["bytes"]), c["stall (ms)"], c["copy (ms)"], c.get("copy start (ms)", 0.0))
+            for c in _in_memory_commits(stdout)]
+    out = {"stall_ms": [r[1] for r in rows], "copy_ms": [r[2] for r in rows],
+           "copy_start_ms": [r[3] for r in rows], "version_bytes": rows[0][0] if rows else None}
     if rows:
-        copy = statistics.median(c for _, _, c in rows)
-        out["stall_ms_median"] = statistics.median(st for _, st, _ in rows)
+        copy = statistics.median(r[2] for r in rows)
+        until_copied = statistics.median(r[3] + r[2] for r in rows)
+        out["stall_ms_median"] = statistics.median(r[1] for r in rows)
         out["copy_ms_median"] = copy
+        out["copy_start_ms_median"] = statistics.median(r[3] for r in rows)
         out["copy_gbps_median"] = round(rows[0][0] / copy / 1e6, 3) if copy > 0 else None
         out["copy_over_iteration"] = round(copy / iteration_ms, 3) if iteration_ms else None
+        out["copied_after_call_over_iteration"] = (round(until_copied / iteration_ms, 3)
+                                                   if iteration_ms else None)
     return out
 
 

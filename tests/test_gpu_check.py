@@ -59,7 +59,10 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert f["ratio"] == pytest.approx(f["in_memory_ms"] / f["none_ms"], rel=1e-3)
     assert f["ratio_on_training_thread"] == pytest.approx(
         f["on_training_thread_ms"] / f["none_ms"], rel=1e-3)
-    assert len(f["stall_ms"]) == len(f["copy_ms"]) == f["in_memory_versions_committed"]
+    assert len(f["stall_ms"]) == len(f["copy_ms"]) == len(f["copy_start_ms"]) == \
+        f["in_memory_versions_committed"]
+    assert f["copy_start_ms_median"] > 0 and f["copied_after_call_over_iteration"] > \
+        f["copy_over_iteration"]
     assert f["version_bytes"] > 0 and f["copy_gbps_median"] > 0
     assert f["copy_over_iteration"] == pytest.approx(f["copy_ms_median"] / f["none_ms"], abs=1e-3)
     assert f["one_copy_into_memory"] is True

@@ -5,7 +5,9 @@ training thread; a structure change is handed back to it; a failure is raised at
 process on a one-rank gloo group, no trainer (tests/test_in_memory_level.py runs the trainer on 2
 ranks through it: a kill and a bit-exact resume, a failed commit, the collectives per iteration)."""
 import importlib
+import re
 import threading
+import time
 
 import pytest
 import torch
@@ -100,6 +102,7 @@ def test_a_steady_in_memory_save_runs_on_the_worker_until_the_step(one_rank_mega
     gate = threading.Event()
     run.ckpt.save_built(3, run.build(3, gate=gate), root=run.memory)  # returns: not built yet
     run.ckpt.poll(3)  # queued behind the save
+    time.sleep(0.3)  # the forward/backward: the worker's copies of 3 have not started yet
     gate.set()
     run.ckpt.before_optimizer_step()
     assert run.built_on[3].startswith("datastates-save"), run.built_on
@@ -113,6 +116,10 @@ def test_a_steady_in_memory_save_runs_on_the_worker_until_the_step(one_rank_mega
     said = [m for _, m in run.lines if m.startswith(" checkpoint iteration")]
     assert [int(m.split()[2]) for m in said] == [1, 2, 3, 4], run.lines
     assert all(on_main for on_main, _ in run.lines), run.lines
+    # Each line says when the copies could start, counted from the save call: version 3's
+    # after the worker's build, held past the 0.3 s above.
+    starts = [float(re.search(r"\| copy start \(ms\): ([\d.]+) \|", m).group(1)) for m in said]
+    assert starts[2] >= 300.0, said
 
 
 def test_a_structure_change_is_saved_by_the_training_thread(one_rank_megatron, tmp_path,

@@ -130,6 +130,9 @@ def test_checkpoint_record_from_the_lazy_telemetry_line():
     record = CheckpointRecord.from_telemetry(line)
     assert record.gbps == 1.5 and record.scalars()["checkpoint/copy-ms"] == 40.0
     assert "checkpoint/local-durable-s" not in record.scalars()
+    assert "checkpoint/copy-start-ms" not in record.scalars()  # a line from before the field
+    started = CheckpointRecord.from_telemetry(dict(line, copy_start_ms=7.5))
+    assert started.scalars()["checkpoint/copy-start-ms"] == 7.5
     memory = CheckpointRecord.from_telemetry(dict(line, persistent=False), "in_memory")
     assert memory.scalars()["checkpoint-in_memory/stall-ms"] == 12.5  # apart from --save's
     assert not any(k.startswith("checkpoint/") for k in memory.scalars())
@@ -295,7 +298,8 @@ def test_rank0_writes_one_record_per_committed_checkpoint(runs):
         it = r["iteration"]
         assert tb["checkpoint/bytes"][it] == pytest.approx(r["bytes"], rel=1e-7)
         for tag, key in (("stall-ms", "stall_ms"), ("copy-ms", "copy_ms"),
-                         ("durable-s", "durable_s"), ("GB-per-s", "gbps")):
+                         ("copy-start-ms", "copy_start_ms"), ("durable-s", "durable_s"),
+                         ("GB-per-s", "gbps")):
             assert tb[f"checkpoint/{tag}"][it] == pytest.approx(r[key], rel=1e-6), tag
         assert f" checkpoint iteration {it:8d} | bytes: {r['bytes']} |" in first.stdout
     # The synchronous torch_dist save at 6: its save call and its files.

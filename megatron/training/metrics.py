@@ -47,6 +47,9 @@ class CheckpointRecord:
     """From the save call until every rank's files were durable."""
     copy_ms: Optional[float] = None
     """Lazy format: the background copy of the snapshot into the host cache, slowest rank."""
+    copy_start_ms: Optional[float] = None
+    """Lazy format: from the save call until the copy could start (for a save built on the save
+    worker during the next forward/backward, the worker's part), slowest rank."""
     local_durable_s: Optional[float] = None
     """Lazy format with --lazy-save-local-dir: until durable on the node-local tier."""
     level: str = "persistent"
@@ -62,7 +65,7 @@ class CheckpointRecord:
         """From a `checkpoint` line of datastates_checkpoints.jsonl (the lazy format)."""
         return cls(iteration=int(record["iteration"]), bytes=int(record["bytes"]),
                    stall_ms=float(record["stall_ms"]), durable_s=float(record["durable_s"]),
-                   copy_ms=float(record["copy_ms"]),
+                   copy_ms=float(record["copy_ms"]), copy_start_ms=record.get("copy_start_ms"),
                    local_durable_s=record.get("local_durable_s"), level=level)
 
     def scalars(self) -> Dict[str, float]:
@@ -72,6 +75,8 @@ class CheckpointRecord:
                f"{tag}/GB-per-s": self.gbps}
         if self.copy_ms is not None:
             out[f"{tag}/copy-ms"] = self.copy_ms
+        if self.copy_start_ms is not None:
+            out[f"{tag}/copy-start-ms"] = self.copy_start_ms
         if self.local_durable_s is not None:
             out[f"{tag}/local-durable-s"] = self.local_durable_s
         return out

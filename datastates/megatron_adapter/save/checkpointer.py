@@ -228,6 +228,8 @@ class _Pending:
     retain_errors: List[BaseException] = field(default_factory=list)  # retention's failures,
     # on the commit thread (`_publish`), until the training thread takes them
     call_s: float = 0.0  # the save call, from the caller's `called_at` (Megatron's timer)
+    handed_s: float = 0.0  # from the caller's `called_at` until the engine had this version and
+    # its copies could start: the save worker's build and preparation, for a steady save
 
 
 @dataclass
@@ -703,9 +705,11 @@ class LazyCheckpointer:
         files += [lane.files.submit(self._write_file, iteration, path, data)
                   for path, data in serialized]
         lane.engine.start_copies()
+        handed = time.perf_counter() - called
         stall, start, returned, call_s = call_times()
         lane.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
-                                     stall, start, returned, files, errors, check, call_s=call_s))
+                                     stall, start, returned, files, errors, check, call_s=call_s,
+                                     handed_s=handed))
 
     def _before_save(self, lane: _Lane, root: str, iteration: int) -> Optional[_Settling]:
         """Every rank, before a save into `lane`: what must be committed first. Returns this
@@ -1535,8 +1539,10 @@ class LazyCheckpointer:
         summed, times the slowest rank's."""
         total = sum(r[0] for r in rows)
         stall, copy, durable, local = (max(r[k] for r in rows) / 1e9 for k in range(1, 5))
+        handed = max(r[6] for r in rows) / 1e9
         stats = {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
-                 "stall_ms": stall * 1e3, "copy_ms": copy * 1e3, "durable_s": durable,
+                 "stall_ms": stall * 1e3, "copy_start_ms": handed * 1e3,
+                 "copy_ms": copy * 1e3, "durable_s": durable,
                  "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,
                  "t_start": p.t_start, "t_returned": p.t_returned, "time": time.time(),
                  "persistent": p.root == self.config.root}
@@ -1548,6 +1554,7 @@ class LazyCheckpointer:
         self.log(f" checkpoint iteration {s['iteration']:8d} | bytes: {s['bytes']} | "
                  f"stall (ms): {s['stall_ms']:.1f} | copy (ms): {s['copy_ms']:.1f} | "
                  f"durable (s): {s['durable_s']:.3f} | throughput (GB/s): {s['gbps']:.3f} | "
+                 f"copy start (ms): {s['copy_start_ms']:.1f} | "
                  + (f"local durable (s): {s['local_durable_s']:.3f} | "
                     if "local_durable_s" in s else "")
                  + f"committed: {p.directory}")
@@ -1636,11 +1643,13 @@ def append_telemetry(root: str, record: Dict[str, Any],
 
 def _figures(p: _Pending, record) -> List[int]:
     """What this rank reports of `p` when agreeing on it: its bytes and its times in ns (stall,
-    copy, durable, node-local durable, save call); zeros while it has no durable `record`."""
+    copy, durable, node-local durable, save call, copy start); zeros while it has no durable
+    `record`."""
     if record is None:
-        return [0] * 6
+        return [0] * 7
     return [int(record.bytes)] + [int(round(s * 1e9)) for s in (
-        p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0, p.call_s)]
+        p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0, p.call_s,
+        p.handed_s)]
 
 
 def _state_of(p: _Pending, root: str, newest: Optional[_Pending] = None) -> str:
