@@ -228,8 +228,8 @@ class _Pending:
     retain_errors: List[BaseException] = field(default_factory=list)  # retention's failures,
     # on the commit thread (`_publish`), until the training thread takes them
     call_s: float = 0.0  # the save call, from the caller's `called_at` (Megatron's timer)
-    handed_s: float = 0.0  # from the caller's `called_at` until the engine had this version and
-    # its copies could start: the save worker's build and preparation, for a steady save
+    copy_start_s: float = 0.0  # from the caller's `called_at` until the engine had this version
+    # and its copies could start: for a steady save, the save worker's build and preparation
 
 
 @dataclass
@@ -705,11 +705,11 @@ class LazyCheckpointer:
         files += [lane.files.submit(self._write_file, iteration, path, data)
                   for path, data in serialized]
         lane.engine.start_copies()
-        handed = time.perf_counter() - called
+        copy_start = time.perf_counter() - called
         stall, start, returned, call_s = call_times()
         lane.pending.append(_Pending(iteration, root, node_local, directory, request, base.handle,
                                      stall, start, returned, files, errors, check, call_s=call_s,
-                                     handed_s=handed))
+                                     copy_start_s=copy_start))
 
     def _before_save(self, lane: _Lane, root: str, iteration: int) -> Optional[_Settling]:
         """Every rank, before a save into `lane`: what must be committed first. Returns this
@@ -1539,9 +1539,9 @@ class LazyCheckpointer:
         summed, times the slowest rank's."""
         total = sum(r[0] for r in rows)
         stall, copy, durable, local = (max(r[k] for r in rows) / 1e9 for k in range(1, 5))
-        handed = max(r[6] for r in rows) / 1e9
+        copy_start = max(r[6] for r in rows) / 1e9
         stats = {"event": "checkpoint", "iteration": p.iteration, "bytes": int(total),
-                 "stall_ms": stall * 1e3, "copy_start_ms": handed * 1e3,
+                 "stall_ms": stall * 1e3, "copy_start_ms": copy_start * 1e3,
                  "copy_ms": copy * 1e3, "durable_s": durable,
                  "gbps": total / durable / 1e9 if durable > 0 else 0.0, "ranks": self.world,
                  "t_start": p.t_start, "t_returned": p.t_returned, "time": time.time(),
@@ -1649,7 +1649,7 @@ def _figures(p: _Pending, record) -> List[int]:
         return [0] * 7
     return [int(record.bytes)] + [int(round(s * 1e9)) for s in (
         p.stall_s, record.copy_s, record.durable_s, record.local_durable_s or 0.0, p.call_s,
-        p.handed_s)]
+        p.copy_start_s)]
 
 
 def _state_of(p: _Pending, root: str, newest: Optional[_Pending] = None) -> str:
