@@ -6,8 +6,9 @@ Each trial kills a DP2 --async-lazy-save job (checkpoint every iteration) with S
 whole process tree or one rank, inside a seeded phase (copy, flush, commit, tracker, or a random
 moment after an iteration), then restarts it with --load. Prints one line per trial and the
 summary quoted in docs/FAULTS.md: trials, phases hit, corrupt or unloadable checkpoints (must be
-0), restarts bit-identical to an uninterrupted run, lost iterations per crash. Exit status 1 when
-any check fails. Uses 2 cores for ~30 s per trial; run nothing else multi-process meanwhile.
+0), restarts that resumed from the newest complete checkpoint (must be all), restarts
+bit-identical to an uninterrupted run, lost iterations per crash. Exit status 1 when any check
+fails. Uses 2 cores for ~30 s per trial; run nothing else multi-process meanwhile.
 `--memory` runs the trials with the in-memory level (issue 30's kill trials).
 """
 import argparse
@@ -45,7 +46,8 @@ def main(argv=None) -> int:
         phases=tuple(a.phases.split(",")), log=lambda m: print(m, flush=True), memory=a.memory)
     print(crash_harness.summary(trials))
     print(f"wall time: {time.time() - t0:.0f} s, workdir {workdir}")
-    failed = [t for t in trials if t.corrupt or t.resumed_from is None or not t.bit_identical]
+    failed = [t for t in trials if t.corrupt or t.resumed_from is None or not t.bit_identical
+              or t.resumed_from != t.tracker_after]
     for t in failed:
         print(f"FAILED: {t}")
     return 1 if failed else 0

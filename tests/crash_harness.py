@@ -439,6 +439,9 @@ def summary(trials: List[Trial]) -> str:
         f"corrupt or unloadable committed checkpoints: {sum(len(t.corrupt) for t in trials)}",
         f"restarts that found no checkpoint to resume or failed: "
         f"{sum(1 for t in trials if t.resumed_from is None)}",
+        f"restarts that resumed from the newest complete checkpoint (the tracker after the "
+        f"crash; with --memory the newer of --save's and memory's): "
+        f"{sum(1 for t in trials if t.resumed_from == t.tracker_after)}/{len(trials)}",
         f"restarts with lm loss bit-identical to the uninterrupted run: "
         f"{sum(1 for t in trials if t.bit_identical)}/{len(trials)}",
         "lost iterations per crash (newest iteration printed before the kill minus the "
