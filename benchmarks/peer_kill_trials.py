@@ -20,10 +20,10 @@ to run; training goes on meanwhile (later versions commit in memory, their repli
 latest wins) and the kill lands after a seeded one to three of them (a trial whose replica
 was skipped, latest wins, is killed two iterations after it). The restart runs to the
 end. A trial passes when:
-  - the restart resumes from at least the newest version that was complete on some level before
-    the kill: --save's tracker, the in-memory version both nodes' trackers name, or, with a lost
-    node, the newest version whose replica of the lost node's rank the survivor held whole next
-    to its own copy;
+  - the restart resumes from the newest version complete on a level that is left after the
+    kill: --save's tracker, or the newest in-memory version committed on a node left (its commit
+    marker) whose every rank's files that node or the other holds whole (the rank's own copy or,
+    as a replica, the next node's; with a lost node, the survivor's own and its replica);
   - its losses after that iteration are bit-identical to an uninterrupted run's;
   - every committed version in --save and in the surviving memory reads back with every checksum
     (no torn or foreign version).
@@ -70,23 +70,27 @@ def _marker_ok(directory: str, rank: int) -> bool:
         return False
 
 
-def _replica_floor(memory: str, lost: int) -> int:
-    """The newest version the survivor holds both of its own (committed) and as a whole replica
-    of the lost node's rank: what the restart can at least resume from in memory."""
+def _newest_in_memory(memory: str, lost) -> int:
+    """The newest in-memory version complete after the kill: committed on a node that is left
+    (its commit marker), and each rank's files whole (its marker) on its own node or, as a
+    replica, on the other one (two nodes of one rank each: node n holds rank n and the replica
+    of rank 1 - n). What the restart must resume from in memory; 0 if none."""
     from datastates import layout
 
-    survivor = os.path.join(memory, f"node{1 - lost}")
-    peer = os.path.join(survivor, "peer")
-    best = 0
-    for name in os.listdir(peer) if os.path.isdir(peer) else []:
-        if not name.startswith("iter_"):
-            continue
-        it = int(name[5:])
-        own = os.path.join(survivor, name)
-        if _marker_ok(os.path.join(peer, name), lost) and layout.is_committed(own) \
-                and _marker_ok(own, 1 - lost):
-            best = max(best, it)
-    return best
+    def whole(rank: int, name: str) -> bool:
+        own = os.path.join(memory, f"node{rank}", name)
+        replica = os.path.join(memory, f"node{1 - rank}", "peer", name)
+        return (rank != lost and _marker_ok(own, rank)) or \
+            (1 - rank != lost and _marker_ok(replica, rank))
+
+    committed = set()
+    for n in (0, 1):
+        root = os.path.join(memory, f"node{n}")
+        if n != lost and os.path.isdir(root):
+            committed |= {name for name in os.listdir(root) if name.startswith("iter_")
+                          and layout.is_committed(os.path.join(root, name))}
+    return max((int(name[5:]) for name in committed if whole(0, name) and whole(1, name)),
+               default=0)
 
 
 #: --in-transfer: the replica fault point pauses the receiving end longer than the job has left
@@ -144,10 +148,9 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
             node.kill()
         last = max([int(m.group(1)) for m in _LOSS.finditer(first[1].stdout())], default=0)
         persistent = _tracked(save)
-        in_memory = min(_tracked(os.path.join(memory, f"node{n}")) for n in (0, 1))
-        floor = max(persistent, in_memory)
+        in_memory = _newest_in_memory(memory, lost)
+        newest = max(persistent, in_memory)
         if lost is not None:
-            floor = max(persistent, _replica_floor(memory, lost))
             shutil.rmtree(os.path.join(memory, f"node{lost}"), ignore_errors=True)
             if renumbered:  # the survivor is numbered as the lost node was
                 from datastates.megatron_adapter.levels.in_memory import take_over
@@ -166,11 +169,11 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
         level = ("memory" if m and "/in_memory/" in m.group(1) else "--save" if m else "scratch")
         losses = {**second[0].losses(), **second[1].losses()}
         expected = {i: v for i, v in reference.items() if i > resumed}
-        ok = (all(r.returncode == 0 for r in second) and resumed >= floor and losses == expected
+        ok = (all(r.returncode == 0 for r in second) and resumed == newest and losses == expected
               and not corrupt)
         result = dict(trial=k, kill_after=kill_after, frac=round(frac, 2), lost_node=lost,
                       in_transfer=None if paused is None else dict(rank=paused, hit=hit),
-                      renumbered=renumbered, last_logged=last, persistent=persistent, in_memory=in_memory, floor=floor,
+                      renumbered=renumbered, last_logged=last, persistent=persistent, in_memory=in_memory, newest=newest,
                       resumed=resumed, level=level, lost_iterations=max(0, last - resumed),
                       bit_identical=losses == expected, corrupt=corrupt, ok=ok)
         if not ok:
