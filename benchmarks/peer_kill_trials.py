@@ -120,10 +120,13 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
     env = {} if paused is None else {
         "DATASTATES_FAULT_DELAY_REPLICA": f"{TRANSFER_PAUSE}@{kill_after}:{paused}"}
 
+    started = []  # every agent, killed whatever ends the trial (they run in their own sessions)
+
     def nodes(name, extra_env=None):
         port, logs = free_port(), os.path.join(workdir, f"trial{k}", name)
         os.makedirs(logs)
-        return [Node(r, 2, 1, port, flags, logs, extra_env=extra_env) for r in (0, 1)]
+        started.extend(Node(r, 2, 1, port, flags, logs, extra_env=extra_env) for r in (0, 1))
+        return started[-2:]
 
     try:
         first = nodes("first", env)
@@ -181,6 +184,9 @@ def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, lo
         log(json.dumps({k2: v for k2, v in result.items() if k2 != "tail"}))
         return result
     finally:
+        for node in started:
+            if node.proc.poll() is None:  # not reaped yet: its pid is still its own
+                node.kill()
         shutil.rmtree(os.path.dirname(memory), ignore_errors=True)
 
 
