@@ -59,8 +59,9 @@ version's agreement and commit are then handed to the worker, which makes them d
 optimizer step (the next save call joins them). While a job is in flight the training thread
 issues no checkpoint collective (the poll after it runs on the worker too; Megatron's timer
 report of a save call is printed at its commit, from the figures its agreement gathers), and
-what a job says is said on the training thread at the join. A structure change found by a job's plan check (agreed) is handed back: the training thread
-makes that save at the join (megatron's call and its collectives). An in-memory version every
+what a job says is said on the training thread at the join. A structure change found by a
+job's plan check (agreed) is handed back: the training thread makes that save at the join
+(megatron's call and its collectives). An in-memory version every
 iteration then costs the training thread no control-plane collective: the agreement (an
 all-gather that carries the commit's figures too, the save call's time among them, which
 Megatron's timer report then prints: `on_call_times`) and the plan check (which carries the
