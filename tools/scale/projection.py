@@ -202,7 +202,7 @@ class _Simulation:
         self.persistent_owed = self.persistent_owed or persistent_due
         if self.persistent_owed and self.flush_end <= self.clock:
             self.persistent_owed = False
-            self._to_storage()
+            self._checkpoint()
             return
         if due:  # into memory: two slots, the older one committed by the end of its copy
             self._block("coordination", self.coordination)
@@ -210,12 +210,7 @@ class _Simulation:
             # was copied before this update)
         if last:  # not saved to storage at this iteration: the end of training does
             self._block("back_pressure", self.flush_end - self.clock)  # after the one in flight
-            self._to_storage()
-
-    def _to_storage(self) -> None:
-        self.storage_saves += 1
-        self._block("coordination", self.coordination)
-        self._lazy_checkpoint()
+            self._checkpoint()
 
     def _checkpoint(self) -> None:
         p, size, ranks = self.platform, self.size_gb, self.case.ranks
@@ -231,8 +226,8 @@ class _Simulation:
             self._block("back_pressure", self.flush_end - self.clock)  # one save in flight
             self._block("staging", size / p.staging_gbps)
             self.flush_end = self.clock + size / _write_gbps(p, p.dist_streams, ranks)
-        elif self.variant is Variant.DATASTATES_LAZY:
-            self._lazy_checkpoint()
+        elif self.variant in (Variant.DATASTATES_LAZY, Variant.DATASTATES_MEMORY):
+            self._lazy_checkpoint()  # (datastates_memory: its saves to storage)
         else:
             raise ValueError(f"no model for variant {self.variant!r}")
 
