@@ -445,8 +445,9 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
     in-memory version that the network keeps up with is copied to the other node. Rank 1's copy
     of in-memory iteration 5 stalls (the job cannot go past it) and rank 0's receiving end of
     node 1's iteration 4 stops before the files are moved into place, both nodes are killed and
-    node 1's memory is deleted (a lost node): the restart brings rank 1's shards of iteration 3,
-    not of the half-received 4, back from node 0, resumes from memory (not from --save, which
+    node 1's memory is deleted (a lost node): the restart brings rank 1's shards of the newest
+    version node 0 received whole (3, or an older one where latest wins skipped 3 on a busy
+    machine), not of the half-received 4, back from node 0, resumes from memory (not from --save, which
     holds nothing) and prints the losses of an uninterrupted run (the third run's, from
     scratch). Then node 1's memory as the kill left it,
     without its replica of node 0's, under a fresh --save: no version every rank has, so the run
@@ -485,8 +486,9 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         first = nodes("first", env={"DATASTATES_FAULT_DELAY_COPY": "120@5:1",
                                     "DATASTATES_FAULT_DELAY_REPLICA": "120@4:0"})
         deadline = time.time() + 240
-        while not (printed("phase=copy step=5 rank=1") and printed("phase=replica step=4 rank=0")
-                   and (replicated() or 0) >= 3):
+        # Version 4 is always sent (5 never commits), and rounds go one at a time: once its
+        # receipt stalls, every older version that was sent has arrived whole.
+        while not (printed("phase=copy step=5 rank=1") and printed("phase=replica step=4 rank=0")):
             assert time.time() < deadline and first[0].proc.poll() is None, \
                 first[0].result().describe() + first[1].result().describe()
             time.sleep(0.2)
@@ -497,7 +499,8 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         assert "and 2 of the previous node's (peer replicas)" in out, out
         held = replicated()
         partial = os.listdir(os.path.join(memory, "node0", "peer", "iter_0000004"))
-        assert held == 3 and partial and all(n.endswith(".peer.tmp") for n in partial), partial
+        assert held in (1, 2, 3), held
+        assert partial and all(n.endswith(".peer.tmp") for n in partial), partial
         assert not (save / "latest_checkpointed_iteration.txt").exists()
         shutil.copytree(os.path.join(memory, "node1"), tmp_path / "node1_memory")
         shutil.copytree(os.path.join(memory, "node0"), tmp_path / "node0_memory")
