@@ -168,3 +168,77 @@ def test_fallback_resumes_from_previous_intact_checkpoint(probed):
 def test_common_pt_is_never_unpickled_with_code(probed):
     _, pwned = probed
     assert not os.path.exists(pwned)
+
+
+def _fallback_worker(rank, port, tmp, out):
+    """One rank of `test_fallback_agrees_on_versions_every_node_holds`: each case's candidates
+    are this rank's node-local root (node<rank>) and a shared --load (save); verification fails
+    where the case's damaged.json says ("<rank or *>:<node or save>/<iteration>")."""
+    import torch.distributed as dist
+
+    from megatron.training.checkpointing import verify
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    results = {}
+    for case in sorted(os.listdir(tmp)):
+        node, save = os.path.join(tmp, case, f"node{rank}"), os.path.join(tmp, case, "save")
+        damaged = set()
+        for entry in json.load(open(os.path.join(tmp, case, "damaged.json"))):
+            who, where = entry.split(":")
+            level, it = where.split("/")
+            if who in ("*", str(rank)):
+                damaged.add(os.path.join(node if level == "node" else save, f"iter_{int(it):07d}"))
+
+        def fake_verify(directory, config, damaged=damaged):
+            if directory in damaged:
+                raise ValueError(f"checksum mismatch in {directory}")
+
+        verify.verify_local_share = fake_verify
+        try:
+            chosen = verify.newest_intact([(node, 6), (save, max(_listed(save)))], None)
+            results[case] = [os.path.basename(chosen[0]), chosen[1]]
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            results[case] = f"{type(err).__name__}: {err}"
+    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _listed(root):
+    return [int(n[5:]) for n in os.listdir(root) if n.startswith("iter_")]
+
+
+def test_fallback_agrees_on_versions_every_node_holds(tmp_path):
+    """--ckpt-fallback-to-previous with a node-local level (in_memory, local): each node holds
+    its own older versions, so the ranks try only versions every rank lists, newest first over
+    both levels (the level's first on equal iterations), and every rank takes the same one or
+    fails with the same error, never waiting on another's collective. Two gloo ranks, one
+    "node" each, iteration 6 of the level damaged on rank 1 only."""
+    from trainer_launch import free_port, spawn_ranks
+
+    cases = {  # node 0's versions, node 1's, --save's; what is damaged (see _fallback_worker)
+        "a": ([4, 5, 6], [3, 5, 6], [2, 4], ["1:node/6"]),  # 5 in memory on both: 5
+        "b": ([4, 6], [5, 6], [2, 3, 4], ["1:node/6"]),  # nothing older on both: --save's 4
+        "c": ([2, 6], [2, 6], [3], ["1:node/6"]),  # --save's 3 before memory's 2
+        "d": ([4, 5, 6], [5, 6], [4], ["1:node/6", "*:node/5", "0:save/4"]),  # none intact
+    }
+    root = tmp_path / "cases"
+    for name, (node0, node1, save, damaged) in cases.items():
+        for sub, its in (("node0", node0), ("node1", node1), ("save", save)):
+            for it in its:
+                version = root / name / sub / f"iter_{it:07d}"
+                version.mkdir(parents=True)
+                (version / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+        (root / name / "damaged.json").write_text(json.dumps(damaged))
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn_ranks(_fallback_worker, 2, (free_port(), str(root), str(out)), bound_s=60)
+    got = [json.loads((out / f"r{r}.json").read_text()) for r in (0, 1)]
+    assert [g["a"] for g in got] == [["node0", 5], ["node1", 5]], got
+    assert [g["b"] for g in got] == [["save", 4]] * 2, got
+    assert [g["c"] for g in got] == [["save", 3]] * 2, got
+    for g in got:
+        assert g["d"].startswith("CheckpointError: ") and "no intact checkpoint under" in g["d"] \
+            and "iteration 6: " in g["d"] and "iteration 5: " in g["d"] \
+            and f"iteration 4 of {root / 'd' / 'save'}: " in g["d"], g["d"]

@@ -2,7 +2,7 @@
 survive a SIGKILL of the whole job, committed at their own pace while a persistent save still
 drains (latest wins for --save), resumed from when they are the newest, given back at a clean
 end; memory of another model or layout is never loaded, and too little of it is refused at
-start, and a failed commit stops every rank with one line (~35 s: 3 launches of 2 ranks, and
+start, and a failed commit stops every rank with one line (~40 s: 4 launches of 2 ranks, and
 in-process units).
 """
 from __future__ import annotations
@@ -31,7 +31,9 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
     are still committed every iteration, and the persistent save due at 12 is deferred, once,
     with one line. The whole job is killed (SIGKILL) once in-memory iteration 13 is committed;
     the restart resumes from memory (newer than --save's 4), says so, continues bit-exactly,
-    and at its clean end gives the memory back."""
+    and at its clean end gives the memory back. Before it, a restart with that version damaged
+    stops with the checksum error and names the version --ckpt-fallback-to-previous would take
+    (the level's older one if it still holds one, else --save's)."""
     save = str(tmp_path / "ckpt")
     memory = _memory_root(save)
     flags = TINY_MODEL + ["--save", save, "--save-interval", "4", "--async-lazy-save",
@@ -71,6 +73,18 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
         assert {"COMMIT.json", "common.pt", "metadata.json", "done_r00000.json",
                 "done_r00001.json"} <= set(os.listdir(os.path.join(memory, f"iter_{newest:07d}")))
 
+        # A damaged in-memory version: the error names the older version to fall back to,
+        # --save's (memory holds no older one); the byte is flipped back afterwards.
+        shard = os.path.join(memory, f"iter_{newest:07d}", "shard_r00000.bin")
+        _flip_middle_byte(shard)
+        damaged = launch(2, flags + ["--load", save, "--train-iters", "24"])
+        _flip_middle_byte(shard)
+        assert damaged.returncode != 0 and "checksum mismatch" in damaged.stderr, \
+            damaged.describe()
+        older = paths.complete_iterations(memory)[-2:-1] or [4]
+        assert f"pass --ckpt-fallback-to-previous to resume from iteration {older[0]}" + (
+            "" if older != [4] else f" of {save},") in damaged.stderr, damaged.describe()
+
         resumed = launch(2, flags + ["--load", save, "--train-iters", "24"])
         assert resumed.returncode == 0, resumed.describe()
         assert (f"loading the in-memory checkpoint of iteration {newest} from {memory} "
@@ -85,6 +99,14 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
         assert not os.path.exists(memory) and not os.path.exists(os.path.dirname(memory))
     finally:
         shutil.rmtree(os.path.dirname(os.path.dirname(memory)), ignore_errors=True)
+
+
+def _flip_middle_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
 
 
 def test_a_failed_commit_stops_every_rank_with_one_line_and_keeps_the_newest_version(tmp_path):

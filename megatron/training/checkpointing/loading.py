@@ -52,18 +52,20 @@ from megatron.training.metrics import Metrics
 from megatron.training.timers import count_loaded, loaded_bytes, report_times_across_ranks
 
 
-def _saved_config(directory: str, kind: paths.Format, allow_unsafe_pickle: bool) -> str:
-    """`saved_run_config`, with what to do about a damaged or forged common state."""
+def _saved_config(directory: str, kind: paths.Format, allow_unsafe_pickle: bool,
+                  also: Optional[str] = None) -> str:
+    """`saved_run_config`, with what to do about a damaged or forged common state (`also`: see
+    `damage_hint`)."""
     try:
         return saved_run_config(directory, kind, allow_unsafe_pickle)
     except UnsafePickleError as err:
         # Forged, or written by code we do not trust: an older checkpoint may still be good.
-        raise UnsafePickleError(err.args[0] + _hint(directory)) from None
+        raise UnsafePickleError(err.args[0] + _hint(directory, also)) from None
     except CheckpointError:
         raise
     except datastates.CheckpointError as err:
         raise CheckpointError(f"cannot read common.pt (the checkpoint's common state): "
-                              f"{err.reason}" + _hint(directory),
+                              f"{err.reason}" + _hint(directory, also),
                               path=err.file or directory) from err
 
 
@@ -109,18 +111,22 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     else:
         iteration = _read_tracker(root)
         if ckpt.ckpt_fallback_to_previous:  # universal roots too: their checksums are verified
-            root, iteration = _newest_intact(root, iteration, config)
+            chosen, iteration = _newest_intact(root, iteration, config)
+            if chosen != root and is_assembled_memory(root):
+                _drop_assembled(root)
+            root = chosen
         directory = paths.checkpoint_dir(root, iteration)
+    also = ckpt.load if ckpt.load and root != ckpt.load else None  # for the damage hints
     if not os.path.isdir(directory):
         raise CheckpointError(f"tracker names {os.path.basename(directory)} but {directory} is "
-                              "missing" + _hint(directory), path=root)
+                              "missing" + _hint(directory, also), path=root)
     if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
         return True
     # DataStates checkpoints load through dist_checkpointing like torch_dist ones.
     kind = paths.detect_format(directory)
     fmt = CkptFormat.TORCH if kind is paths.Format.TORCH else CkptFormat.TORCH_DIST
     unsafe = ckpt.allow_unsafe_pickle
-    saved_json = _saved_config(directory, kind, unsafe)
+    saved_json = _saved_config(directory, kind, unsafe, also)
     check_model_shape(saved_json, config, directory)
     saved = json.loads(saved_json)
     saved_layout = _layout_of(saved)
@@ -183,7 +189,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
         loaded = _load_torch_dist(sd, directory, loader, unsafe,
                                   None if node_local else local_dir_of_this_rank(config),
                                   ckpt.ckpt_fully_parallel_load,
-                                  on_read=None if peers is None else peers.report)
+                                  on_read=None if peers is None else peers.report, also=also)
         if assembled:  # read by every rank: its copies leave memory
             control_plane.barrier()
             _drop_assembled(root)
@@ -377,17 +383,15 @@ def _memory_at_this_layout(root: str, why: Optional[str], other_layout: bool) ->
 
 
 def _newest_intact(root: str, iteration: int, config: RunConfig):
-    """--ckpt-fallback-to-previous: (root, newest intact iteration <= `iteration` there); a
-    non-persistent root with none intact falls back to --load's newest intact checkpoint."""
+    """--ckpt-fallback-to-previous: (root, iteration) of the newest version intact on every rank,
+    from `root` (tracked: `iteration`) and, when `root` is a non-persistent level's, from --load
+    too: newest first over both, the level's first on equal iterations."""
     ckpt = config.checkpoint
-    try:
-        return root, newest_intact(root, iteration, config)
-    except CheckpointError as err:
-        persistent = paths.tracked_iteration(ckpt.load) if ckpt.load else None
-        if root == ckpt.load or persistent is None:
-            raise
-        print_rank_0(f"WARNING: {err}; --ckpt-fallback-to-previous: trying {ckpt.load} instead")
-        return ckpt.load, newest_intact(ckpt.load, persistent, config)
+    levels = [(root, iteration)]
+    persistent = paths.tracked_iteration(ckpt.load) if ckpt.load and root != ckpt.load else None
+    if persistent is not None:
+        levels.append((ckpt.load, persistent))
+    return newest_intact(levels, config)
 
 
 def _read_tracker(root: str) -> int:
@@ -464,7 +468,8 @@ def _fully_reshardable(common: Optional[dict]) -> bool:
 
 def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool = False,
                      local_dir: Optional[str] = None, fully_parallel: bool = False,
-                     on_read: Optional[Callable[[dict], None]] = None) -> dict:
+                     on_read: Optional[Callable[[dict], None]] = None,
+                     also: Optional[str] = None) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException as DcpException
@@ -493,12 +498,12 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
         raise  # already names the file and the offending global
     except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
         raise CheckpointError(f"could not load the checkpoint: {err}"
-                              + _hint(directory), path=directory) from err
+                              + _hint(directory, also), path=directory) from err
     except DcpException as err:  # a BaseException: PyTorch DCP's per-rank failure report
         lines = [line for line in str(err).splitlines() if line.strip()]
         raise CheckpointError(f"could not load the checkpoint (torch_dist reader): "
                               f"{lines[-1] if lines else err}" + _backend_note(directory)
-                              + _hint(directory), path=directory) from None
+                              + _hint(directory, also), path=directory) from None
 
 
 def _report_sources(directory: str, read: dict) -> None:
@@ -524,11 +529,11 @@ def _backend_note(directory: str) -> str:
                 "names another backend: metadata.json was edited or replaced")
     return ""
 
-def _hint(directory: str) -> str:
+def _hint(directory: str, also: Optional[str] = None) -> str:
     """`damage_hint` for ROOT/iter_NNNNNNN; nothing for a release directory."""
     if os.path.basename(os.path.normpath(directory)) == paths.RELEASE_DIRNAME:
         return ". Restore its files from a copy"
-    return damage_hint(*_split(directory))
+    return damage_hint(*_split(directory), also=also)
 
 
 def _split(directory: str):

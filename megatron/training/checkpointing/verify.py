@@ -2,6 +2,8 @@
 
 `--ckpt-fallback-to-previous` (every rank, in `load_checkpoint`):
   1) candidates: the iteration the tracker names, then every older complete one, newest first;
+     with a non-persistent level, its versions and --load's in one list, newest first (the
+     level's first between equal iterations); only those every rank lists (`newest_intact`);
   2) every rank verifies its share of a candidate (for DataStates checkpoints: every tensor of the
      saved ranks r with r % world == rank, all checksums; plus metadata.json, common.pt and the
      model shape; for universal ones: the manifest and index against the commit marker, the model
@@ -11,6 +13,8 @@
      leave the others waiting in megatron's collectives.
 """
 from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -25,15 +29,19 @@ from megatron.training.checkpointing.from_universal import verify_universal_shar
 from megatron.training.log import print_rank_0, say
 
 
-def damage_hint(root: str, iteration: int) -> str:
-    """What to do about a damaged checkpoint (appended to load errors)."""
-    prev = paths.previous_complete(root, iteration)
+def damage_hint(root: str, iteration: int, also: Optional[str] = None) -> str:
+    """What to do about a damaged checkpoint (appended to load errors). `also`: --load, when
+    `root` is a non-persistent level's (--ckpt-fallback-to-previous looks there too)."""
+    prev, where = paths.previous_complete(root, iteration), root
+    other = paths.tracked_iteration(also) if also else None
+    if other is not None and other <= iteration and (prev is None or other > prev):
+        prev, where = other, also
     if prev is None:
         return (f". Restore iteration {iteration}'s files from a copy; there is no older complete "
-                f"checkpoint under {root} to fall back to")
+                f"checkpoint under {root}" + (f" or {also}" if also else "") + " to fall back to")
     return (f". Restore iteration {iteration}'s files from a copy, or pass "
-            f"--ckpt-fallback-to-previous to resume from iteration {prev}, the newest older "
-            "complete checkpoint")
+            f"--ckpt-fallback-to-previous to resume from iteration {prev}"
+            + ("" if where == root else f" of {where}") + ", the newest older complete checkpoint")
 
 
 def verify_local_share(directory: str, config) -> None:
@@ -56,12 +64,25 @@ def verify_local_share(directory: str, config) -> None:
                 reader.load_state(saved_rank)  # every tensor of that rank, every checksum
 
 
-def newest_intact(root: str, tracked: int, config) -> int:
-    """Every rank: the newest iteration <= `tracked` that verifies on every rank."""
-    candidates = [tracked] + [it for it in reversed(paths.complete_iterations(root))
-                              if it < tracked]
+def newest_intact(levels: Sequence[Tuple[str, int]], config) -> Tuple[str, int]:
+    """Every rank: the newest (root, iteration) that verifies on every rank. `levels`: (root,
+    the iteration its tracker names), in the order of preference between equal iterations (a
+    non-persistent level before --load, as `resume_root` prefers it). A level's candidates are
+    its tracked iteration and every older complete one under it; only those that every rank
+    lists are tried (a node-local root is each node's own: nodes may hold different older
+    versions, and a rank trying one that another lacks would pair its collectives with another
+    candidate's)."""
+    width = len(levels)
+    mine = sorted({it * width + (width - 1 - i)  # newer first, then the preferred level
+                   for i, (root, tracked) in enumerate(levels)
+                   for it in [tracked] + paths.complete_iterations(root) if it <= tracked},
+                  reverse=True)
+    (longest,) = control_plane.all_reduce([len(mine)], op=dist.ReduceOp.MAX)
+    rows = control_plane.all_gather_ints(control_plane.padded(mine, longest))
+    common = set(mine).intersection(*map(set, rows))
     reasons = []
-    for it in candidates:
+    for code in sorted(common, reverse=True):
+        root, it = levels[width - 1 - code % width][0], code // width
         directory = paths.checkpoint_dir(root, it)
         error = None
         try:
@@ -70,13 +91,16 @@ def newest_intact(root: str, tracked: int, config) -> int:
             error = err
         (ok,) = control_plane.all_reduce([0 if error is not None else 1], op=dist.ReduceOp.MIN)
         if ok:
-            if it != tracked:
+            if reasons:
+                where = "" if root == levels[0][0] else f" of {root}"
                 print_rank_0(f"WARNING: --ckpt-fallback-to-previous: resuming from iteration {it}"
-                             f" instead of {tracked}; skipped: " + " | ".join(reasons))
-            return it
-        reason = f"iteration {it}: " + (str(error) if error is not None else
-                                         "damaged on another rank")
+                             f"{where} instead of {levels[0][1]}; skipped: " + " | ".join(reasons))
+            return root, it
+        reason = f"iteration {it}" + ("" if root == levels[0][0] else f" of {root}") + ": " + (
+            str(error) if error is not None else "damaged on another rank")
         say(f"[rank {dist.get_rank()}] checkpoint verification failed: {reason}")
         reasons.append(reason)
-    raise CheckpointError("--ckpt-fallback-to-previous: no intact checkpoint under the --load "
-                          "directory: " + " | ".join(reasons), path=root)
+    where = " or ".join(root for root, _ in levels)
+    raise CheckpointError(f"--ckpt-fallback-to-previous: no intact checkpoint under {where}: "
+                          + (" | ".join(reasons) or "none is complete on every rank"),
+                          path=levels[0][0])
