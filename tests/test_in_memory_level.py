@@ -31,14 +31,17 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
     are still committed every iteration, and the persistent save due at 12 is deferred, once,
     with one line. The whole job is killed (SIGKILL) once in-memory iteration 13 is committed;
     the restart resumes from memory (newer than --save's 4), says so, continues bit-exactly,
-    and at its clean end gives the memory back. Before it, a restart with that version damaged
-    stops with the checksum error and names the version --ckpt-fallback-to-previous would take
-    (the level's older one if it still holds one, else --save's)."""
+    and at its clean end gives the memory back. The level keeps two complete versions
+    (--keep-last-n-non-persistent 2, three with the one being written): on a copy of the kill's
+    memory with the newest version damaged, a restart stops with the checksum error and names
+    the older in-memory version, and with --ckpt-fallback-to-previous resumes from it, printing
+    the killed run's losses."""
     save = str(tmp_path / "ckpt")
     memory = _memory_root(save)
     flags = TINY_MODEL + ["--save", save, "--save-interval", "4", "--async-lazy-save",
                           "--lazy-save-cache-mb", "8", "--non-persistent-ckpt-type", "in_memory",
                           "--non-persistent-save-interval", "1",
+                          "--keep-last-n-non-persistent", "2",
                           # Megatron-LM's manual collection, as a user saving every iteration at
                           # GPU speed would run it: the resume must not change.
                           "--manual-gc", "--manual-gc-interval", "5"]
@@ -61,29 +64,48 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
                                   "DATASTATES_FAULT_DELAY_COPY": "2@6"})
         assert seen["committed"] and "iteration       24/" not in first.stdout, first.describe()
         assert "in-memory checkpoints: every 1 iteration(s) into " + memory in first.stdout
+        assert "(3 versions of its 2 rank(s)' checkpoints; " in first.stdout
         assert first.stdout.count("deferred the persistent save of iteration 12:") == 1
         assert "deferred the persistent save of iteration 8" not in first.stdout
         newest = paths.tracked_iteration(memory)
         assert newest is not None and newest >= 13, first.describe()
-        # It keeps only its newest (the one before goes at the poll after a commit: a kill in
-        # between leaves it too).
-        assert paths.complete_iterations(memory)[-1:] == [newest]
-        assert len(paths.complete_iterations(memory)) <= 2
+        # It keeps its newest two (the oldest goes right after a commit: a kill in between
+        # leaves it too).
+        kept = paths.complete_iterations(memory)
+        assert kept[-1:] == [newest] and 2 <= len(kept) <= 3, kept
+        # Each rank's engine reuses one shard file per version held, and no other.
+        assert sorted(os.listdir(os.path.join(memory, ".datastates_slots"))) == [
+            f"r0000{r}-{k}.bin" for r in (0, 1) for k in range(3)]
         assert paths.tracked_iteration(save) == 4 and paths.complete_iterations(save) == [4]
         assert {"COMMIT.json", "common.pt", "metadata.json", "done_r00000.json",
                 "done_r00001.json"} <= set(os.listdir(os.path.join(memory, f"iter_{newest:07d}")))
 
-        # A damaged in-memory version: the error names the older version to fall back to,
-        # --save's (memory holds no older one); the byte is flipped back afterwards.
-        shard = os.path.join(memory, f"iter_{newest:07d}", "shard_r00000.bin")
-        _flip_middle_byte(shard)
-        damaged = launch(2, flags + ["--load", save, "--train-iters", "24"])
-        _flip_middle_byte(shard)
+        # A copy of --save and of the memory (under the copy's root) with the newest version
+        # damaged: the error names the older one in memory; the fallback resumes from it.
+        copy = str(tmp_path / "copy")
+        shutil.copytree(save, copy)
+        shutil.copytree(memory, _memory_root(copy))
+        with open(os.path.join(_memory_root(copy), f"iter_{newest:07d}", "shard_r00000.bin"),
+                  "r+b") as f:
+            f.seek(os.path.getsize(f.name) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0xFF]))
+        on_copy = [copy if f == save else f for f in flags] + ["--load", copy,
+                                                                "--train-iters", "24"]
+        damaged = launch(2, on_copy)
         assert damaged.returncode != 0 and "checksum mismatch" in damaged.stderr, \
             damaged.describe()
-        older = paths.complete_iterations(memory)[-2:-1] or [4]
-        assert f"pass --ckpt-fallback-to-previous to resume from iteration {older[0]}" + (
-            "" if older != [4] else f" of {save},") in damaged.stderr, damaged.describe()
+        assert f"pass --ckpt-fallback-to-previous to resume from iteration {kept[-2]}, " \
+            in damaged.stderr, damaged.describe()
+        fallback = launch(2, on_copy + ["--ckpt-fallback-to-previous",
+                                        "--exit-interval", str(kept[-2] + 2)])
+        assert fallback.returncode == 0, fallback.describe()
+        assert f"WARNING: --ckpt-fallback-to-previous: resuming from iteration {kept[-2]} " \
+            f"instead of {newest}; skipped: iteration {newest}: " in fallback.stdout
+        assert after(fallback.losses(), kept[-2]) == {
+            it: first.losses()[it] for it in range(kept[-2] + 1, kept[-2] + 3)}, \
+            (first.losses(), fallback.losses())
 
         resumed = launch(2, flags + ["--load", save, "--train-iters", "24"])
         assert resumed.returncode == 0, resumed.describe()
@@ -98,15 +120,9 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
         assert "in-memory checkpoints: removed iteration(s)" in resumed.stdout
         assert not os.path.exists(memory) and not os.path.exists(os.path.dirname(memory))
     finally:
-        shutil.rmtree(os.path.dirname(os.path.dirname(memory)), ignore_errors=True)
-
-
-def _flip_middle_byte(path):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 0xFF]))
+        for root in (save, str(tmp_path / "copy")):
+            shutil.rmtree(os.path.dirname(os.path.dirname(_memory_root(root))),
+                          ignore_errors=True)
 
 
 def test_a_failed_commit_stops_every_rank_with_one_line_and_keeps_the_newest_version(tmp_path):

@@ -67,6 +67,10 @@ def config(extra="", world_size=1):
      "--non-persistent-save-interval must be >= 1, got 0"),
     ("--non-persistent-global-ckpt-dir /np", 1,
      "--non-persistent-global-ckpt-dir needs --non-persistent-ckpt-type global"),
+    ("--keep-last-n-non-persistent 2", 1, "--keep-last-n-non-persistent counts the checkpoints "
+     "of --non-persistent-ckpt-type global, local or in_memory, which is not given"),
+    ("--non-persistent-ckpt-type global --keep-last-n-non-persistent 0", 1,
+     "--keep-last-n-non-persistent must be >= 1, got 0"),
     ("--save /ckpt --non-persistent-ckpt-type global --non-persistent-global-ckpt-dir /ckpt/",
      1, "--non-persistent-global-ckpt-dir must differ from --save (/ckpt)"),
     ("--replication --non-persistent-ckpt-type global", 1,
@@ -97,6 +101,9 @@ def test_non_persistent_roots_follow_megatron_lm():
     assert config("--save /s --non-persistent-save-interval 3 --non-persistent-ckpt-type global"
                   ).checkpoint.non_persistent_save_root() == "/s/non_persistent"
     assert config("--save /s").checkpoint.non_persistent_root("/s") is None
+    assert given.keep_last_n_non_persistent == 1  # Megatron-LM's: its newest only
+    assert config("--save /s --non-persistent-ckpt-type global --keep-last-n-non-persistent 3"
+                  ).checkpoint.keep_last_n_non_persistent == 3
     local = config("--save /s --async-lazy-save --non-persistent-save-interval 3 "
                    "--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /nvme/{node} "
                    "--non-persistent-local-ckpt-algo atomic").checkpoint

@@ -322,7 +322,8 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--non-persistent-save-interval", type=_save_interval, default=None,
                    help="Megatron-LM's non-persistent checkpoints: also save every N iterations "
                         "where no --save-interval save is due, into the non-persistent root, "
-                        "which keeps only the newest one (needs --non-persistent-ckpt-type); "
+                        "which keeps only the newest one unless --keep-last-n-non-persistent "
+                        "says otherwise (needs --non-persistent-ckpt-type); "
                         "'auto' (the default with --save-interval auto): this level's own "
                         "interval, from its own measured cost and --mtbf-hours")
     g.add_argument("--non-persistent-ckpt-type", choices=["global", "local", "in_memory"],
@@ -335,6 +336,11 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "in_memory: each node's shared memory (/dev/shm), which outlives a crash "
                         "of the training processes, with --async-lazy-save; a restart on the same "
                         "nodes resumes from it when it is the newest")
+    g.add_argument("--keep-last-n-non-persistent", type=int, default=None,
+                   help="keep the newest N complete non-persistent checkpoints (default 1, as "
+                        "Megatron-LM); in_memory: memory then holds N + 1 versions (the one "
+                        "being written), checked at start. Older ones are what "
+                        "--ckpt-fallback-to-previous resumes from when the newest is damaged")
     g.add_argument("--non-persistent-global-ckpt-dir", default=None,
                    help="root of global non-persistent checkpoints (default: <save>/"
                         "non_persistent when saving, <load>/non_persistent when loading)")
@@ -627,6 +633,11 @@ def _check_non_persistent_flags(a: argparse.Namespace) -> None:
         if a.save is None:
             _warn("--non-persistent-save-interval without --save: nothing is saved (as "
                   "Megatron-LM)")
+    if a.keep_last_n_non_persistent is not None:
+        _require(kind is not None, "--keep-last-n-non-persistent counts the checkpoints of "
+                 "--non-persistent-ckpt-type global, local or in_memory, which is not given")
+        _require(a.keep_last_n_non_persistent >= 1, "--keep-last-n-non-persistent must be >= 1, "
+                 f"got {a.keep_last_n_non_persistent}")
     if a.non_persistent_global_ckpt_dir is not None:
         _require(kind == "global", "--non-persistent-global-ckpt-dir needs "
                  "--non-persistent-ckpt-type global")
@@ -993,6 +1004,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
                                       else a.non_persistent_save_interval),
         non_persistent_save_interval_auto=a.non_persistent_save_interval == "auto",
         non_persistent_ckpt_type=a.non_persistent_ckpt_type,
+        keep_last_n_non_persistent=a.keep_last_n_non_persistent or 1,
         non_persistent_global_ckpt_dir=a.non_persistent_global_ckpt_dir,
         non_persistent_local_ckpt_dir=a.non_persistent_local_ckpt_dir,
         ckpt_fully_parallel_save=a.ckpt_fully_parallel_save,

@@ -335,7 +335,11 @@ class CheckpointConfig:
     """Keep only the newest N complete checkpoints under --save (None: keep all)."""
     non_persistent_save_interval: Optional[int] = None
     """Megatron-LM's non-persistent checkpoints: also save every this many iterations (where no
-    persistent save is due) under `non_persistent_root`, which keeps only the newest one."""
+    persistent save is due) under `non_persistent_root`, which keeps the newest
+    `keep_last_n_non_persistent`."""
+    keep_last_n_non_persistent: int = 1
+    """Complete non-persistent checkpoints kept, newest first (Megatron-LM keeps one). In memory
+    the level holds one more: the version being written."""
     non_persistent_save_interval_auto: bool = False
     """--non-persistent-save-interval auto (the default under --save-interval auto when a
     non-persistent type is given): the level's interval follows its own measured cost."""

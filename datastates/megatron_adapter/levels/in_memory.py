@@ -5,9 +5,10 @@ an NCCL timeout, a preempted job step) but not of the node.
 The versions themselves are node-local versions (`node_local.py`): every rank writes all it
 holds, each node's leader commits its node, a resume takes them only when every node holds the
 same newest one. What this module adds is the memory they hold:
-  - `check_room` at start-up (collective): each node's shared memory must hold `VERSIONS_KEPT`
-    versions of all of its ranks (the one being written and the newest complete one), or every
-    rank stops with one error naming the node, the size needed and what is free;
+  - `check_room` at start-up (collective): each node's shared memory must hold the versions of
+    all of its ranks that it keeps (`versions_held`: the one being written and the newest
+    complete one, or more), or every rank stops with one error naming the node, the size needed
+    and what is free;
   - `release` after a clean end of training (the node's leader): the memory is given back once
     --save holds a version at least as new as the newest one in memory;
   - `adopt_left_memory` before a restart reads the level (collective): node indices are given
@@ -39,11 +40,11 @@ __all__ = ["FLAG", "Room", "SLOT_DIR", "VERSIONS_KEPT", "adopt_left_memory", "ch
 
 FLAG = "--non-persistent-ckpt-type in_memory"
 
-#: Versions a node's memory holds at once: the one being written and the newest complete one.
-#: The previous version is committed right before the next save starts (it became durable when
-#: its copy ended, before that iteration's optimizer step), and each node's leader then removes
-#: the older one at once, before any rank goes on, freeing every rank's reusable shard file
-#: (`datastates/mapped.py`, one slot per version).
+#: Versions a node's memory holds at once by default: the one being written and the newest
+#: complete one. The previous version is committed right before the next save starts (it became
+#: durable when its copy ended, before that iteration's optimizer step), and each node's leader
+#: then removes the oldest kept one at once, before any rank goes on, freeing every rank's
+#: reusable shard file (`datastates/mapped.py`, one slot per version).
 VERSIONS_KEPT = 2
 
 #: More versions of its own a node holds with --lazy-save-peer-replica: the one being sent to the
@@ -55,6 +56,14 @@ VERSIONS_HELD_FOR_PEERS = 2
 PEER_VERSIONS = 2
 
 MiB = 1 << 20
+
+
+def versions_held(keep: int = 1, peers: bool = False) -> int:
+    """Versions of its own ranks' checkpoints a node's memory holds (and slots each rank's engine
+    keeps) with the newest `keep` complete ones kept (--keep-last-n-non-persistent): those and
+    the one being written; with peer replicas also the one being sent and the newest one sent
+    whole (`VERSIONS_HELD_FOR_PEERS`)."""
+    return keep + VERSIONS_KEPT - 1 + (VERSIONS_HELD_FOR_PEERS if peers else 0)
 
 #: Where a node's in-memory engines keep their reusable shard files (`datastates/mapped.py`),
 #: under the node's directory of the level.

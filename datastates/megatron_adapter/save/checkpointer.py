@@ -172,6 +172,10 @@ class LazySaveConfig:
     """`non_persistent_root` is this rank's node-local directory (Megatron-LM's `local` type):
     its versions stay on each node, each rank writes all it holds, each node's leader commits
     its node (`node_local`)."""
+    non_persistent_keep: int = 1
+    """Complete versions `after_commit`'s retention keeps under `non_persistent_root`
+    (--keep-last-n-non-persistent): in memory, each rank's engine keeps a reusable shard file for
+    each of them and for the one being written (`in_memory.versions_held`)."""
 
     verify_replicas_every: Optional[int] = None
     """--ckpt-verify-replicas: every this many saves (counted over both lanes), the
@@ -197,6 +201,8 @@ class LazySaveConfig:
             raise ValueError(f"cache_bytes must be positive, found {self.cache_bytes}")
         if self.local_keep < 1:
             raise ValueError(f"local_keep must be >= 1, found {self.local_keep}")
+        if self.non_persistent_keep < 1:
+            raise ValueError(f"non_persistent_keep must be >= 1, found {self.non_persistent_keep}")
         if self.peer_replica_bytes is not None and self.local_dir is None and \
                 not self.non_persistent_in_memory:
             raise ValueError("peer replicas are held in the node-local directory or in the "
@@ -435,12 +441,12 @@ class LazyCheckpointer:
 
     def _new_engine(self, local_dir: Optional[str], mapped: bool = False,
                     slot_dir: Optional[str] = None, replicated: bool = False) -> CheckpointEngine:
-        from ..levels.in_memory import VERSIONS_KEPT, VERSIONS_HELD_FOR_PEERS
+        from ..levels.in_memory import versions_held
 
         c = self.config
         return CheckpointEngine(EngineConfig(
             mapped_slot_dir=slot_dir,
-            mapped_slots=VERSIONS_KEPT + (VERSIONS_HELD_FOR_PEERS if replicated else 0),
+            mapped_slots=versions_held(c.non_persistent_keep, replicated),
             rank=self.rank, world_size=self.world,
             # A mapped engine copies into the shard files, not through its cache.
             host_cache_bytes=MAPPED_CACHE_BYTES if mapped else c.cache_bytes,

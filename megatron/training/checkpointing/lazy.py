@@ -32,7 +32,7 @@ import datastates
 from datastates import Checksum, control_plane
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
     StructurePolicy, append_telemetry, check_memory_room, expand_local_dir, needed_saved_ranks, \
-    MEMORY_VERSIONS_KEPT, PEER_VERSIONS, VERSIONS_HELD_FOR_PEERS, drop_node_local_newer, \
+    PEER_VERSIONS, drop_node_local_newer, memory_versions_held, \
     bring_needed, node_index, paths, release_memory, restore_before_load
 
 from megatron.training.checkpointing import distopt_shards
@@ -134,7 +134,7 @@ def check_memory_level(config: RunConfig, model) -> None:
     root = non_persistent_root_of_this_rank(config)
     bound = checkpoint_bytes_bound(model, config.parallel.use_distributed_optimizer)
     peers = ckpt.async_lazy_save and ckpt.lazy_save_peer_replica
-    versions = MEMORY_VERSIONS_KEPT + (VERSIONS_HELD_FOR_PEERS if peers else 0)
+    versions = memory_versions_held(ckpt.keep_last_n_non_persistent, peers)
     try:
         room = check_memory_room(root, dist.get_rank(), node_index(), bound, versions,
                                  PEER_VERSIONS if peers else 0)
@@ -260,6 +260,7 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
                                    and ckpt.non_persistent_save_root() is not None),
         non_persistent_in_memory=(ckpt.non_persistent_ckpt_type == "in_memory"
                                   and ckpt.non_persistent_save_root() is not None),
+        non_persistent_keep=ckpt.keep_last_n_non_persistent,
         cache_bytes=ckpt.lazy_save_cache_mb << 20,
         peer_replica_bytes=(ckpt.lazy_save_peer_replica_mb << 20
                             if ckpt.lazy_save_peer_replica else None),
@@ -307,7 +308,8 @@ class LazyCheckpointManager(CheckpointManager):
     def begin_training(self, start_iteration: int) -> None:
         """Every rank (collective with a node-local level): node-local versions newer than the
         iteration this run starts from are removed by each node's leader (`drop_node_local_newer`:
-        not every node held them, or they were of another layout), then the roots are scanned
+        not every node held them intact (--ckpt-fallback-to-previous skipped a damaged one), or
+        they were of another model or layout), then the roots are scanned
         again, so the run's own saves of those iterations never meet them."""
         node = self.checkpointer.node
         if node is not None:
@@ -323,7 +325,8 @@ class LazyCheckpointManager(CheckpointManager):
                 level = LEVEL_NAMES[self.ckpt.non_persistent_ckpt_type]
                 say(f"[rank {dist.get_rank()}] {level} checkpoints: removed iteration(s) "
                     f"{removed} from {root}: newer than iteration {start_iteration}, which "
-                    "this run starts from (not every node held them); they are saved again")
+                    "this run starts from (not every node held them intact, or they were of "
+                    "another model or layout); they are saved again")
             control_plane.barrier()
             self.start()
         super().begin_training(start_iteration)

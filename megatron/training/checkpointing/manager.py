@@ -408,13 +408,15 @@ class CheckpointManager:
     def _after_commit(self, iteration: int, root: str) -> None:
         """Rank 0, right after `root`'s tracker moved to `iteration` (with `--async-lazy-save`
         on the checkpointer's commit thread, off the training loop): retention (the
-        non-persistent root keeps its newest checkpoint only, as Megatron-LM). Saves still in
-        flight are newer than `iteration`, so retention never reaches them; checkpoints that
-        `_in_use` names or another process reads are kept for now."""
+        non-persistent root keeps its newest `keep_last_n_non_persistent`, by default one, as
+        Megatron-LM). Saves still in flight are newer than `iteration`, so retention never
+        reaches them; checkpoints that `_in_use` names or another process reads are kept for
+        now."""
         self.saves_committed += 1
         persistent = root == self.ckpt.save
         fail_point("retention", iteration, dist.get_rank(), root)
-        keep = self.ckpt.keep_last_n_checkpoints if persistent else 1
+        keep = (self.ckpt.keep_last_n_checkpoints if persistent
+                else self.ckpt.keep_last_n_non_persistent)
         # The in-memory level's old version goes at once (its shard files are mostly links to
         # reused slots: cheap to remove), so every rank's slot is free for the next save.
         at_once = not persistent and self.ckpt.non_persistent_ckpt_type == "in_memory"
