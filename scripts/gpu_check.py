@@ -289,8 +289,8 @@ def step_lazy_vs_torch_dist(ck: Check) -> Step:
             problems.append(_describe_failed_run(label, run))
     if not problems:
         backend = _BACKEND.search(lazy.stdout)
-        stalls = {it: c["stall (ms)"]
-                  for it, c in parse_log(lazy.stdout.splitlines()).committed.items()}
+        stalls = {c.iteration: c.fields["stall (ms)"]
+                  for c in parse_log(lazy.stdout.splitlines()).commits}
         fault = f"DATASTATES_FAULT phase=copy step={FAULT_ITERATION}" in lazy.stderr
         first = {k: v for k, v in lazy.losses().items() if k <= FAULT_ITERATION}
         step.figures.update(backend=backend.group(1) if backend else None, fault_fired=fault,
@@ -492,8 +492,8 @@ def step_in_memory_every_iteration(ck: Check) -> Step:
 
 def _in_memory_commits(stdout: str) -> List[dict]:
     """The fields of each in-memory version's commit line (`tools.runlog`), in log order."""
-    return [fields for directory, fields in parse_log(stdout.splitlines()).committed_to
-            if "/in_memory/" in directory]
+    return [c.fields for c in parse_log(stdout.splitlines()).commits
+            if "/in_memory/" in c.directory]
 
 
 def _memory_versions(stdout: str, iteration_ms: Optional[float]) -> dict:

@@ -42,7 +42,7 @@ def test_stock_formats_give_one_save_time_per_checkpoint(name):
     fig = _figures(name)
     saves, blocked = STOCK[name]
     assert sorted(fig.iteration_ms) == [1, 2, 3] and fig.train_iters == 3
-    assert sorted(set(fig.saved_iterations)) == [1, 2, 3] and not fig.committed
+    assert sorted(set(fig.saved_iterations)) == [1, 2, 3] and not fig.commits
     assert fig.stall_ms() == pytest.approx(saves)
     assert fig.blocked_s == pytest.approx(blocked)
     assert fig.newest_checkpoint.endswith("/iter_0000003")
@@ -61,13 +61,14 @@ LAZY = {  # iteration -> (bytes, stall ms, durable s), and local durable s where
 def test_lazy_saves_are_read_from_their_committed_lines(name):
     fig = _figures(name)
     assert sorted(set(fig.saved_iterations)) == [1, 2, 3]
-    got = {it: (int(c["bytes"]), c["stall (ms)"], c["durable (s)"]) for it, c in fig.committed.items()}
+    got = {c.iteration: (int(c.fields["bytes"]), c.fields["stall (ms)"], c.fields["durable (s)"])
+           for c in fig.commits}
     assert got == LAZY[name]
     # The save-checkpoint timer covers the save call only; the committed line's stall also holds
     # the wait before the next optimizer step, so it is the figure per checkpoint.
     assert fig.stall_ms() == [s for _, s, _ in LAZY[name].values()]
     if name == "datastates_lazy_local.log":
-        assert [c["local durable (s)"] for c in fig.committed.values()] == [0.048, 0.013, 0.017]
+        assert [c.fields["local durable (s)"] for c in fig.commits] == [0.048, 0.013, 0.017]
     row = csv_row(fig, variant="datastates_lazy")
     assert row["checkpoints_saved"] == 3 and row["checkpoint_bytes"] == 2662400
     stalls = [s for _, s, _ in LAZY[name].values()]
@@ -82,7 +83,7 @@ def test_levels_are_told_apart_by_their_directories():
     2, 4 iterations; both levels commit iteration 4): the persistent columns hold --save's lines
     alone, the others every level's."""
     fig = _figures("datastates_memory.log")
-    assert [d.rsplit("/", 1)[-1] for d, _ in fig.committed_to] == [
+    assert [c.directory.rsplit("/", 1)[-1] for c in fig.commits] == [
         "iter_0000001", "iter_0000003", "iter_0000002", "iter_0000004", "iter_0000004"]
     assert [p["stall (ms)"] for p in fig.persistent()] == [16.2, 4.7]
     row = csv_row(fig, variant="datastates_memory")
@@ -90,6 +91,9 @@ def test_levels_are_told_apart_by_their_directories():
     assert float(row["persistent_mean_save_ms"]) == pytest.approx((16.2 + 4.7) / 2, abs=1e-3)
     assert float(row["persistent_mean_durable_s"]) == pytest.approx((0.012 + 0.013) / 2, abs=1e-3)
     assert row["checkpoints_saved"] == 4  # iterations saved, on any level
+    # Every level's lines, both of iteration 4 included.
+    assert fig.stall_ms() == [6.5, 4.9, 16.2, 4.7, 0.0]
+    assert float(row["mean_save_ms"]) == pytest.approx((6.5 + 4.9 + 16.2 + 4.7) / 5, abs=1e-3)
     # A run of one level: its lines are --save's.
     one = csv_row(_figures("datastates_lazy.log"))
     assert one["persistent_checkpoints"] == 3 and one["persistent_mean_save_ms"] == one["mean_save_ms"]

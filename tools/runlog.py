@@ -30,6 +30,17 @@ _SUMMARY = re.compile(r"\btraining summary \|.*?\bblocked by checkpointing \(s\)
 _RUN = re.compile(r"^\[run\] tag=(\S+) rc=(-?\d+) wall_seconds=([0-9.]+)")
 
 
+@dataclass(frozen=True)
+class Commit:
+    """One ``checkpoint iteration N | ... | committed: DIR`` line (--async-lazy-save)."""
+
+    iteration: int
+    directory: str
+    fields: dict
+    """By name: ``bytes``, ``stall (ms)``, ``copy (ms)``, ``durable (s)``, ``throughput (GB/s)``,
+    ..."""
+
+
 @dataclass
 class RunFigures:
     """What one log says about its run."""
@@ -40,13 +51,10 @@ class RunFigures:
     saved_iterations: list = field(default_factory=list)
     save_ms: list = field(default_factory=list)
     """Per-checkpoint save time (timer max across ranks, or our blocking time), ms."""
-    committed: dict = field(default_factory=dict)
-    """--async-lazy-save: iteration -> the fields of its ``checkpoint iteration N`` line, by name
-    (``bytes``, ``stall (ms)``, ``copy (ms)``, ``durable (s)``, ``throughput (GB/s)``, ...), of
-    every level (the last line of an iteration wins)."""
-    committed_to: list = field(default_factory=list)
-    """Each ``checkpoint iteration N`` line's (version directory, fields), in log order: with
-    the in-memory or node-local level, the levels' lines are told apart by their directories."""
+    commits: list = field(default_factory=list)
+    """--async-lazy-save: every level's ``checkpoint iteration N`` lines (`Commit`), in log order;
+    with the in-memory or node-local level, two levels may commit the same iteration, and their
+    lines are told apart by their directories."""
     blocked_s: Optional[float] = None
     """Training-loop time blocked by checkpointing, whole run (the trainer's summary line)."""
     newest_checkpoint: Optional[str] = None
@@ -57,8 +65,8 @@ class RunFigures:
     def stall_ms(self) -> list:
         """Time training was blocked per checkpoint, ms: a lazy save's committed line when there
         are any (the save-checkpoint timer then covers only the save call), else ``save_ms``."""
-        if self.committed:
-            return [c["stall (ms)"] for c in self.committed.values() if "stall (ms)" in c]
+        if self.commits:
+            return [c.fields["stall (ms)"] for c in self.commits if "stall (ms)" in c.fields]
         return list(self.save_ms)
 
     def persistent(self) -> list:
@@ -66,10 +74,10 @@ class RunFigures:
         the summary's newest complete checkpoint (every line when the log has no summary, or
         names no checkpoint)."""
         if self.newest_checkpoint is None:
-            return [fields for _, fields in self.committed_to]
+            return [c.fields for c in self.commits]
         root = os.path.dirname(os.path.normpath(self.newest_checkpoint))
-        return [fields for directory, fields in self.committed_to
-                if os.path.dirname(os.path.normpath(directory)) == root]
+        return [c.fields for c in self.commits
+                if os.path.dirname(os.path.normpath(c.directory)) == root]
 
     def mean_iteration_ms(self, skip_first: bool = False) -> Optional[float]:
         items = sorted(self.iteration_ms.items())
@@ -111,8 +119,8 @@ def parse_log(lines) -> RunFigures:
         m = _COMMITTED.search(line)
         if m:
             fields = (f.split(":", 1) for f in m.group(2).split("|") if ":" in f)
-            figures.committed[int(m.group(1))] = {k.strip(): float(v) for k, v in fields}
-            figures.committed_to.append((m.group(3), figures.committed[int(m.group(1))]))
+            figures.commits.append(Commit(int(m.group(1)), m.group(3),
+                                          {k.strip(): float(v) for k, v in fields}))
             figures.saved_iterations.append(int(m.group(1)))
             continue
         m = _SUMMARY.search(line)
@@ -145,7 +153,7 @@ def csv_row(figures: RunFigures, **run) -> dict:
     row = {k: run.get(k, "") for k in CSV_COLUMNS}
     stalls = figures.stall_ms()
     mean_stall = _mean(stalls)
-    lazy_bytes = [c["bytes"] for c in figures.committed.values() if "bytes" in c]
+    lazy_bytes = [c.fields["bytes"] for c in figures.commits if "bytes" in c.fields]
     nbytes = run.get("checkpoint_bytes") or (max(lazy_bytes) if lazy_bytes else None)
     row.update(
         rc="" if figures.rc is None else figures.rc,
@@ -158,7 +166,7 @@ def csv_row(figures: RunFigures, **run) -> dict:
         max_save_ms=fmt(max(stalls) if stalls else None),
         checkpoint_bytes="" if nbytes is None else int(nbytes),
         throughput_gbps=fmt(nbytes / mean_stall / 1e6 if nbytes and mean_stall else None),
-        mean_durable_s=fmt(_mean(c.get("durable (s)") for c in figures.committed.values())),
+        mean_durable_s=fmt(_mean(c.fields.get("durable (s)") for c in figures.commits)),
         blocked_by_checkpointing_s=fmt(figures.blocked_s),
     )
     persistent = figures.persistent()
