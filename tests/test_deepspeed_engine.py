@@ -47,7 +47,9 @@ def _run(args, **kw):
 def test_deepspeed_runtime_saves_resumes_bit_exactly_and_survives_a_kill(tmp_path):
     # C: ZeRO-2, tags 2, 4, 6, each snapshot's copy held back 0.2 s: the optimizer step must wait
     # for it (our step pre-hook), or the saved state would be the next step's. Tag 6's flush is
-    # held (60 s); training goes on, and the job is SIGKILLed at step 7 once tag 4 has committed.
+    # held (60 s); training goes on, and the job is SIGKILLed at step 7 once tag 4 has committed
+    # (on a loaded machine that wait may let it print step 8 first: its save cannot commit
+    # before tag 6's, so the kill still lands before tag 4 is superseded).
     # (ZeRO-1's bit-exact resume through DeepSpeed's runtime is the README's DeepSpeed block, run
     # by tests/test_readme.py.)
     root = tmp_path / "z2"
@@ -65,7 +67,7 @@ def test_deepspeed_runtime_saves_resumes_bit_exactly_and_survives_a_kill(tmp_pat
              on_line=kill_at_step_7)
     assert "done |" not in c.stdout, c.describe()  # killed (its exit status is reaped by the kill)
     killed = _losses(c.stdout)
-    assert sorted(killed) == [1, 2, 3, 4, 5, 6, 7], c.describe()
+    assert sorted(killed) in ([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]), c.describe()
     assert tag_is_committed(str(root / "global_step4"))
     assert not tag_is_committed(str(root / "global_step6"))
     assert (root / "latest").read_text() == "global_step4"
@@ -82,7 +84,8 @@ def test_deepspeed_runtime_saves_resumes_bit_exactly_and_survives_a_kill(tmp_pat
     assert d.returncode == 0 and "at step 4" in d.stdout, d.describe()
     resumed = _losses(d.stdout)
     assert sorted(resumed) == [5, 6, 7, 8], d.describe()
-    assert {k: resumed[k] for k in (5, 6, 7)} == {k: killed[k] for k in (5, 6, 7)}
+    after_4 = [k for k in sorted(killed) if k > 4]
+    assert {k: resumed[k] for k in after_4} == {k: killed[k] for k in after_4}
     failed = [ln for ln in d.stderr.splitlines() if "failed on rank" in ln]
     assert len(failed) == 1 and "tag 'global_step6' failed on rank 1" in failed[0], d.describe()
     assert "written by another checkpoint engine" in failed[0]
