@@ -63,7 +63,8 @@ def versions_held(keep: int = 1, peers: bool = False) -> int:
     keeps) with the newest `keep` complete ones kept (--keep-last-n-non-persistent): those and
     the one being written; with peer replicas also the one being sent and the newest one sent
     whole (`VERSIONS_HELD_FOR_PEERS`)."""
-    return keep + VERSIONS_KEPT - 1 + (VERSIONS_HELD_FOR_PEERS if peers else 0)
+    return keep + 1 + (VERSIONS_HELD_FOR_PEERS if peers else 0)
+
 
 #: Where a node's in-memory engines keep their reusable shard files (`datastates/mapped.py`),
 #: under the node's directory of the level.

@@ -309,8 +309,8 @@ class LazyCheckpointManager(CheckpointManager):
         """Every rank (collective with a node-local level): node-local versions newer than the
         iteration this run starts from are removed by each node's leader (`drop_node_local_newer`:
         not every node held them intact (--ckpt-fallback-to-previous skipped a damaged one), or
-        they were of another model or layout), then the roots are scanned
-        again, so the run's own saves of those iterations never meet them."""
+        they were of another model or layout), then the roots are scanned again, so the run's own
+        saves of those iterations never meet them."""
         node = self.checkpointer.node
         if node is not None:
             root = self.non_persistent_root
