@@ -549,6 +549,8 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         shutil.copytree(tmp_path / "node0_memory", os.path.join(alone_memory, "node0"))
         run = launch(1, [str(alone / "save") if f == str(save) else f for f in first_flags])
         assert run.returncode == 0, run.describe()
+        # One node: nothing to replicate, so no memory is set aside for replicas.
+        assert "(2 versions of its 1 rank(s)' checkpoints; " in run.stdout, run.describe()
         assert f"in-memory checkpoint of iteration {held} (saved by 2 ranks) assembled on every " \
                "node for this run's layout" in run.stdout, run.describe()
         assert f"loading the in-memory checkpoint of iteration {held} from " in run.stdout

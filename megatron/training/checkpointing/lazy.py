@@ -133,7 +133,10 @@ def check_memory_level(config: RunConfig, model) -> None:
         return
     root = non_persistent_root_of_this_rank(config)
     bound = checkpoint_bytes_bound(model, config.parallel.use_distributed_optimizer)
-    peers = ckpt.async_lazy_save and ckpt.lazy_save_peer_replica
+    # Peer replicas need a second node (on one, the checkpointer replicates nothing, and its
+    # engine keeps no slots for them).
+    peers = ckpt.async_lazy_save and ckpt.lazy_save_peer_replica and len(set(
+        control_plane.all_gather_ints(node_index()))) > 1
     versions = memory_versions_held(ckpt.keep_last_n_non_persistent, peers)
     try:
         room = check_memory_room(root, dist.get_rank(), node_index(), bound, versions,
