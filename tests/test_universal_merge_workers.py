@@ -92,10 +92,13 @@ def test_one_worker_start_per_run_and_multi_part_output_reads_back(source, tmp_p
     assert len(records) == 3 and all(r["bytes"] for r in records)
 
 
+# The worker runs at the trainer's priority here (nice 0, not the merge's default 19): this test is
+# about what happens to it when its trainer dies, and on a machine kept busy by other processes a
+# nice-19 worker once took over the test's 60 s just to start (suite with a busy loop alongside).
 _TRAINER = """
 import sys, time
 from datastates.megatron_adapter import BackgroundMerger, MergerConfig
-m = BackgroundMerger(MergerConfig(root=sys.argv[2], idle_io=False))
+m = BackgroundMerger(MergerConfig(root=sys.argv[2], idle_io=False, nice=0))
 m.on_commit(1, sys.argv[1])
 print(m.workers[0].proc.pid, flush=True)
 time.sleep(600)
