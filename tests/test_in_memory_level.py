@@ -18,6 +18,7 @@ from datastates import CheckpointError
 from datastates.megatron_adapter import check_memory_room, paths, release_memory
 from megatron.training.config import shared_memory_dir
 
+from tools import dry_run as dry_run_cli
 from trainer_launch import TINY_MODEL, _kill_tree, after, launch
 
 
@@ -65,6 +66,13 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
         assert seen["committed"] and "iteration       24/" not in first.stdout, first.describe()
         assert "in-memory checkpoints: every 1 iteration(s) into " + memory in first.stdout
         assert "(3 versions of its 2 rank(s)' checkpoints; " in first.stdout
+        # tools/dry_run.py counts what this start-up check counted, before any launch.
+        held = re.search(r"node 0 holds up to (\d+) MiB \(3 versions", first.stdout)
+        assert dry_run_cli.main(["--world-size", "2", "--ranks-per-node", "2", "--json",
+                                 str(tmp_path / "dry.json"), "--", "--train-iters", "24"]
+                                + flags) == 0
+        level = json.loads((tmp_path / "dry.json").read_text())["memory_level"]
+        assert held and f"{level['node_bytes'][0] / 2**20:.0f}" == held.group(1), level
         assert first.stdout.count("deferred the persistent save of iteration 12:") == 1
         assert "deferred the persistent save of iteration 8" not in first.stdout
         newest = paths.tracked_iteration(memory)

@@ -176,3 +176,30 @@ def test_cli_runs_as_a_script_on_a_llama_launch(tmp_path):
     data = json.loads((tmp_path / "d.json").read_text())
     assert [r["held_bytes"] for r in data["ranks"]] == checkpoint_bytes_per_rank(arch, 2, 2)
     assert "fits a 40 GB A100" in proc.stdout
+
+
+def test_in_memory_level_per_node_counts_what_the_start_up_check_counts(tmp_path, capsys):
+    """TP2 x PP2 x DP2 on two nodes of 4 ranks: node 0 runs stage 0 (both DP replicas of each TP
+    rank), node 1 stage 1. Keeping two versions with peer replicas, each node holds 2 + 1 + 2
+    versions of its own ranks' checkpoints and 2 of the previous node's (the ring: node 0's
+    previous is node 1)."""
+    launch = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+              "--micro-batch-size", "2", "--train-iters", "1", "--tensor-model-parallel-size", "2",
+              "--pipeline-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer", "--mock-data",
+              "--vocab-size", "999", "--async-lazy-save", "--save", str(tmp_path / "save"),
+              "--non-persistent-ckpt-type", "in_memory", "--non-persistent-save-interval", "1",
+              "--keep-last-n-non-persistent", "2", "--lazy-save-peer-replica"]
+    out = tmp_path / "d.json"
+    assert dry_run_cli.main(["--world-size", "8", "--ranks-per-node", "4", "--json", str(out), "--"] + launch) == 0
+    data = json.loads(out.read_text())
+    held = {(r["stage"], r["tp_rank"]): r["held_bytes"] for r in data["ranks"]}
+    stage = [2 * (held[s, 0] + held[s, 1]) for s in (0, 1)]  # a node: one stage, DP 2
+    level = data["memory_level"]
+    assert (level["versions"], level["peer_versions"]) == (5, 2)
+    assert level["node_bytes"] == [5 * stage[0] + 2 * stage[1], 5 * stage[1] + 2 * stage[0]]
+    assert "(5 versions of its 4 ranks' checkpoints and 2 of the previous node's)" in capsys.readouterr().out
+    # One node of 8 ranks: no peer replicas to hold (the trainer warns and replicates nothing).
+    assert dry_run_cli.main(["--world-size", "8", "--json", str(out), "--"] + launch) == 0
+    assert json.loads(out.read_text())["memory_level"]["node_bytes"] == [3 * sum(stage)]
+    assert dry_run_cli.main(["--world-size", "8", "--ranks-per-node", "3", "--"] + launch) == 2
+    assert "--ranks-per-node 3 does not divide the 8 ranks into whole nodes" in capsys.readouterr().err

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--lazy-cache-mb", action="store_true",
                         help="end with the --lazy-save-cache-mb that holds the largest rank's checkpoint")
+    parser.add_argument("--ranks-per-node", type=int, default=8,
+                        help="ranks (GPUs) per node, for what the in-memory level holds on each node "
+                             "(--non-persistent-ckpt-type in_memory; default 8)")
     parser.add_argument("launch_args", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py flags")
     return parser
 
@@ -107,6 +110,41 @@ def print_report(report, memory: list, name: str = "") -> None:
           f"({budget / GB:.2f} GB)")
 
 
+def memory_level(report, config, ranks_per_node: int):
+    """--non-persistent-ckpt-type in_memory: the shared memory (/dev/shm) each node needs, counted as
+    the trainer's start-up check counts it (`versions_held` versions of its own ranks' checkpoints,
+    and with peer replicas `PEER_VERSIONS` of the previous node's), from each rank's checkpoint bytes
+    as it writes them; None without the level. Ranks are numbered in megatron-core's default order
+    (TP fastest, then DP, then PP), and a node runs `ranks_per_node` consecutive ones."""
+    ckpt = config.checkpoint
+    if ckpt.non_persistent_ckpt_type != "in_memory":
+        return None
+    from datastates.megatron_adapter.levels.in_memory import PEER_VERSIONS, versions_held
+
+    held = {(c.stage, c.tp_rank): report.rank_bytes(c, config.parallel.use_distributed_optimizer).total
+            for c in report.ranks}
+    ranks = [held[stage, tp] for stage in range(len(report.stage_layers))
+             for _ in range(report.dp) for tp in range(report.tp)]
+    if ranks_per_node < 1 or len(ranks) % ranks_per_node:
+        raise SystemExit(f"error: --ranks-per-node {ranks_per_node} does not divide the {len(ranks)} "
+                         "ranks into whole nodes")
+    own = [sum(ranks[i:i + ranks_per_node]) for i in range(0, len(ranks), ranks_per_node)]
+    peers = ckpt.lazy_save_peer_replica and len(own) > 1
+    versions = versions_held(ckpt.keep_last_n_non_persistent, peers)
+    peer_versions = PEER_VERSIONS if peers else 0
+    return {"ranks_per_node": ranks_per_node, "versions": versions, "peer_versions": peer_versions,
+            "node_bytes": [versions * mine + peer_versions * own[k - 1] for k, mine in enumerate(own)]}
+
+
+def print_memory_level(level: dict) -> None:
+    need = level["node_bytes"]
+    node = need.index(max(need))
+    peers = f" and {level['peer_versions']} of the previous node's" if level["peer_versions"] else ""
+    print(f"in-memory level: node {node} needs the most shared memory (/dev/shm), {max(need) / 2**20:,.0f} MiB "
+          f"= {max(need) / GB:.2f} GB ({level['versions']} versions of its {level['ranks_per_node']} ranks' "
+          f"checkpoints{peers}); the trainer checks at start-up that every node has that much free there")
+
+
 def lazy_cache_mb(rank_bytes: int, multiple: int = 64) -> int:
     """--lazy-save-cache-mb for a rank that writes `rank_bytes`: the whole snapshot fits, so the
     copy never waits for the flush of the same checkpoint (MiB, rounded up to `multiple`)."""
@@ -138,13 +176,17 @@ def _build(config):
 
 def _launch(args) -> dict:
     launch = args.launch_args[1:] if args.launch_args[:1] == ["--"] else args.launch_args
-    report, memory = _build(_config(launch, args.world_size))
+    config = _config(launch, args.world_size)
+    report, memory = _build(config)
+    level = memory_level(report, config, args.ranks_per_node)
     print_report(report, memory)
+    if level is not None:
+        print_memory_level(level)
     if args.lazy_cache_mb:
         print(f"lazy cache per rank (MiB): {lazy_cache_mb(max(report.rank_bytes(c).total for c in report.ranks))}")
     return {"stage_layers": list(report.stage_layers), "ranks": _rank_rows(report, memory),
             "checkpoint_bytes_torch": report.total_bytes(False), "checkpoint_bytes_torch_dist": report.total_bytes(True),
-            "max_gpu_bytes": max(m.total for m in memory)}
+            "max_gpu_bytes": max(m.total for m in memory), "memory_level": level}
 
 
 def paper_launch(arch) -> list:
