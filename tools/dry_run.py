@@ -1,6 +1,7 @@
 """Validate a launch without GPUs: parse pretrain_gpt.py's flags, build each (stage, TP rank) on the
 meta device, print the layer split, per-rank parameter counts, per-rank checkpoint bytes and an
-estimate of each rank's GPU memory (tools/scale/memory.py states the formula).
+estimate of each rank's GPU memory (tools/scale/memory.py states the formula); with
+--non-persistent-ckpt-type in_memory, what each node's shared memory must hold (--ranks-per-node).
 
 Usage:
     python tools/dry_run.py --world-size 8 -- --num-layers 32 --hidden-size 4096 \
