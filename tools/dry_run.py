@@ -112,15 +112,14 @@ def print_report(report, memory: list, name: str = "") -> None:
 
 
 def memory_level(report, config, ranks_per_node: int):
-    """--non-persistent-ckpt-type in_memory: the shared memory (/dev/shm) each node needs, counted as
-    the trainer's start-up check counts it (`versions_held` versions of its own ranks' checkpoints,
-    and with peer replicas `PEER_VERSIONS` of the previous node's), from each rank's checkpoint bytes
-    as it writes them; None without the level. Ranks are numbered in megatron-core's default order
+    """--non-persistent-ckpt-type in_memory: the shared memory (/dev/shm) each node needs, counted by
+    the trainer's start-up check's own rule (`node_needs`), from each rank's checkpoint bytes as it
+    writes them; None without the level. Ranks are numbered in megatron-core's default order
     (TP fastest, then DP, then PP), and a node runs `ranks_per_node` consecutive ones."""
     ckpt = config.checkpoint
     if ckpt.non_persistent_ckpt_type != "in_memory":
         return None
-    from datastates.megatron_adapter.levels.in_memory import PEER_VERSIONS, versions_held
+    from datastates.megatron_adapter.levels.in_memory import node_needs
 
     held = {(c.stage, c.tp_rank): report.rank_bytes(c, config.parallel.use_distributed_optimizer).total
             for c in report.ranks}
@@ -130,11 +129,10 @@ def memory_level(report, config, ranks_per_node: int):
         raise SystemExit(f"error: --ranks-per-node {ranks_per_node} does not divide the {len(ranks)} "
                          "ranks into whole nodes")
     own = [sum(ranks[i:i + ranks_per_node]) for i in range(0, len(ranks), ranks_per_node)]
-    peers = ckpt.lazy_save_peer_replica and len(own) > 1
-    versions = versions_held(ckpt.keep_last_n_non_persistent, peers)
-    peer_versions = PEER_VERSIONS if peers else 0
+    versions, peer_versions, needs = node_needs(own, ckpt.keep_last_n_non_persistent,
+                                                ckpt.lazy_save_peer_replica)
     return {"ranks_per_node": ranks_per_node, "versions": versions, "peer_versions": peer_versions,
-            "node_bytes": [versions * mine + peer_versions * own[k - 1] for k, mine in enumerate(own)]}
+            "node_bytes": needs}
 
 
 def print_memory_level(level: dict) -> None:

@@ -60,7 +60,7 @@ _EXPORTS = {
     "PeerReplicator": "levels.peer_replica", "RestoreStats": "levels.peer_replica",
     "Ring": "levels.peer_replica", "node_index": "levels.peer_replica",
     "check_memory_room": "levels.in_memory", "release_memory": "levels.in_memory",
-    "memory_versions_held": "levels.in_memory", "PEER_VERSIONS": "levels.in_memory",
+    "memory_node_needs": "levels.in_memory",
     "adopt_left_memory": "levels.in_memory",
     "restore_memory_from_peers": "levels.in_memory_peers",
     "restore_before_load": "levels.peer_replica", "needed_saved_ranks": "levels.peer_replica",
@@ -71,7 +71,7 @@ _EXPORTS = {
 }
 _RENAMED = {"UNIVERSAL_TELEMETRY_FILE": "TELEMETRY_FILE", "expand_local_dir": "expand",
             "check_memory_room": "check_room", "release_memory": "release",
-            "memory_versions_held": "versions_held", "drop_node_local_newer": "drop_newer",
+            "memory_node_needs": "node_needs", "drop_node_local_newer": "drop_newer",
             "assemble_memory_for_layout": "assemble", "is_assembled_memory": "is_assembled",
             "memory_holds_other_ranks": "holds_other_ranks"}
 

@@ -27,7 +27,7 @@ import re
 import shutil
 import socket
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ... import control_plane
 from ...errors import CheckpointError
@@ -66,6 +66,18 @@ def versions_held(keep: int = 1, peers: bool = False) -> int:
     return keep + 1 + (VERSIONS_HELD_FOR_PEERS if peers else 0)
 
 
+def node_needs(node_bytes: List[int], keep: int = 1, peers: bool = False
+               ) -> Tuple[int, int, List[int]]:
+    """(versions of its own ranks' checkpoints a node holds, versions of the previous node's,
+    each node's bytes), for nodes in ring order whose ranks' checkpoints sum to `node_bytes`.
+    Peer replicas count only with two or more nodes: on one, nothing is replicated and the
+    engines keep no slots for it."""
+    peers = peers and len(node_bytes) > 1
+    versions, peer_versions = versions_held(keep, peers), PEER_VERSIONS if peers else 0
+    return versions, peer_versions, [versions * own + peer_versions * node_bytes[i - 1]
+                                     for i, own in enumerate(node_bytes)]
+
+
 #: Where a node's in-memory engines keep their reusable shard files (`datastates/mapped.py`),
 #: under the node's directory of the level.
 SLOT_DIR = ".datastates_slots"
@@ -78,8 +90,10 @@ class Room:
     """This node's shared memory as `check_room` found it."""
 
     node: int
+    versions: int        # of its own ranks' checkpoints (`node_needs`)
+    peer_versions: int   # of the previous node's
     ranks: int           # ranks on this node
-    need_bytes: int      # VERSIONS_KEPT versions of all of them
+    need_bytes: int      # those versions of all of them
     free_bytes: int      # free in the file system of the root, plus what the root already holds
 
 
@@ -111,11 +125,11 @@ def _free_bytes(root: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_room(root: str, rank: int, node: int, bytes_per_rank: int,
-               versions: int = VERSIONS_KEPT, peer_versions: int = 0) -> Room:
+def check_room(root: str, rank: int, node: int, bytes_per_rank: int, keep: int = 1,
+               peers: bool = False) -> Room:
     """Collective (control plane), at start-up: whether the shared memory of every node holds
-    `versions` versions of its ranks' checkpoints (`bytes_per_rank` each, this rank's bound) and
-    `peer_versions` of the previous node's (peer replicas: nodes in index order, a ring).
+    the versions of its ranks' checkpoints (`bytes_per_rank` each, this rank's bound) and of the
+    previous node's (peer replicas: nodes in index order, a ring) that `node_needs` counts.
     The versions an earlier run left in `root` count as free: they are replaced. Raises the same
     CheckpointError on every rank, naming each node that is short, the size needed and the size
     free, before anything is written."""
@@ -124,14 +138,13 @@ def check_room(root: str, rank: int, node: int, bytes_per_rank: int,
     except OSError:
         free = -1
     rows = control_plane.all_gather_ints([node, bytes_per_rank, free])
-    nodes = {}  # node -> (its ranks, bytes needed, bytes free on its least-free rank)
     order = sorted({r[0] for r in rows})
-    for i, n in enumerate(order):
-        members = [r for r in rows if r[0] == n]
-        previous = [r for r in rows if r[0] == order[i - 1]]
-        nodes[n] = (len(members), versions * sum(b for _, b, _ in members)
-                    + peer_versions * sum(b for _, b, _ in previous),
-                    min(f for _, _, f in members))
+    members = {n: [r for r in rows if r[0] == n] for n in order}
+    versions, peer_versions, needs = node_needs(
+        [sum(b for _, b, _ in members[n]) for n in order], keep, peers)
+    # node -> (its ranks, bytes needed, bytes free on its least-free rank)
+    nodes = {n: (len(members[n]), need, min(f for _, _, f in members[n]))
+             for n, need in zip(order, needs)}
     short = {n: v for n, v in nodes.items() if v[2] < v[1]}
     if short:
         peers = (f" and {peer_versions} of the previous node's (peer replicas)"
@@ -147,7 +160,8 @@ def check_room(root: str, rank: int, node: int, bytes_per_rank: int,
                               "was saved or removed", rank=rank, file=root,
                               ranks=[r for r, row in enumerate(rows) if row[0] in short])
     ranks, need, free = nodes[node]
-    return Room(node=node, ranks=ranks, need_bytes=need, free_bytes=free)
+    return Room(node=node, versions=versions, peer_versions=peer_versions, ranks=ranks,
+                need_bytes=need, free_bytes=free)
 
 
 def release(root: str, persistent_root: Optional[str]) -> List[int]:

@@ -32,7 +32,7 @@ import datastates
 from datastates import Checksum, control_plane
 from datastates.megatron_adapter import FailurePolicy, LazyCheckpointer, LazySaveConfig, \
     StructurePolicy, append_telemetry, check_memory_room, expand_local_dir, needed_saved_ranks, \
-    PEER_VERSIONS, drop_node_local_newer, memory_versions_held, \
+    drop_node_local_newer, \
     bring_needed, node_index, paths, release_memory, restore_before_load
 
 from megatron.training.checkpointing import distopt_shards
@@ -133,18 +133,15 @@ def check_memory_level(config: RunConfig, model) -> None:
         return
     root = non_persistent_root_of_this_rank(config)
     bound = checkpoint_bytes_bound(model, config.parallel.use_distributed_optimizer)
-    # Peer replicas need a second node (on one, the checkpointer replicates nothing, and its
-    # engine keeps no slots for them).
-    peers = ckpt.async_lazy_save and ckpt.lazy_save_peer_replica and len(set(
-        control_plane.all_gather_ints(node_index()))) > 1
-    versions = memory_versions_held(ckpt.keep_last_n_non_persistent, peers)
     try:
-        room = check_memory_room(root, dist.get_rank(), node_index(), bound, versions,
-                                 PEER_VERSIONS if peers else 0)
+        room = check_memory_room(root, dist.get_rank(), node_index(), bound,
+                                 ckpt.keep_last_n_non_persistent,
+                                 ckpt.async_lazy_save and ckpt.lazy_save_peer_replica)
     except datastates.CheckpointError as err:
         raise CheckpointError(err.reason, path=root, ranks=err.ranks) from err  # printed once
-    held = f"{versions} versions of its {room.ranks} rank(s)' checkpoints" + (
-        f" and {PEER_VERSIONS} of the previous node's (peer replicas)" if peers else "")
+    held = f"{room.versions} versions of its {room.ranks} rank(s)' checkpoints" + (
+        f" and {room.peer_versions} of the previous node's (peer replicas)"
+        if room.peer_versions else "")
     every = ("at an interval set from their own measured cost (--save-interval auto)"
              if ckpt.non_persistent_save_interval_auto
              else f"every {ckpt.non_persistent_save_interval} iteration(s)")
