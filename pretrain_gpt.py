@@ -10,6 +10,10 @@ import os
 import sys
 import time
 
+#: When this process started: --exit-duration-in-mins counts from here (the earliest rank's), as
+#: Megatron-LM counts from before its imports.
+STARTED_AT = time.time()
+
 #: How long a rank other than 0 waits, after a flag error, for rank 0 to print it and exit.
 RANK0_REPORTS_WITHIN_S = 60
 
@@ -39,7 +43,7 @@ def main(argv=None) -> int:
     from megatron.training.training import setup, train
 
     try:
-        trainer = setup(config)  # creates and checks --save on every rank
+        trainer = setup(config, started_at=STARTED_AT)  # creates and checks --save on every rank
         train(trainer)
     except CheckpointError as err:
         _report(err)

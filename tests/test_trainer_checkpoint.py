@@ -117,6 +117,27 @@ def test_sigterm_saves_then_exits_zero(tmp_path):
     assert (root / f"iter_{stopped:07d}" / "metadata.json").is_file()
 
 
+def test_exit_duration_stops_validation_saves_and_exits_zero(tmp_path):
+    """--exit-duration-in-mins (Megatron-LM's), 2 ranks with --async-lazy-save: a limit already
+    past when the first iteration ends (start-up alone takes longer) cuts that iteration's
+    validation short after its first batch, then every rank exits there together after a forced
+    save (--save-interval would not save 1), committed before the process ends."""
+    root = tmp_path / "timed"
+    run = launch(2, TINY_MODEL + NO_DROPOUT + [
+        "--train-iters", "50", "--eval-interval", "1", "--eval-iters", "3",
+        "--exit-duration-in-mins", "0.0001", "--async-lazy-save", "--save-interval", "100",
+        "--save", str(root)])
+    assert run.returncode == 0, run.describe()
+    assert sorted(run.losses()) == [1]
+    assert "validation stopped after 1 of 3 iterations: --exit-duration-in-mins 0.0001 is " \
+           "reached" in run.stdout
+    assert run.validation() == {}
+    assert re.search(r"exiting program after \d+\.\d\d minutes at iteration 1 "
+                     r"\(--exit-duration-in-mins 0\.0001\)", run.stdout), run.stdout[-3000:]
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert (root / "iter_0000001" / "COMMIT.json").is_file()
+
+
 def test_entry_point_reports_bad_layout_and_missing_load_in_one_line(dropout_run):
     contradictory = launch(2, TINY_MODEL + SIX + ["--tensor-model-parallel-size", "2",
                                                   "--pipeline-model-parallel-size", "2"])

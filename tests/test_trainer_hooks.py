@@ -1,5 +1,4 @@
 """The checkpoint hook contract the training loop keeps (in-process, world size 1)."""
-import torch
 
 from megatron.training.arguments import build_run_config, parse_args
 from megatron.training.checkpointing.manager import CheckpointManager
@@ -7,7 +6,7 @@ from megatron.training.checkpointing.manager import CheckpointManager
 ARGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 4 --train-iters 4 --lr 1e-3 --mock-data "
         "--vocab-size 127 --log-interval 1 --eval-interval 0 --hidden-dropout 0 "
-        "--attention-dropout 0 --exit-interval 3")
+        "--attention-dropout 0 --exit-interval 3 --exit-duration-in-mins 600")
 
 
 class Recorder(CheckpointManager):
@@ -43,7 +42,7 @@ def test_hooks_run_in_order_and_before_the_weights_change():
     try:
         recorder = Recorder(config, trainer.state.model)
         trainer.checkpoints = recorder
-        assert train(trainer) == 3  # --exit-interval 3
+        assert train(trainer) == 3  # --exit-interval 3 (the duration, agreed on, is far off)
     finally:
         destroy_distributed()
     names = [c[0] for c in recorder.calls]

@@ -39,6 +39,8 @@ def config(extra="", world_size=1):
      "which is not given"),
     ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist"),
     ("--manual-gc --manual-gc-interval -1", 1, "--manual-gc-interval must be >= 0, got -1"),
+    ("--exit-duration-in-mins -5", 1,
+     "--exit-duration-in-mins must be >= 0 minutes (0: no limit), got -5.0"),
     ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),
     ("--lazy-save-local-keep 3", 1, "--lazy-save-local-keep configure --async-lazy-save"),
     ("--async-lazy-save --lazy-save-local-keep 3", 1,
@@ -87,6 +89,11 @@ def test_contradictory_flags_get_a_clear_error(extra, world, message):
     with pytest.raises(ArgumentError) as err:
         config(extra, world)
     assert message in str(err.value)
+
+
+def test_exit_duration_zero_means_no_limit_as_in_megatron_lm():
+    assert config("--exit-duration-in-mins 0").training.exit_duration_in_mins is None
+    assert config("--exit-duration-in-mins 230").training.exit_duration_in_mins == 230
 
 
 def test_non_persistent_roots_follow_megatron_lm():

@@ -179,6 +179,10 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100, help="batches per validation")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) when the iteration is a multiple of N")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (after saving, with --save) at the end of the first iteration that "
+                        "ends more than this many minutes after the job started (0: no limit); "
+                        "e.g. below a Slurm time limit, leaving room for the final save's drain")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save at the end of the current iteration and exit 0")
     g.add_argument("--manual-gc", action="store_true",
@@ -979,12 +983,15 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         hysteresis=a.hysteresis)
     _require(a.manual_gc_interval >= 0,
              f"--manual-gc-interval must be >= 0, got {a.manual_gc_interval}")
+    _require(a.exit_duration_in_mins is None or a.exit_duration_in_mins >= 0,
+             f"--exit-duration-in-mins must be >= 0 minutes (0: no limit), got "
+             f"{a.exit_duration_in_mins}")
     training = TrainingConfig(
         micro_batch_size=a.micro_batch_size, global_batch_size=gbs, train_iters=a.train_iters,
         seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
-        exit_interval=a.exit_interval, exit_signal_handler=a.exit_signal_handler,
-        manual_gc=a.manual_gc, manual_gc_interval=a.manual_gc_interval,
-        manual_gc_eval=a.manual_gc_eval)
+        exit_interval=a.exit_interval, exit_duration_in_mins=a.exit_duration_in_mins or None,
+        exit_signal_handler=a.exit_signal_handler, manual_gc=a.manual_gc,
+        manual_gc_interval=a.manual_gc_interval, manual_gc_eval=a.manual_gc_eval)
     checkpoint = CheckpointConfig(
         save=a.save, load=a.load,
         save_interval=None if a.save_interval == "auto" else a.save_interval,

@@ -252,6 +252,9 @@ class TrainingConfig:
     """Batches per validation."""
     exit_interval: Optional[int] = None
     """Stop (after saving if --save is set) when the iteration is a multiple of this."""
+    exit_duration_in_mins: Optional[float] = None
+    """Stop (after saving if --save is set) at the end of the first iteration that ends more than
+    this many minutes after the job started (the earliest rank's start, as Megatron-LM counts)."""
     exit_signal_handler: bool = False
     """On SIGTERM: save a checkpoint at the end of the current iteration and exit 0."""
     manual_gc: bool = False

@@ -6,7 +6,7 @@ import signal
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,8 @@ class Trainer:
     """TensorBoard/wandb scalars of this rank (see `metrics` for who writes what)."""
     checkpoint_wait_s: float = 0.0
     """Time train_step spent in `before_optimizer_step` (a lazy snapshot not yet copied)."""
+    started_at: float = 0.0
+    """When this rank's job started (`time.time()`), for --exit-duration-in-mins."""
 
 
 def _device() -> torch.device:
@@ -104,8 +106,11 @@ def _build_optimizer(config: RunConfig, model):
     return optimizer, scheduler
 
 
-def setup(config: RunConfig) -> Trainer:
-    """Every rank: init process groups, seeds, model, optimizer, data; load --load if given."""
+def setup(config: RunConfig, started_at: Optional[float] = None) -> Trainer:
+    """Every rank: init process groups, seeds, model, optimizer, data; load --load if given.
+    `started_at`: when the process started (`time.time()`; default now), from which
+    --exit-duration-in-mins counts."""
+    started_at = time.time() if started_at is None else started_at
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core import parallel_state as ps
@@ -144,7 +149,8 @@ def setup(config: RunConfig) -> Trainer:
     check_memory_level(config, model)  # --non-persistent-ckpt-type in_memory
     return Trainer(config=config, state=state, datasets=datasets,
                    checkpoints=make_checkpoint_manager(config, metrics),
-                   model_config=model_config, device=_device(), metrics=metrics)
+                   model_config=model_config, device=_device(), metrics=metrics,
+                   started_at=started_at)
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -218,7 +224,11 @@ def train_step(trainer: Trainer, iterators):
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False) -> Optional[float]:
+def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False,
+             time_up: Optional[Callable[[], bool]] = None) -> Optional[float]:
+    """The validation loss (last rank), or None. `time_up` (every rank, agreed), asked after each
+    batch: --exit-duration-in-mins reached, so validation stops there and reports nothing, as
+    Megatron-LM's does, and the loop exits after this iteration's save."""
     state, t = trainer.state, trainer.config.training
     if trainer.datasets.valid is None or t.eval_iters == 0:
         return None
@@ -230,9 +240,13 @@ def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False) 
         chunk.eval()
     iterators = _data_iterators(trainer, trainer.datasets.valid, state.consumed_valid_samples)
     losses = []
-    for _ in range(t.eval_iters):
+    for done in range(1, t.eval_iters + 1):
         losses += _run_schedule(trainer, iterators, forward_only=True)
         state.consumed_valid_samples += t.global_batch_size
+        if time_up is not None and done < t.eval_iters and time_up():
+            print_rank_0(f"validation stopped after {done} of {t.eval_iters} iterations: "
+                         f"--exit-duration-in-mins {t.exit_duration_in_mins:g} is reached")
+            return None
     loss = _reduce_loss(losses)
     trainer.checkpoints.validation_done(state.iteration, t_start, time.time())
     if loss is not None:
@@ -276,23 +290,46 @@ class _ManualGC:
                 gc.collect(generation=0)
 
 
-class _SigtermFlag:
-    """Set by SIGTERM; agreed on by all ranks each iteration so they stop at the same one."""
+class _StopConditions:
+    """The conditions that end training early, agreed on by every rank at the end of each
+    iteration (one all-reduce, only where one is set) so they stop at the same one: SIGTERM with
+    --exit-signal-handler, and --exit-duration-in-mins counted from the earliest rank's start
+    (`Trainer.started_at`), as Megatron-LM counts it."""
 
-    def __init__(self, enabled: bool):
-        self.enabled, self.received = enabled, False
-        if enabled:
+    def __init__(self, trainer: Trainer):
+        t = trainer.config.training
+        self.on_sigterm, self.received = t.exit_signal_handler, False
+        self.limit_min = t.exit_duration_in_mins
+        self.started_at = trainer.started_at
+        if self.limit_min:
+            first = torch.tensor([self.started_at], dtype=torch.float64, device=_device())
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+            self.started_at = float(first.item())
+        if self.on_sigterm:
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
 
-    def any_rank_received(self) -> bool:
-        if not self.enabled:
-            return False
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def minutes(self) -> float:
+        return (time.time() - self.started_at) / 60.0
+
+    def agreed(self) -> Tuple[bool, bool]:
+        """(SIGTERM received on some rank, time up on some rank)."""
+        if not (self.on_sigterm or self.limit_min):
+            return False, False
+        flags = torch.tensor([int(self.received), int(self.time_up_here())], dtype=torch.int32,
+                             device=_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def time_up_here(self) -> bool:
+        return bool(self.limit_min) and self.minutes() > self.limit_min
+
+    def time_up(self) -> bool:
+        """Every rank, with --exit-duration-in-mins (else False, no collective): whether some
+        rank is past it."""
+        return bool(self.limit_min) and self.agreed()[1]
 
 
 class _Summary:
@@ -397,8 +434,9 @@ def _log_line(trainer: Trainer, elapsed_ms: float, loss: Optional[float], grad_n
 
 
 def train(trainer: Trainer) -> int:
-    """Run to train_iters (or exit interval / SIGTERM); returns the last iteration. The scalar
-    writers are closed (flushed) at the end, after the final checkpoint's record."""
+    """Run to train_iters (or the exit interval, the time limit, SIGTERM); returns the last
+    iteration. The scalar writers are closed (flushed) at the end, after the final checkpoint's
+    record."""
     failed = True
     try:
         iteration = _train_loop(trainer)
@@ -410,7 +448,7 @@ def train(trainer: Trainer) -> int:
 
 def _train_loop(trainer: Trainer) -> int:
     state, t = trainer.state, trainer.config.training
-    sigterm = _SigtermFlag(t.exit_signal_handler)
+    stop = _StopConditions(trainer)
     iterators = _data_iterators(trainer, trainer.datasets.train, state.consumed_train_samples)
     log_interval = trainer.config.logging.log_interval
     # Megatron-LM's count (saved as num_floating_point_operations_so_far, which it resumes).
@@ -438,15 +476,25 @@ def _train_loop(trainer: Trainer) -> int:
                     _log_line(trainer, elapsed, mean_loss, grad_norm, skipped)
                 window_start = time.time()
             if t.eval_interval and state.iteration % t.eval_interval == 0:
-                manual_gc.validate(trainer)
+                manual_gc.validate(trainer, time_up=stop.time_up)
             # After eval (as Megatron): the checkpoint then holds the consumed validation
             # samples too, so a resumed run validates on the same batches.
             saved_last = summary.saving(trainer.checkpoints.maybe_save, state)
             summary.blocked(trainer.checkpoints.after_iteration, state.iteration)
             manual_gc.after_iteration(state.iteration)  # the save's garbage too
-            if sigterm.any_rank_received():
+            sigterm, time_up = stop.agreed()
+            if sigterm:
                 print_rank_0(f"exiting on SIGTERM at iteration {state.iteration}")
                 if not saved_last:
+                    summary.saving(trainer.checkpoints.maybe_save, state, force=True)
+                return state.iteration
+            if time_up:
+                # The job's time is up: the next one may start on other nodes, so a version
+                # only in node-local memory is persisted too, as at the end of training.
+                print_rank_0(f"exiting program after {stop.minutes():.2f} minutes at iteration "
+                             f"{state.iteration} (--exit-duration-in-mins "
+                             f"{t.exit_duration_in_mins:g})")
+                if not (saved_last and trainer.checkpoints.last_save_persistent):
                     summary.saving(trainer.checkpoints.maybe_save, state, force=True)
                 return state.iteration
             if t.exit_interval and state.iteration % t.exit_interval == 0:
