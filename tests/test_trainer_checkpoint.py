@@ -3,6 +3,7 @@
 One uninterrupted run per scenario saves every 3 iterations; the resumed run loads a copy of its
 iteration-3 checkpoint, so the reference and the checkpoint come from a single launch.
 """
+import hashlib
 import json
 import re
 
@@ -95,6 +96,44 @@ def test_resume_at_another_layout_restores_weights_and_optimizer(distopt_async_r
     assert "optimizer restored" in resumed.stdout and "are not restored" in resumed.stdout
     # Iteration 4's loss proves the weights; 5 and 6 prove Adam moments and step were resharded.
     assert_close(resumed.losses(), after(run.losses(), 3))
+
+
+def _digests(directory):
+    return {p.relative_to(directory): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_ckpt_step_rolls_back_and_sets_the_newer_checkpoint_aside(dropout_run, tmp_path):
+    """--ckpt-step 3 with --save = --load whose tracker names 6: the run resumes from 3 and
+    prints the first run's losses, its save of 6 is a new checkpoint (not skipped for the other
+    run's, which the tracker would have named again), and that one is kept byte for byte in
+    superseded-by-iter_0000003-*/. A step that is not a complete checkpoint is refused."""
+    run, root = dropout_run
+    load = tmp_path / "load"
+    copy_checkpoints(root, [3, 6], 6, load)
+    theirs = _digests(load / "iter_0000006")
+    rolled = launch(1, TINY_MODEL + SIX + ["--load", str(load), "--save", str(load),
+                                           "--save-interval", "3", "--ckpt-step", "3"])
+    assert rolled.returncode == 0, rolled.describe()
+    assert f"loaded checkpoint {load / 'iter_0000003'} (format torch_dist, iteration 3;" \
+        in rolled.stdout
+    assert rolled.losses() == after(run.losses(), 3)
+    (aside,) = load.glob("superseded-by-iter_0000003-*")
+    assert f"set aside iteration(s) 6 of {load}: newer than iteration 3, which this run starts " \
+           f"from (another run's states of those iterations); moved whole to {aside}" \
+        in rolled.stdout
+    assert "skipping the save" not in rolled.stdout
+    assert _digests(aside / "iter_0000006") == theirs
+    assert sorted(p.name for p in load.glob("iter_*")) == ["iter_0000003", "iter_0000006"]
+    assert (load / "iter_0000006" / "metadata.json").is_file()
+    assert (load / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    from datastates import CheckpointError
+    from megatron.training.checkpointing.loading import _complete_step
+
+    with pytest.raises(CheckpointError) as missing:
+        _complete_step(str(load), 4)
+    assert f"--ckpt-step 4: {load / 'iter_0000004'} is missing; the complete checkpoints " \
+           f"under {load} are at iterations [3, 6]" in str(missing.value)
 
 
 def test_sigterm_saves_then_exits_zero(tmp_path):

@@ -39,6 +39,8 @@ def config(extra="", world_size=1):
      "which is not given"),
     ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist"),
     ("--manual-gc --manual-gc-interval -1", 1, "--manual-gc-interval must be >= 0, got -1"),
+    ("--ckpt-step 3", 1, "--ckpt-step names an iteration under --load, which is not given"),
+    ("--load /tmp/x --ckpt-step -1", 1, "--ckpt-step must be >= 0, got -1"),
     ("--exit-duration-in-mins -5", 1,
      "--exit-duration-in-mins must be >= 0 minutes (0: no limit), got -5.0"),
     ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),

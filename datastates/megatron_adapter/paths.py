@@ -26,8 +26,8 @@ from typing import List, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..faults import fail_point
-from ..fileio import TRACKER_MAX_BYTES, atomic_write, make_spare, read_confined, read_iteration, \
-    replace_from_spare, safe_join
+from ..fileio import TRACKER_MAX_BYTES, atomic_write, fsync_dir, make_spare, read_confined, \
+    read_iteration, replace_from_spare, safe_join
 from ..layout import COMMIT_FILE, is_committed
 from ..safe_load import torch_load
 
@@ -37,7 +37,8 @@ __all__ = ["COMMON_FILENAME", "DISTRIB_OPTIM_FILENAME", "METADATA_FILENAME",
            "INCOMPLETE_PREFIX", "is_complete", "probe_writable", "set_aside",
            "iteration_of", "prepare_root", "RELEASE_DIRNAME", "tracker_names_release", "previous_complete", "read_tracker",
            "resolve_checkpoint_dir", "saved_common", "sharded_backend", "torch_rank_dir",
-           "tracked_iteration", "write_tracker"]
+           "SUPERSEDED_PREFIX", "supersede", "superseded_dir", "tracked_iteration",
+           "write_tracker"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 RELEASE_DIRNAME = "release"  # Megatron-LM's tracker text and directory for released weights
@@ -176,6 +177,36 @@ def set_aside(directory: str) -> Optional[str]:
     aside = os.path.join(root, f"{INCOMPLETE_PREFIX}{name}-{time.time_ns()}")
     os.replace(directory, aside)
     return aside
+
+
+#: Where `supersede` moves a root's checkpoints that a run starting from an older one replaces.
+SUPERSEDED_PREFIX = "superseded-"
+
+
+def superseded_dir(root: str, start_iteration: int) -> str:
+    """Where `supersede` moves the checkpoints a run starting from `start_iteration` replaces:
+    under `root`, named by that iteration and the time (rank 0's name is the one used)."""
+    return os.path.join(root, f"{SUPERSEDED_PREFIX}by-{_ITER_PREFIX}{start_iteration:07d}-"
+                              f"{time.strftime('%Y%m%dT%H%M%S')}")
+
+
+def supersede(root: str, iterations: List[int], into: str, tracker_to: Optional[int]) -> None:
+    """Rank 0: move the complete checkpoints `iterations` of `root`, whole and untouched, into
+    `into` (under `root`, out of the ``iter_*`` names: no loader, retention or save meets them
+    again). The tracker first, if it names one of them: to `tracker_to`, or removed where no
+    complete checkpoint is left (a kill in between leaves it naming a checkpoint in place)."""
+    if tracked_iteration(root) in iterations:
+        if tracker_to is not None:
+            write_tracker(root, tracker_to)
+        else:
+            os.unlink(os.path.join(root, TRACKER_FILENAME))
+            fsync_dir(root)
+    os.makedirs(into, exist_ok=True)
+    for it in iterations:
+        directory = checkpoint_dir(root, it)
+        os.replace(directory, os.path.join(into, os.path.basename(directory)))
+    fsync_dir(into)
+    fsync_dir(root)
 
 
 def write_tracker(root: str, iteration: int, run_config_json: Optional[str] = None) -> None:

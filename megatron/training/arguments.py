@@ -228,6 +228,10 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
     g.add_argument("--finetune", action="store_true",
                    help="load weights only; start at iteration 0 with a fresh optimizer")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load the checkpoint of this iteration under --load instead of the one "
+                        "its tracker names (a rollback); the non-persistent level is not read, "
+                        "and --save's newer checkpoints are set aside, not overwritten")
     g.add_argument("--ckpt-format", choices=[f.value for f in CkptFormat], default="torch_dist",
                    help="torch_dist (megatron-core dist_checkpointing, reshardable; default) or "
                         "torch (one file per TP/PP rank)")
@@ -983,6 +987,9 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         hysteresis=a.hysteresis)
     _require(a.manual_gc_interval >= 0,
              f"--manual-gc-interval must be >= 0, got {a.manual_gc_interval}")
+    _require(a.ckpt_step is None or (a.load and a.ckpt_step >= 0),
+             "--ckpt-step names an iteration under --load, which is not given"
+             if not a.load else f"--ckpt-step must be >= 0, got {a.ckpt_step}")
     _require(a.exit_duration_in_mins is None or a.exit_duration_in_mins >= 0,
              f"--exit-duration-in-mins must be >= 0 minutes (0: no limit), got "
              f"{a.exit_duration_in_mins}")
@@ -999,6 +1006,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         ckpt_format=CkptFormat(a.ckpt_format), async_save=a.async_save,
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
+        ckpt_step=a.ckpt_step,
         async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,
         lazy_save_checksum=a.lazy_save_checksum, lazy_save_local_dir=a.lazy_save_local_dir,
         lazy_save_local_keep=a.lazy_save_local_keep,

@@ -295,6 +295,9 @@ class CheckpointConfig:
     """Restore the RNG states."""
     finetune: bool = False
     """Load weights only; start at iteration 0 with fresh optimizer, scheduler and RNG."""
+    ckpt_step: Optional[int] = None
+    """Load this iteration under `load` instead of the one its tracker names (Megatron-LM's
+    --ckpt-step: a rollback); the non-persistent level is not read."""
     async_lazy_save: bool = False
     """Save with DataStates: the snapshot is copied while the next forward/backward runs, written
     by background threads, and committed once every rank's shards are durable."""

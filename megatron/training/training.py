@@ -458,7 +458,7 @@ def _train_loop(trainer: Trainer) -> int:
     saved_last = True  # nothing new to save unless an iteration runs
     print_rank_0(f"training from iteration {state.iteration} to {t.train_iters}")
     summary = _Summary(trainer)
-    trainer.checkpoints.begin_training(state.iteration)
+    trainer.checkpoints.begin_training(state.iteration, loaded=state.loaded)
     manual_gc = _ManualGC(t)
     manual_gc.start()
     try:

@@ -66,6 +66,8 @@ class TrainState:
     #: Megatron-LM's running FLOP count (saved as num_floating_point_operations_so_far).
     floating_point_operations_so_far: float = 0.0
     extra: dict = field(default_factory=dict)
+    #: The checkpoint directory this run resumed from (None: none); never saved.
+    loaded: Optional[str] = None
 
 
 def parallel_layout(config: RunConfig) -> dict:

@@ -305,7 +305,7 @@ class LazyCheckpointManager(CheckpointManager):
         if dist.get_rank() == 0:
             self.metrics.checkpoint_refused(iteration, self.saves_refused)
 
-    def begin_training(self, start_iteration: int) -> None:
+    def begin_training(self, start_iteration: int, loaded: Optional[str] = None) -> None:
         """Every rank (collective with a node-local level): node-local versions newer than the
         iteration this run starts from are removed by each node's leader (`drop_node_local_newer`:
         not every node held them intact (--ckpt-fallback-to-previous skipped a damaged one), or
@@ -329,7 +329,7 @@ class LazyCheckpointManager(CheckpointManager):
                     "another model or layout); they are saved again")
             control_plane.barrier()
             self.start()
-        super().begin_training(start_iteration)
+        super().begin_training(start_iteration, loaded)
 
     @property
     def disabled(self) -> bool:

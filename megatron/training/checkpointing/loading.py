@@ -89,27 +89,32 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     ``dist_checkpointing.load`` for a custom strategy (torch_dist layout assumed).
     """
     ckpt = config.checkpoint
-    root = resume_root(config)
+    root = resume_root(config) if ckpt.ckpt_step is None else _step_root(config)
     if root is None:
         return False
     if not os.path.isdir(root):
+        if ckpt.ckpt_step is not None:
+            raise CheckpointError(f"--ckpt-step {ckpt.ckpt_step}: the --load directory does not "
+                                  "exist", path=root)
         # Megatron-LM's behaviour: nothing to load is a warning, not an error.
         print_rank_0(f"WARNING: --load directory {root} does not exist: no checkpoint to "
                      "load, starting from scratch")
         return False
     if _load_if_universal(state, config, root):  # --load names a universal checkpoint
+        state.loaded = root
         return True
-    if not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
+    if ckpt.ckpt_step is None and not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
         # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
         print_rank_0(f"no {paths.TRACKER_FILENAME} in {root}: no complete checkpoint there "
                      "yet, starting from scratch")
         return False
-    release = paths.tracker_names_release(root)
+    release = ckpt.ckpt_step is None and paths.tracker_names_release(root)
     if release:  # Megatron-LM's released weights: iteration 0, no optimizer or RNG state
         iteration = 0
         directory = safe_join(root, paths.RELEASE_DIRNAME, what=paths.TRACKER_FILENAME)
     else:
-        iteration = _read_tracker(root)
+        iteration = _read_tracker(root) if ckpt.ckpt_step is None else \
+            _complete_step(root, ckpt.ckpt_step)
         if ckpt.ckpt_fallback_to_previous:  # universal roots too: their checksums are verified
             chosen, iteration = _newest_intact(root, iteration, config)
             if chosen != root and is_assembled_memory(root):
@@ -120,6 +125,7 @@ def load_checkpoint(state: TrainState, config: RunConfig,
     if not os.path.isdir(directory):
         raise CheckpointError(f"tracker names {os.path.basename(directory)} but {directory} is "
                               "missing" + _hint(directory, also), path=root)
+    state.loaded = directory
     if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
         return True
     # DataStates checkpoints load through dist_checkpointing like torch_dist ones.
@@ -298,6 +304,31 @@ def resume_root(config: RunConfig) -> Optional[str]:
                  f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
                                           else f"persistent: iteration {persistent}") + ")")
     return non_persistent
+
+
+def _step_root(config: RunConfig) -> str:
+    """--ckpt-step: --load, whatever the non-persistent level holds (it is not read: its versions
+    are newer, or of another run; a node-local level's newer ones are removed at the start of
+    training, `LazyCheckpointManager.begin_training`)."""
+    ckpt = config.checkpoint
+    if ckpt.non_persistent_ckpt_type is not None:
+        level = _LEVEL_NAMES.get(ckpt.non_persistent_ckpt_type, "non-persistent")
+        print_rank_0(f"--ckpt-step {ckpt.ckpt_step}: loading iteration {ckpt.ckpt_step} of "
+                     f"{ckpt.load}; the {level} checkpoints are not read")
+    return ckpt.load
+
+
+def _complete_step(root: str, step: int) -> int:
+    """--ckpt-step `step`, once its directory under `root` is a complete checkpoint."""
+    directory = paths.checkpoint_dir(root, step)
+    complete, _ = paths.existing_iterations(root)
+    if step not in complete:
+        state = "is missing" if not os.path.isdir(directory) else \
+            "is not a complete checkpoint (an unfinished save's leftovers)"
+        raise CheckpointError(f"--ckpt-step {step}: {directory} {state}; the complete "
+                              f"checkpoints under {root} are at iterations {complete or 'none'}",
+                              path=root)
+    return step
 
 
 def _log(line: str) -> None:

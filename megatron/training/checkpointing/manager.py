@@ -18,10 +18,11 @@ Call order, every rank:
   3) `after_iteration(iteration)` at the end of each iteration (non-blocking; with
      --save-interval auto, rank 0 also times the iteration here);
   4) `finalize()` once at the end (or exit interval / SIGTERM): drain in-flight saves.
-A committed checkpoint is never rewritten: a save that falls on an iteration whose directory is
-already complete is skipped with one line (rank 0 moves the tracker to it if it names an older
-one), and leftovers of an unfinished save of that iteration are set aside before a new one
-starts (`paths.set_aside`). A step that can fail on some ranks only is agreed on
+A committed checkpoint is never rewritten: those newer than the iteration a run starts from (a
+rollback, another run's) are moved whole into ``ROOT/superseded-*`` before its first iteration
+(`set_aside_newer`), a save that still falls on a complete one (the checkpoint --finetune loaded)
+is skipped with one line, and leftovers of an unfinished save of that iteration are set aside
+before a new one starts (`paths.set_aside`). A step that can fail on some ranks only is agreed on
 (`control_plane.agree`) before the next collective, so every rank raises the same error.
 Every save call is followed by Megatron's `(min, max) time across ranks (ms):` report of
 `save-checkpoint` (one all-reduce on the checkpoint control plane); each complete checkpoint is
@@ -111,9 +112,50 @@ class CheckpointManager:
         #: The oldest such iteration not yet followed by a persistent save (None: none).
         self.deferred_since: Optional[int] = None
 
-    def begin_training(self, start_iteration: int) -> None:
-        """Every rank, once the resumed iteration is known (before the first iteration)."""
+    def begin_training(self, start_iteration: int, loaded: Optional[str] = None) -> None:
+        """Every rank, once the resumed iteration is known (before the first iteration);
+        `loaded`: the checkpoint directory it was loaded from (None: none)."""
+        self.set_aside_newer(start_iteration, loaded)
         self.start_auto_interval(start_iteration)
+
+    def set_aside_newer(self, start_iteration: int, loaded: Optional[str] = None) -> None:
+        """Every rank (collective where there is something to do), before the first iteration:
+        complete checkpoints under a shared root (--save, the global non-persistent root) that
+        are newer than the iteration this run starts from are another run's states of those
+        iterations: a rollback (--ckpt-step, an edited tracker), --ckpt-fallback-to-previous
+        past a damaged one, another job's --save, a restart after a kill between a commit
+        marker and its tracker. This run saves those iterations anew, so they must neither
+        hold back its saves nor ever be taken for its own (a restart would resume the other
+        run). Rank 0 first moves the tracker back to the newest remaining complete checkpoint
+        (or removes it where none is left), then moves them, whole and untouched, into
+        ``ROOT/superseded-<time>-by-iter_N/`` (nothing saved is lost: delete it when no longer
+        needed); agreed on. The checkpoint the run loaded stays where it is (--finetune starts
+        at iteration 0 from a newer one). Node-local roots are each node's
+        (`LazyCheckpointManager.begin_training`)."""
+        node_local = self.ckpt.non_persistent_node_local
+        for root in self.roots():
+            if node_local and root == self.non_persistent_root:
+                continue
+            kept = os.path.normpath(loaded) if loaded else None
+            complete = self.complete_at_start.get(root, [])
+            newer = [it for it in complete if it > start_iteration and
+                     os.path.normpath(paths.checkpoint_dir(root, it)) != kept]
+            if not newer:
+                continue
+            remaining = [it for it in complete if it not in newer]
+            older = [it for it in remaining if it <= start_iteration]
+            aside = paths.superseded_dir(root, start_iteration)
+            self.agreed(lambda: paths.supersede(root, newer, aside, older[-1] if older else None)
+                        if dist.get_rank() == 0 else None,
+                        f"setting aside the checkpoints newer than iteration {start_iteration}",
+                        root, None)
+            listed = (", ".join(map(str, newer)) if len(newer) <= 8 else
+                      f"{newer[0]}, {newer[1]}, ..., {newer[-1]} ({len(newer)} checkpoints)")
+            print_rank_0(f"set aside iteration(s) {listed} of {root}: newer than iteration "
+                         f"{start_iteration}, which this run starts from (another run's states "
+                         f"of those iterations); moved whole to {aside} (delete it when no "
+                         "longer needed); this run saves those iterations anew")
+            self.complete_at_start[root] = remaining
 
     def start_auto_interval(self, start_iteration: int) -> None:
         """Every rank, once the resumed iteration is known (before the first iteration)."""
@@ -285,9 +327,9 @@ class CheckpointManager:
             self.metrics.checkpoint_deferred(iteration, self.saves_deferred)
 
     def _skip_complete(self, iteration: int, root: str) -> None:
-        """Every rank: `iteration` is already a complete checkpoint under `root` (an earlier run
-        saved it): it stays as it is. Rank 0 moves the tracker to it if the tracker names an
-        older one (that run was stopped between its commit and the tracker move)."""
+        """Every rank: `iteration` is already a complete checkpoint under `root` that
+        `set_aside_newer` kept (the one this run loaded, e.g. with --finetune): it stays as it
+        is. Rank 0 moves the tracker to it if the tracker names an older one."""
         directory = paths.checkpoint_dir(root, iteration)
         print_rank_0(f"skipping the save of iteration {iteration}: {directory} already holds a "
                      "complete checkpoint (a committed checkpoint is never rewritten)")
