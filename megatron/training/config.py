@@ -295,6 +295,8 @@ class CheckpointConfig:
     """Restore the RNG states."""
     finetune: bool = False
     """Load weights only; start at iteration 0 with fresh optimizer, scheduler and RNG."""
+    exit_on_missing_checkpoint: bool = False
+    """With `load`: an error instead of starting from scratch when it holds nothing to load."""
     ckpt_step: Optional[int] = None
     """Load this iteration under `load` instead of the one its tracker names (Megatron-LM's
     --ckpt-step: a rollback); the non-persistent level is not read."""

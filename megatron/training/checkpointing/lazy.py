@@ -310,7 +310,8 @@ class LazyCheckpointManager(CheckpointManager):
         iteration this run starts from are removed by each node's leader (`drop_node_local_newer`:
         not every node held them intact (--ckpt-fallback-to-previous skipped a damaged one), or
         they were of another model or layout), then the roots are scanned again, so the run's own
-        saves of those iterations never meet them."""
+        saves of those iterations never meet them. Then the shared roots'
+        (`CheckpointManager.set_aside_newer`)."""
         node = self.checkpointer.node
         if node is not None:
             root = self.non_persistent_root
@@ -325,8 +326,9 @@ class LazyCheckpointManager(CheckpointManager):
                 level = LEVEL_NAMES[self.ckpt.non_persistent_ckpt_type]
                 say(f"[rank {dist.get_rank()}] {level} checkpoints: removed iteration(s) "
                     f"{removed} from {root}: newer than iteration {start_iteration}, which "
-                    "this run starts from (not every node held them intact, or they were of "
-                    "another model or layout); they are saved again")
+                    "this run starts from (not every node held them intact, they were of "
+                    "another model or layout, or --ckpt-step named an older one); they are "
+                    "saved again")
             control_plane.barrier()
             self.start()
         super().begin_training(start_iteration, loaded)

@@ -97,17 +97,15 @@ def load_checkpoint(state: TrainState, config: RunConfig,
             raise CheckpointError(f"--ckpt-step {ckpt.ckpt_step}: the --load directory does not "
                                   "exist", path=root)
         # Megatron-LM's behaviour: nothing to load is a warning, not an error.
-        print_rank_0(f"WARNING: --load directory {root} does not exist: no checkpoint to "
-                     "load, starting from scratch")
-        return False
+        return _nothing_to_load(config, f"--load directory {root} does not exist: no "
+                                        "checkpoint to load", root, warn=True)
     if _load_if_universal(state, config, root):  # --load names a universal checkpoint
         state.loaded = root
         return True
     if ckpt.ckpt_step is None and not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
         # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
-        print_rank_0(f"no {paths.TRACKER_FILENAME} in {root}: no complete checkpoint there "
-                     "yet, starting from scratch")
-        return False
+        return _nothing_to_load(config, f"no {paths.TRACKER_FILENAME} in {root}: no complete "
+                                        "checkpoint there yet", root)
     release = ckpt.ckpt_step is None and paths.tracker_names_release(root)
     if release:  # Megatron-LM's released weights: iteration 0, no optimizer or RNG state
         iteration = 0
@@ -304,6 +302,17 @@ def resume_root(config: RunConfig) -> Optional[str]:
                  f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
                                           else f"persistent: iteration {persistent}") + ")")
     return non_persistent
+
+
+def _nothing_to_load(config: RunConfig, why: str, root: str, warn: bool = False) -> bool:
+    """--load names nothing to resume: training starts from scratch, as in Megatron-LM, unless
+    --exit-on-missing-checkpoint (then the error says why, and the job exits 2 where
+    Megatron-LM's exits 0: a scheduler sees it fail)."""
+    if config.checkpoint.exit_on_missing_checkpoint:
+        raise CheckpointError(f"{why}; not starting from scratch (--exit-on-missing-checkpoint)",
+                              path=root)
+    print_rank_0(("WARNING: " if warn else "") + why + ", starting from scratch")
+    return False
 
 
 def _step_root(config: RunConfig) -> str:
