@@ -133,20 +133,28 @@ def test_dp2_host_cache_holds_each_rank_checkpoint(dp2):
 
 
 def test_dp2_resume_bit_exact_and_incomplete_never_loaded(dp2, tmp_path):
-    """The newest directory is torn (no commit marker, shard truncated) and the tracker names
-    the previous one, as after a crash mid-flush: --load resumes from the complete one."""
+    """The tracker names 3 (a rollback by hand); 4 is torn (no commit marker, shard truncated,
+    as after a crash mid-flush) and 5 is complete: --load resumes from 3, rewrites 4, and saves
+    5 anew after setting the other run's 5 aside whole (it would otherwise be skipped, and the
+    tracker moved to it)."""
     run, root = dp2
-    load = copy_checkpoints(root, [3, 4], 3, tmp_path / "load")
+    load = copy_checkpoints(root, [3, 4, 5], 3, tmp_path / "load")
     torn = tmp_path / "load" / "iter_0000004"
     os.remove(torn / "COMMIT.json")
     with open(torn / "shard_r00001.bin", "r+b") as f:
         f.truncate(100)
+    theirs = {p.name: p.read_bytes() for p in (tmp_path / "load" / "iter_0000005").iterdir()}
     resumed = launch(2, TINY_MODEL + SIX + DISTOPT + LAZY + ["--load", load, "--save", load])
     assert resumed.returncode == 0, resumed.describe()
     assert "iteration 3;" in resumed.stdout
     assert resumed.losses() == after(run.losses(), 3)
     # The torn version was rewritten and committed by the resumed run.
     assert (torn / "COMMIT.json").is_file()
+    (aside,) = (tmp_path / "load").glob("superseded-by-iter_0000003-*")
+    assert f"set aside iteration(s) 5 of {load}: newer than iteration 3" in resumed.stdout
+    assert {p.name: p.read_bytes() for p in (aside / "iter_0000005").iterdir()} == theirs
+    assert (tmp_path / "load" / "iter_0000005" / "COMMIT.json").is_file()
+    assert (tmp_path / "load" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
 
 def test_tracker_naming_an_uncommitted_checkpoint_is_refused(dp2, tmp_path):
