@@ -136,7 +136,7 @@ def test_dp2_resume_bit_exact_and_incomplete_never_loaded(dp2, tmp_path):
     """The tracker names 3 (a rollback by hand); 4 is torn (no commit marker, shard truncated,
     as after a crash mid-flush) and 5 is complete: --load resumes from 3, rewrites 4, and saves
     5 anew after setting the other run's 5 aside whole (it would otherwise be skipped, and the
-    tracker moved to it)."""
+    tracker moved to it); with merges on, the other run's universal merge of 5 is set aside too."""
     run, root = dp2
     load = copy_checkpoints(root, [3, 4, 5], 3, tmp_path / "load")
     torn = tmp_path / "load" / "iter_0000004"
@@ -144,7 +144,16 @@ def test_dp2_resume_bit_exact_and_incomplete_never_loaded(dp2, tmp_path):
     with open(torn / "shard_r00001.bin", "r+b") as f:
         f.truncate(100)
     theirs = {p.name: p.read_bytes() for p in (tmp_path / "load" / "iter_0000005").iterdir()}
-    resumed = launch(2, TINY_MODEL + SIX + DISTOPT + LAZY + ["--load", load, "--save", load])
+    # The other run's universal merge of 5, which a later --load of the universal root would take.
+    from datastates.megatron_adapter import open_source
+    from datastates.universal import write_universal
+
+    uroot = tmp_path / "load" / "universal"
+    write_universal(open_source(str(tmp_path / "load" / "iter_0000005")),
+                    str(uroot / "iter_0000005"))
+    (uroot / "latest_checkpointed_iteration.txt").write_text("5")
+    resumed = launch(2, TINY_MODEL + SIX + DISTOPT + LAZY + [
+        "--load", load, "--save", load, "--universal-checkpoint-interval", "100"])
     assert resumed.returncode == 0, resumed.describe()
     assert "iteration 3;" in resumed.stdout
     assert resumed.losses() == after(run.losses(), 3)
@@ -155,6 +164,11 @@ def test_dp2_resume_bit_exact_and_incomplete_never_loaded(dp2, tmp_path):
     assert {p.name: p.read_bytes() for p in (aside / "iter_0000005").iterdir()} == theirs
     assert (tmp_path / "load" / "iter_0000005" / "COMMIT.json").is_file()
     assert (tmp_path / "load" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    (uaside,) = uroot.glob("superseded-by-iter_0000003-*")
+    assert [p.name for p in uaside.iterdir()] == ["iter_0000005"]
+    assert not list(uroot.glob("iter_*"))
+    assert not (uroot / "latest_checkpointed_iteration.txt").exists()
+    assert f"set aside iteration(s) 5 of {uroot}: newer than iteration 3" in resumed.stdout
 
 
 def test_tracker_naming_an_uncommitted_checkpoint_is_refused(dp2, tmp_path):

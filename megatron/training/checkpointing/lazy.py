@@ -44,7 +44,7 @@ from megatron.training.checkpointing.contents import (
     build_sharded_state_dict,
     save_values,
 )
-from megatron.training.checkpointing.manager import LEVEL_NAMES, CheckpointManager, \
+from megatron.training.checkpointing.manager import LEVEL_NAMES, CheckpointManager, newer_than, \
     non_persistent_root_of_this_rank
 from megatron.training.arguments import host_cache_budget_mb
 from megatron.training.config import RunConfig
@@ -332,6 +332,28 @@ class LazyCheckpointManager(CheckpointManager):
             control_plane.barrier()
             self.start()
         super().begin_training(start_iteration, loaded)
+
+    def set_aside_newer(self, start_iteration: int, loaded: Optional[str] = None) -> None:
+        """`CheckpointManager.set_aside_newer`, and with --universal-checkpoint-interval the
+        universal root's newer merges too (they are of the other run's checkpoints; a later
+        --load of that root would take them). Rank 0 lists and moves them; agreed on."""
+        super().set_aside_newer(start_iteration, loaded)
+        if not self.ckpt.universal_checkpoint_interval:
+            return
+
+        def universal() -> None:
+            merger = self.checkpointer.universal  # rank 0's; None where it cannot merge
+            if dist.get_rank() != 0 or merger is None:
+                return
+            root = merger.config.root
+            complete = paths.complete_iterations(root)
+            newer = newer_than(root, complete, start_iteration, loaded)
+            if newer:
+                self.supersede(root, complete, newer, start_iteration,
+                               then="this run merges its own checkpoints there")
+
+        self.agreed(universal, f"setting aside the universal checkpoints newer than iteration "
+                               f"{start_iteration}", None, None)
 
     @property
     def disabled(self) -> bool:

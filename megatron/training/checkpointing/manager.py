@@ -136,26 +136,30 @@ class CheckpointManager:
         for root in self.roots():
             if node_local and root == self.non_persistent_root:
                 continue
-            kept = os.path.normpath(loaded) if loaded else None
             complete = self.complete_at_start.get(root, [])
-            newer = [it for it in complete if it > start_iteration and
-                     os.path.normpath(paths.checkpoint_dir(root, it)) != kept]
+            newer = newer_than(root, complete, start_iteration, loaded)
             if not newer:
                 continue
-            remaining = [it for it in complete if it not in newer]
-            older = [it for it in remaining if it <= start_iteration]
-            aside = paths.superseded_dir(root, start_iteration)
-            self.agreed(lambda: paths.supersede(root, newer, aside, older[-1] if older else None)
+            self.agreed(lambda: self.supersede(root, complete, newer, start_iteration)
                         if dist.get_rank() == 0 else None,
                         f"setting aside the checkpoints newer than iteration {start_iteration}",
                         root, None)
-            listed = (", ".join(map(str, newer)) if len(newer) <= 8 else
-                      f"{newer[0]}, {newer[1]}, ..., {newer[-1]} ({len(newer)} checkpoints)")
-            print_rank_0(f"set aside iteration(s) {listed} of {root}: newer than iteration "
-                         f"{start_iteration}, which this run starts from (another run's states "
-                         f"of those iterations); moved whole to {aside} (delete it when no "
-                         "longer needed); this run saves those iterations anew")
-            self.complete_at_start[root] = remaining
+            self.complete_at_start[root] = [it for it in complete if it not in newer]
+
+    def supersede(self, root: str, complete: List[int], newer: List[int], start_iteration: int,
+                  then: str = "this run saves those iterations anew") -> None:
+        """Rank 0, `set_aside_newer`: `newer` (of the complete iterations `complete` under
+        `root`) moved into ``root/superseded-*``, the tracker first (`paths.supersede`); then
+        the line that says where."""
+        older = [it for it in complete if it <= start_iteration and it not in newer]
+        aside = paths.superseded_dir(root, start_iteration)
+        paths.supersede(root, newer, aside, older[-1] if older else None)
+        listed = (", ".join(map(str, newer)) if len(newer) <= 8 else
+                  f"{newer[0]}, {newer[1]}, ..., {newer[-1]} ({len(newer)} checkpoints)")
+        print_rank_0(f"set aside iteration(s) {listed} of {root}: newer than iteration "
+                     f"{start_iteration}, which this run starts from (another run's states of "
+                     f"those iterations); moved whole to {aside} (delete it when no longer "
+                     f"needed); {then}")
 
     def start_auto_interval(self, start_iteration: int) -> None:
         """Every rank, once the resumed iteration is known (before the first iteration)."""
@@ -477,6 +481,15 @@ class CheckpointManager:
     def _remove(self, trash: str) -> None:
         """Rank 0: delete a checkpoint retention has renamed out of the `iter_*` namespace."""
         remove_now(trash)
+
+
+def newer_than(root: str, complete: List[int], start_iteration: int,
+                loaded: Optional[str]) -> List[int]:
+    """Of the complete iterations `complete` under `root`, those newer than `start_iteration`,
+    except the checkpoint this run loaded (`loaded`)."""
+    kept = os.path.normpath(loaded) if loaded else None
+    return [it for it in complete if it > start_iteration
+            and os.path.normpath(paths.checkpoint_dir(root, it)) != kept]
 
 
 def _describe(err: BaseException, flag: str, root: Optional[str]):
