@@ -310,8 +310,8 @@ class LazyCheckpointManager(CheckpointManager):
         iteration this run starts from are removed by each node's leader (`drop_node_local_newer`:
         not every node held them intact (--ckpt-fallback-to-previous skipped a damaged one), or
         they were of another model or layout), then the roots are scanned again, so the run's own
-        saves of those iterations never meet them. Then the shared roots'
-        (`CheckpointManager.set_aside_newer`)."""
+        saves of those iterations never meet them. Then the shared roots' newer checkpoints
+        are set aside (`set_aside_newer`)."""
         node = self.checkpointer.node
         if node is not None:
             root = self.non_persistent_root
