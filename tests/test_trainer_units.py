@@ -136,6 +136,8 @@ def test_megatron_checkpoint_flags_map_onto_ours(capsys):
     assert "WARNING: --use-dist-ckpt is deprecated" in out
     assert "WARNING: --ckpt-fully-parallel-save is deprecated and has no effect" in out
     assert not config("--no-ckpt-fully-parallel-save").checkpoint.ckpt_fully_parallel_save
+    # Megatron-LM's no-ops here: the format of --load is always detected, the model is mcore's.
+    assert config("--auto-detect-ckpt-format --use-mcore-models") == config("")
     local = config("--async-lazy-save --save /s --lazy-save-local-dir /nvme/{node}").checkpoint
     assert local.lazy_save_local_dir == "/nvme/{node}" and local.lazy_save_local_keep == 2
     constant = config("--async-lazy-save --save /s --ckpt-assume-constant-structure").checkpoint

@@ -87,6 +87,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="give the output layer its own weights instead of the word embeddings")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times TP")
+    g.add_argument("--use-mcore-models", action="store_true", dest="use_mcore_models_deprecated",
+                   help="deprecated Megatron-LM flag, ignored there too: the model is always "
+                        "megatron-core's")
 
 
 def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
@@ -308,6 +311,10 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "rank that does not answer after 1.1x this plus 10 s (every format; "
                         "default 1800)")
     # Megatron-LM's names for what dist_checkpointing does; see _check_megatron_ckpt_flags.
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   dest="auto_detect_ckpt_format_always",
+                   help="Megatron-LM's: load --load in whatever format it is (torch, torch_dist, "
+                        "DataStates, universal); this trainer always does")
     g.add_argument("--use-dist-ckpt", action="store_true", dest="use_dist_ckpt_deprecated",
                    help="deprecated Megatron-LM flag: the same as --ckpt-format torch_dist, the "
                         "default")
