@@ -151,7 +151,7 @@ class CheckpointManager:
         """Rank 0, `set_aside_newer`: `newer` (of the complete iterations `complete` under
         `root`) moved into ``root/superseded-*``, the tracker first (`paths.supersede`); then
         the line that says where."""
-        older = [it for it in complete if it <= start_iteration and it not in newer]
+        older = [it for it in complete if it <= start_iteration]  # none of them is newer
         aside = paths.superseded_dir(root, start_iteration)
         paths.supersede(root, newer, aside, older[-1] if older else None)
         listed = (", ".join(map(str, newer)) if len(newer) <= 8 else
