@@ -462,18 +462,31 @@ def test_a_failure_raised_by_the_next_save_call_stays_with_its_own_save(tmp_path
     test_cluster_path's deleted node-local directory). Without the attribution (`attributed`
     False), the final drain still fails that save: one the engine is done with that is not
     durable gets a failure of its own."""
-    from datastates import faults
+    from datastates import faults, flush
     from datastates.errors import CheckpointError
     from datastates.megatron_adapter.save.checkpointer import LazyCheckpointer
 
     if not attributed:
         monkeypatch.setattr(LazyCheckpointer, "_owner", lambda self, err, besides=None: None)
+    # The write fails only once the snapshot wait has returned: a failure there would be raised
+    # by that wait instead, a path the `attributed` False variant does not test (under load the
+    # writer's failure could come between the last copy and the waiting thread's wake-up).
+    snapshot_returned = threading.Event()
+
+    def fail_after_the_snapshot(step_name, step, *args, **kwargs):
+        if step_name == "write" and step == 2:
+            assert snapshot_returned.wait(WAIT_S), "the snapshot wait did not return"
+        return fail_point(step_name, step, *args, **kwargs)
+
+    fail_point = flush.fail_point
+    monkeypatch.setattr(flush, "fail_point", fail_after_the_snapshot)
     root, ckpt = _first_committed(tmp_path)
     monkeypatch.setenv("DATASTATES_FAULT_FAIL_WRITE", "error@2")
     faults.reload_from_env()
     try:
         ckpt.save(2, _state(2))
         ckpt.before_optimizer_step()
+        snapshot_returned.set()
         engine = ckpt.persistent.engine
         deadline = time.monotonic() + WAIT_S
         while not any(s.error is not None for s in engine._saves):  # failed, not yet raised
