@@ -43,8 +43,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import layout
 from .config import EngineConfig
 from .deepspeed_tags import (TAG_MARKERS, advance_latest, decode_objects, encode_objects,
-                             newest_committed_tag, read_file, safe_globals, tag_is_committed,
-                             tag_marker, try_commit_tag)
+                             newer_committed_tags, newest_committed_tag, read_file, safe_globals,
+                             supersede_tags, tag_is_committed, tag_marker, try_commit_tag)
 from .engine import CheckpointEngine, SaveHandle
 from .errors import CheckpointError
 from .fileio import atomic_write, fsync_dir
@@ -57,6 +57,10 @@ GiB = 1 << 30
 #: Tags this rank has marked that wait for other ranks' markers, retried at each step (a tag
 #: another rank failed never commits; the last rank to mark a tag commits it itself).
 MARKED_RETRIED = 4
+#: How long a rank other than 0 waits, in its first save after a rollback, for rank 0 to set aside
+#: the other run's committed tag it is saving into (rank 0 does it in its own first save call of
+#: the same `save_checkpoint`, with no collective in between).
+SET_ASIDE_WAIT_S = 120.0
 #: Keys of the section we read, and those of the reference implementation we accept and ignore.
 KNOWN_KEYS = ("host_cache_size", "parser_threads", "allow_pickle")
 IGNORED_KEYS = ("fast_cache_init", "pin_host_cache")
@@ -161,6 +165,7 @@ class DeepSpeedCheckpointEngine:
         #: (tag directory, rank, error) of each save that failed here: its tag is never committed.
         self.failed_saves: List[tuple] = []
         self._skipping: Optional[str] = None  # the committed tag whose saves are being skipped
+        self._loaded: Optional[str] = None  # the tag directory loaded, until the first save
         self.blocked_s = 0.0  # time the optimizer step waited for snapshots
         _register(self)
         atexit.register(self._atexit)
@@ -177,7 +182,9 @@ class DeepSpeedCheckpointEngine:
                                   f"{type(state_dict).__name__}", rank=self.rank, file=path)
         path = os.path.abspath(path)
         tag_dir = os.path.dirname(path)
-        if tag_is_committed(tag_dir):  # never rewritten (e.g. a resume from an older tag)
+        if self._loaded is not None:
+            self._after_rollback(tag_dir)
+        if tag_is_committed(tag_dir):  # never rewritten (e.g. a fixed tag saved again)
             if self._skipping != tag_dir and self.rank == 0:
                 logger.warning(
                     "DataStates: skipping the save of DeepSpeed tag %r: %s already holds a "
@@ -211,17 +218,23 @@ class DeepSpeedCheckpointEngine:
         self._check_tags()
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        """A file of a tag; the tag is remembered as the one this run resumes from (see
+        `_after_rollback`)."""
         path = os.path.abspath(path)
         if os.path.isdir(path):
-            return read_file(path, self.section.allow_pickle, _device(map_location))
-        if os.path.isfile(path):  # a torch.save file, e.g. from before switching engines
-            state = torch_load(path, file=path, extra_globals=safe_globals(),
-                               allow_unsafe=self.section.allow_pickle,
-                               way_forward='if you trust this file, set "allow_pickle": true in '
-                                           f'the {SECTION} section')
-            return decode_objects(state, path, _device(map_location))
-        raise CheckpointError("DeepSpeed load: no checkpoint file here", rank=self.rank,
-                              file=path)
+            state = read_file(path, self.section.allow_pickle, _device(map_location))
+        elif os.path.isfile(path):  # a torch.save file, e.g. from before switching engines
+            state = decode_objects(
+                torch_load(path, file=path, extra_globals=safe_globals(),
+                           allow_unsafe=self.section.allow_pickle,
+                           way_forward='if you trust this file, set "allow_pickle": true in '
+                                       f'the {SECTION} section'),
+                path, _device(map_location))
+        else:
+            raise CheckpointError("DeepSpeed load: no checkpoint file here", rank=self.rank,
+                                  file=path)
+        self._loaded = os.path.dirname(path)
+        return state
 
     def wait(self, persist: bool = False) -> None:
         """The tag being saved is complete. persist=False: wait until its snapshot is taken (the
@@ -298,6 +311,44 @@ class DeepSpeedCheckpointEngine:
                      "will not be committed; %s. Training goes on; the next save tries again.",
                      name, self.rank, err, f"latest stays at {newest!r}" if newest
                      else "no tag is committed yet")
+
+    def _after_rollback(self, tag_dir: str) -> None:
+        """The first save after a load, into the directory the loaded tag is in (a resume, not a
+        fine-tuning into another directory, whose tags are left alone): the committed tags there
+        saved after the loaded one are the run this one rolled back from (DeepSpeed's
+        `load_checkpoint(tag=...)` of an older tag, or a `latest` behind a committed tag). Left
+        in place, this run's saves of those tags would be skipped (a committed tag is never
+        rewritten) and `latest` would stay on the other run's newest, which a restart would then
+        resume. Rank 0 moves them whole into `<save_dir>/superseded-by-<loaded tag>-<time>/`,
+        `latest` back to the loaded tag first; nothing is deleted. Another rank saving into one
+        of them waits until it is moved (rank 0 does it in its own first save call)."""
+        loaded, self._loaded = self._loaded, None
+        save_dir = os.path.dirname(tag_dir)
+        if os.path.dirname(loaded) != save_dir:
+            return
+        name = os.path.basename(loaded)
+        tags = newer_committed_tags(save_dir, name)
+        if self.rank == 0 and tags:
+            try:
+                into = supersede_tags(save_dir, tags, name)
+            except OSError as e:
+                logger.error("DataStates: could not set aside DeepSpeed tag(s) %s of %s, newer than "
+                             "the loaded tag %r: %s. Their saves are skipped and `latest` may "
+                             "still name the run rolled back from", tags, save_dir, name, e)
+                return
+            logger.warning("DataStates: set aside DeepSpeed tag(s) %s of %s: newer than tag %r, "
+                           "which this run resumed from (another run's, e.g. the one rolled back "
+                           "from); moved whole into %s (nothing is deleted); `latest` names %r "
+                           "until this run commits a newer tag", tags, save_dir, name, into, name)
+        elif os.path.basename(tag_dir) in tags:
+            deadline = time.monotonic() + SET_ASIDE_WAIT_S
+            while tag_is_committed(tag_dir) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if tag_is_committed(tag_dir):
+                logger.error("DataStates: rank %d waited %g s for rank 0 to set aside DeepSpeed "
+                             "tag %r (newer than the loaded tag %r); it is still there, so this "
+                             "rank skips its save", self.rank, SET_ASIDE_WAIT_S,
+                             os.path.basename(tag_dir), name)
 
     def _start_tag(self, tag_dir: str) -> _Tag:
         marker = tag_marker(tag_dir, self.rank)

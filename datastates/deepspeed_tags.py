@@ -169,19 +169,70 @@ def _tag_order(save_dir: str, tag: str) -> tuple:
     return (int(m.group(1)) if m else -1, float(doc.get("started", 0.0)))
 
 
+def _latest(save_dir: str) -> str:
+    """The tag DeepSpeed's `latest` file of `save_dir` names ('' without one)."""
+    try:
+        with open(os.path.join(save_dir, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def advance_latest(save_dir: str, tag: str) -> None:
     """Point DeepSpeed's `latest` file at `tag` unless it names a newer committed tag."""
-    path = os.path.join(save_dir, "latest")
-    try:
-        with open(path) as f:
-            current = f.read().strip()
-    except OSError:
-        current = ""
+    current = _latest(save_dir)
     if current and current != tag and tag_is_committed(os.path.join(save_dir, current)) \
             and _tag_order(save_dir, current) > _tag_order(save_dir, tag):
         return
     if current != tag:
-        atomic_write(path, tag.encode())
+        atomic_write(os.path.join(save_dir, "latest"), tag.encode())
+
+
+def _newer(save_dir: str, tag: str, than: str) -> bool:
+    """Whether committed `tag` was saved after `than` in a rollback's sense: by step when both
+    are DeepSpeed's default tags, else by save start time when both are committed; False when
+    they cannot be compared (e.g. `than` is another engine's torch.save tag with its own name)."""
+    steps = [re.fullmatch(r"global_step(\d+)", t) for t in (tag, than)]
+    if all(steps):
+        return int(steps[0].group(1)) > int(steps[1].group(1))
+    docs = [_read_doc(tag_commit(os.path.join(save_dir, t))) for t in (tag, than)]
+    if not all(docs):
+        return False
+    return float(docs[0].get("started", 0.0)) > float(docs[1].get("started", 0.0))
+
+
+def newer_committed_tags(save_dir: str, than: str) -> List[str]:
+    """The committed tags of `save_dir` saved after tag `than` (`_newer`), oldest first: after a
+    run resumed from `than` in that directory, those are another run's (the one rolled back
+    from), which this run's saves would otherwise meet."""
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return []
+    return sorted((n for n in names if n != than
+                   and tag_is_committed(os.path.join(save_dir, n)) and _newer(save_dir, n, than)),
+                  key=lambda n: _tag_order(save_dir, n))
+
+
+def superseded_dir(save_dir: str, loaded: str) -> str:
+    """Where `supersede_tags` moves the tags a run resumed from tag `loaded` replaces."""
+    return os.path.join(save_dir, f"superseded-by-{loaded}-{time.strftime('%Y%m%dT%H%M%S')}")
+
+
+def supersede_tags(save_dir: str, tags: List[str], loaded: str) -> str:
+    """Rank 0: move committed `tags` of `save_dir`, whole and untouched, into a
+    `superseded_dir` (no DeepSpeed load, `latest` or save meets them there), `latest` first:
+    to `loaded` if it names one of them (a kill in between leaves it naming a tag in place).
+    Returns that directory."""
+    if _latest(save_dir) in tags:
+        atomic_write(os.path.join(save_dir, "latest"), loaded.encode())
+    into = superseded_dir(save_dir, loaded)
+    os.makedirs(into, exist_ok=True)
+    for tag in tags:
+        os.replace(os.path.join(save_dir, tag), os.path.join(into, tag))
+    fsync_dir(into)
+    fsync_dir(save_dir)
+    return into
 
 
 def newest_committed_tag(save_dir: str) -> Optional[str]:

@@ -14,6 +14,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -230,6 +231,81 @@ def test_load_refuses_uncommitted_tags_and_reads_torch_files_safely(tmp_path, ds
     with pytest.raises(CheckpointError, match="host_cache_size is the host cache in GiB"):
         CheckpointEngine({"datastates_ckpt": {"host_cache_size": 0}}, 0)
     engine.close()
+
+
+def test_a_resume_from_an_older_tag_sets_the_newer_ones_aside(tmp_path, caplog):
+    """DeepSpeed's load_checkpoint(tag=older) in the save directory: the other run's newer tags
+    would have this run's saves of them skipped and `latest` stay on that run's newest (a restart
+    would resume it). Rank 0 moves them whole aside at the first save, `latest` back first; rank
+    1, saving into one of them before rank 0 got there, waits for it. Two ranks' engines in one
+    process, each saving its own file of every tag, as DeepSpeed's ranks do."""
+    save_dir = tmp_path / "ckpt"
+
+    def engines():
+        pair = [CheckpointEngine({"datastates_ckpt": {"host_cache_size": 0.01}}, r)
+                for r in (0, 1)]
+        for e in pair:
+            e.world_size = 2
+        return pair
+
+    def save(pair, root, step, value, ranks=(0, 1)):
+        tag = root / f"global_step{step}"
+        tag.mkdir(parents=True, exist_ok=True)
+        for r in ranks:
+            pair[r].save({"x": torch.full((4,), float(value))}, str(tag / f"rank{r}.pt"))
+
+    def value(root, step, r):
+        return read_file(str(root / f"global_step{step}" / f"rank{r}.pt"))["x"][0].item()
+
+    first = engines()
+    for step in (2, 4, 6):
+        save(first, save_dir, step, step)
+        for e in first:
+            e.wait(persist=True)
+    for e in first:
+        e.close()
+    assert (save_dir / "latest").read_text() == "global_step6"
+    markers = {s: (save_dir / f"global_step{s}" / ".datastates" / "COMMIT.json").read_bytes()
+               for s in (4, 6)}
+
+    second = engines()
+    for r, e in enumerate(second):
+        assert e.load(str(save_dir / "global_step2" / f"rank{r}.pt"))["x"][0].item() == 2.0
+    rank1 = threading.Thread(target=save, args=(second, save_dir, 4, -4, (1,)))
+    with caplog.at_level(logging.WARNING, logger="datastates.deepspeed_engine"):
+        rank1.start()  # before rank 0's save: it waits for the other run's tag 4 to be moved
+        time.sleep(0.2)
+        save(second, save_dir, 4, -4, (0,))
+        rank1.join(timeout=60)
+        for e in second:
+            e.wait(persist=True)
+    assert not rank1.is_alive()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "set aside DeepSpeed tag(s) ['global_step4', 'global_step6']" \
+        in lines[0] and "newer than tag 'global_step2', which this run resumed from" in lines[0]
+    aside = [d for d in os.listdir(save_dir) if d.startswith("superseded-by-global_step2-")]
+    assert len(aside) == 1 and sorted(os.listdir(save_dir / aside[0])) == \
+        ["global_step4", "global_step6"]
+    for s, marker in markers.items():  # moved whole, untouched
+        assert (save_dir / aside[0] / f"global_step{s}" / ".datastates" / "COMMIT.json"
+                ).read_bytes() == marker
+        assert value(save_dir / aside[0], s, 1) == s
+    assert tag_is_committed(str(save_dir / "global_step4"))
+    assert [value(save_dir, 4, r) for r in (0, 1)] == [-4.0, -4.0]
+    assert (save_dir / "latest").read_text() == "global_step4"
+    for e in second:
+        e.close()
+
+    # Fine-tuning from tag 2 into another directory leaves this one alone.
+    third = engines()
+    for r, e in enumerate(third):
+        e.load(str(save_dir / "global_step2" / f"rank{r}.pt"))
+    save(third, tmp_path / "ft", 4, 40)
+    for e in third:
+        e.close()
+    assert tag_is_committed(str(tmp_path / "ft" / "global_step4"))
+    assert value(save_dir, 4, 0) == -4.0 and (save_dir / "latest").read_text() == "global_step4"
+    assert len([d for d in os.listdir(save_dir) if d.startswith("superseded")]) == 1
 
 
 class _Evil:

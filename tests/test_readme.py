@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from datastates.deepspeed_tags import tag_is_committed
+
 REPO = Path(__file__).resolve().parent.parent
 ITERS = 3
 # "path:line: SomeWarning: text", as Python's warnings module prints it, and megatron-core's
@@ -119,14 +121,19 @@ def test_readme_commands_run_as_written(tmp_path):
         outputs["torch_dist load"][-3000:]
     assert (runs / "demo_from_hf" / "manifest.json").is_file()
     # DeepSpeed's own engine class on ours, ZeRO-1: trained to 12, resumed from tag 8 to 12
-    # bit-exactly, its save of the committed tag 12 skipped.
+    # bit-exactly; the first run's tag 12, newer than the tag resumed from, set aside whole (both
+    # ranks save into tag 12 at once: rank 1 waits for rank 0 to move it) and saved anew.
     deepspeed = next(t for h, t in outputs.items() if h.startswith("DeepSpeed"))
     assert "resumed from runs/ds/global_step8/mp_rank_00_model_states.pt at step 8" in deepspeed
     first, second = deepspeed.split("resumed from", 1)
     losses = [re.findall(r"^step (\d+)/ 12 \| loss: (\S+)", t, re.M) for t in (first, second)]
     assert [s for s, _ in losses[0]] == [str(i) for i in range(1, 13)], deepspeed[-3000:]
     assert losses[1] == losses[0][8:], deepspeed[-3000:]
-    assert "skipping the save of DeepSpeed tag 'global_step12'" in second
+    assert re.search(r"set aside DeepSpeed tag\(s\) \['global_step12'\] of \S+/runs/ds: newer than "
+                     r"tag 'global_step8'", second), second[-3000:]
+    aside = [d for d in os.listdir(runs / "ds") if d.startswith("superseded-by-global_step8-")]
+    assert len(aside) == 1 and tag_is_committed(str(runs / "ds" / aside[0] / "global_step12"))
+    assert tag_is_committed(str(runs / "ds" / "global_step12"))
     assert (runs / "ds" / "latest").read_text() == "global_step12"
     assert (runs / "demo_u2").is_dir() and (runs / "docs_text_document.idx").is_file(), \
         outputs["other tools"][-3000:]
