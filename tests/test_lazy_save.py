@@ -76,6 +76,38 @@ def dp2(tmp_path_factory):
     return run, root
 
 
+def _model_pieces(directory):
+    """{(key, global offset): CRC-32C of each chunk} of the model's tensors in a DataStates
+    version (every rank's index); the optimizer's are left out (their sharding follows the
+    gradient buckets)."""
+    out = {}
+    for index in directory.glob("index_r*.json"):
+        for t in json.loads(index.read_text())["tensors"]:
+            if not t["key"].startswith("optimizer."):
+                out[t["key"], tuple(t["global_offset"])] = [c[2] for c in t["chunks"]]
+    return out
+
+
+def test_dp2_overlapped_grad_reduce_and_param_gather_save_what_each_step_made(dp2, tmp_path):
+    """Megatron-LM's Llama launch lines carry --overlap-grad-reduce --overlap-param-gather. Then
+    the optimizer step leaves the all-gather of the updated parameters to the next forward pass,
+    which the lazy copy overlaps: each save gathers them first, as Megatron-LM's saves do. The
+    losses and every model tensor of every checkpoint are dp2's (one bucket, as dp2's, so the
+    numbers are the same to the bit). Without the gather, the pieces a rank wrote of another
+    rank's shard were the previous iteration's: a resume hid it, since its first forward gathers
+    every rank's fresh shard, but a conversion or a model-only load would not."""
+    run, root = dp2
+    other = tmp_path / "overlap"
+    overlapped = launch(2, TINY_MODEL + SIX + LAZY + DISTOPT + [
+        "--save", str(other), "--keep-last-n-checkpoints", "4", "--overlap-grad-reduce",
+        "--overlap-param-gather"])
+    _check_committed_run(overlapped, other, [1, 2, 3, 4, 5, 6], kept=[3, 4, 5, 6])
+    assert overlapped.losses() == run.losses()
+    for it in (3, 4, 5, 6):
+        theirs = _model_pieces(root / f"iter_{it:07d}")
+        assert theirs and _model_pieces(other / f"iter_{it:07d}") == theirs, it
+
+
 def test_dp2_retention_keeps_newest_four(dp2):
     _, root = dp2
     kept = sorted(p.name for p in root.iterdir() if p.name.startswith("iter_"))

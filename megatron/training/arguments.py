@@ -130,6 +130,15 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="split norm and dropout activations along the sequence over the TP ranks")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over the data-parallel ranks (ZeRO-1)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradients bucket by bucket during backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer and --overlap-grad-reduce: all-gather "
+                   "updated parameters during the next forward pass (gathered before a "
+                   "checkpoint or a validation)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="gradient bucket size in elements with --overlap-grad-reduce (default "
+                   "max(40M, 1M * data-parallel size))")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -972,6 +981,13 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
              "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
              "each other; pass one of them")
     _require(a.log_interval > 0, f"--log-interval must be > 0, got {a.log_interval}")
+    _require(not a.overlap_param_gather or a.use_distributed_optimizer,
+             "--overlap-param-gather needs --use-distributed-optimizer (it overlaps that "
+             "optimizer's all-gather of the updated parameters)")
+    _require(not a.overlap_param_gather or a.overlap_grad_reduce,
+             "--overlap-param-gather needs --overlap-grad-reduce, as in Megatron-LM")
+    _require(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
+             f"--ddp-bucket-size must be > 0 elements, got {a.ddp_bucket_size}")
     _check_warmup(a)
     if a.mock_data and a.vocab_size is None and a.tokenizer_type == "NullTokenizer":
         raise ArgumentError("--mock-data with NullTokenizer needs --vocab-size")
@@ -981,6 +997,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=a.sequence_parallel,
         use_distributed_optimizer=a.use_distributed_optimizer, world_size=world_size,
+        overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
+        ddp_bucket_size=a.ddp_bucket_size,
         decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers)
     optimizer = OptimizerConfig(

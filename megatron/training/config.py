@@ -174,6 +174,16 @@ class ParallelConfig:
     """Split layer-norm and dropout activations along the sequence over the TP ranks."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over the data-parallel ranks (ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Reduce each bucket of gradients over the data-parallel ranks as soon as backward has made
+    it, overlapping backward (Megatron-LM's --overlap-grad-reduce)."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather the updated parameters during the next forward
+    pass, bucket by bucket, instead of in the optimizer step (--overlap-param-gather). A
+    checkpoint or a validation gathers them first (`model.params_gathered`)."""
+    ddp_bucket_size: Optional[int] = None
+    """Gradient bucket size in elements with overlap_grad_reduce; None: megatron-core's
+    default, max(40M, 1M * data-parallel size)."""
     world_size: int = 1
     """Total ranks; data-parallel size = world_size / (TP * PP)."""
     decoder_first_pipeline_num_layers: Optional[int] = None

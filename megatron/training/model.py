@@ -7,6 +7,7 @@ and GPTModel arguments as Megatron-LM does.
 from __future__ import annotations
 
 import zlib
+from contextlib import contextmanager
 from typing import List
 
 import torch
@@ -176,12 +177,39 @@ def wrap_model(chunks, model: ModelConfig, parallel: ParallelConfig, config):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=model.bf16,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        overlap_param_gather=parallel.overlap_param_gather,
+        # Megatron-LM's default (--no-align-param-gather is not taken): with a pipeline, every
+        # stage's first all-gather is dispatched by the schedule (`param_sync_func`).
+        align_param_gather=parallel.overlap_param_gather,
+        bucket_size=parallel.ddp_bucket_size,
     )
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                 disable_bucketing=(i > 0))
         for i, c in enumerate(chunks)
     ]
+
+
+@contextmanager
+def params_gathered(chunks, parallel: ParallelConfig):
+    """With --overlap-param-gather the optimizer step leaves the all-gather of the updated
+    parameters to the next forward pass (each module's pre-hook waits for its bucket). A
+    checkpoint or a validation needs them now: as Megatron-LM does around its saves and
+    evaluations, the pre-hooks are taken off, which all-gathers every bucket synchronously, and
+    put back after. A lazy snapshot copied during the next forward/backward then reads what was
+    gathered here: nothing writes the parameters again before the next optimizer step (a pre-hook
+    that gathers again writes the same values)."""
+    if not parallel.overlap_param_gather:
+        yield
+        return
+    for chunk in chunks:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            chunk.enable_forward_pre_hook()
 
 
 def unwrap(chunk):

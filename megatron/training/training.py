@@ -31,6 +31,7 @@ from megatron.training.model import (
     count_parameters,
     initialize_weights_layout_independent,
     params_dtype,
+    params_gathered,
     transformer_config,
     wrap_model,
 )
@@ -133,8 +134,12 @@ def setup(config: RunConfig, started_at: Optional[float] = None) -> Trainer:
     # Hooks the megatron-core schedules call: loss scaling, grad sync control, grad finalisation
     # (DP all-reduce, tied-embedding and sequence-parallel norm all-reduces).
     model_config.grad_scale_func = optimizer.scale_loss
-    no_sync = [m.no_sync for m in model]
-    model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    one = lambda funcs: funcs[0] if len(funcs) == 1 else funcs  # noqa: E731 (per model chunk)
+    model_config.no_sync_func = one([m.no_sync for m in model])
+    if config.parallel.overlap_grad_reduce:  # with a pipeline the schedule starts each chunk's
+        model_config.grad_sync_func = one([m.start_grad_sync for m in model])
+    if config.parallel.overlap_param_gather:  # ... and dispatches its first all-gather
+        model_config.param_sync_func = one([m.start_param_sync for m in model])
     model_config.finalize_model_grads_func = finalize_model_grads
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
     metrics = Metrics.open(config, dist.get_rank(), dist.get_world_size())
@@ -240,13 +245,14 @@ def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False,
         chunk.eval()
     iterators = _data_iterators(trainer, trainer.datasets.valid, state.consumed_valid_samples)
     losses = []
-    for done in range(1, t.eval_iters + 1):
-        losses += _run_schedule(trainer, iterators, forward_only=True)
-        state.consumed_valid_samples += t.global_batch_size
-        if time_up is not None and done < t.eval_iters and time_up():
-            print_rank_0(f"validation stopped after {done} of {t.eval_iters} iterations: "
-                         f"--exit-duration-in-mins {t.exit_duration_in_mins:g} is reached")
-            return None
+    with params_gathered(state.model, trainer.config.parallel):
+        for done in range(1, t.eval_iters + 1):
+            losses += _run_schedule(trainer, iterators, forward_only=True)
+            state.consumed_valid_samples += t.global_batch_size
+            if time_up is not None and done < t.eval_iters and time_up():
+                print_rank_0(f"validation stopped after {done} of {t.eval_iters} iterations: "
+                             f"--exit-duration-in-mins {t.exit_duration_in_mins:g} is reached")
+                return None
     loss = _reduce_loss(losses)
     trainer.checkpoints.validation_done(state.iteration, t_start, time.time())
     if loss is not None:

@@ -49,6 +49,7 @@ from megatron.training.checkpointing.contents import TrainState
 from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
 from megatron.training.metrics import CheckpointRecord, Metrics
+from megatron.training.model import params_gathered
 from megatron.training.checkpointing.retention import apply_retention, remove_now
 from megatron.training.checkpointing.save_interval import AutoInterval, Decision
 from megatron.training.timers import report_times, report_times_across_ranks
@@ -301,7 +302,8 @@ class CheckpointManager:
         track = self.log_save_calls and dist.get_rank() == 0
         if track:
             self._save_started[root, iteration] = start
-        self._save(state, root)
+        with params_gathered(state.model, self.config.parallel):  # --overlap-param-gather
+            self._save(state, root)
         seconds = time.time() - start
         if self.log_save_calls:
             print_rank_0(f"saved {'' if persistent else 'non-persistent '}checkpoint at iteration "
