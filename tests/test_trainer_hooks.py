@@ -6,7 +6,8 @@ from megatron.training.checkpointing.manager import CheckpointManager
 ARGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 4 --train-iters 4 --lr 1e-3 --mock-data "
         "--vocab-size 127 --log-interval 1 --eval-interval 0 --hidden-dropout 0 "
-        "--attention-dropout 0 --exit-interval 3 --exit-duration-in-mins 600")
+        "--attention-dropout 0 --exit-interval 3 --exit-duration-in-mins 600 "
+        "--distributed-timeout-minutes 7")
 
 
 class Recorder(CheckpointManager):
@@ -40,6 +41,15 @@ def test_hooks_run_in_order_and_before_the_weights_change():
     config = build_run_config(parse_args(ARGS.split()), world_size=1)
     trainer = setup(config)
     try:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        for group in (dist.group.WORLD, ps.get_data_parallel_group()):  # the training's groups
+            backend = group._get_backend(torch.device("cpu"))
+            assert backend.options._timeout == timedelta(minutes=7)
         recorder = Recorder(config, trainer.state.model)
         trainer.checkpoints = recorder
         assert train(trainer) == 3  # --exit-interval 3 (the duration, agreed on, is far off)

@@ -46,6 +46,7 @@ def config(extra="", world_size=1):
     ("--use-distributed-optimizer --overlap-param-gather", 1,
      "--overlap-param-gather needs --overlap-grad-reduce, as in Megatron-LM"),
     ("--overlap-grad-reduce --ddp-bucket-size 0", 1, "--ddp-bucket-size must be > 0 elements"),
+    ("--distributed-timeout-minutes 0", 1, "--distributed-timeout-minutes must be > 0, got 0"),
     ("--exit-duration-in-mins -5", 1,
      "--exit-duration-in-mins must be >= 0 minutes (0: no limit), got -5.0"),
     ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),

@@ -136,6 +136,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="with --use-distributed-optimizer and --overlap-grad-reduce: all-gather "
                    "updated parameters during the next forward pass (gathered before a "
                    "checkpoint or a validation)")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="how long a collective of the training may wait before it fails")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="gradient bucket size in elements with --overlap-grad-reduce (default "
                    "max(40M, 1M * data-parallel size))")
@@ -986,6 +988,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
              "optimizer's all-gather of the updated parameters)")
     _require(not a.overlap_param_gather or a.overlap_grad_reduce,
              "--overlap-param-gather needs --overlap-grad-reduce, as in Megatron-LM")
+    _require(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be > 0, got "
+             f"{a.distributed_timeout_minutes}")
     _require(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
              f"--ddp-bucket-size must be > 0 elements, got {a.ddp_bucket_size}")
     _check_warmup(a)
@@ -999,6 +1003,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         use_distributed_optimizer=a.use_distributed_optimizer, world_size=world_size,
         overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
         ddp_bucket_size=a.ddp_bucket_size,
+        distributed_timeout_minutes=a.distributed_timeout_minutes,
         decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers)
     optimizer = OptimizerConfig(

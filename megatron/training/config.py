@@ -184,6 +184,10 @@ class ParallelConfig:
     ddp_bucket_size: Optional[int] = None
     """Gradient bucket size in elements with overlap_grad_reduce; None: megatron-core's
     default, max(40M, 1M * data-parallel size)."""
+    distributed_timeout_minutes: int = 10
+    """How long a collective of the training's process groups may wait before it fails
+    (Megatron-LM's --distributed-timeout-minutes); checkpointing's own collectives have theirs
+    (--ckpt-drain-timeout)."""
     world_size: int = 1
     """Total ranks; data-parallel size = world_size / (TP * PP)."""
     decoder_first_pipeline_num_layers: Optional[int] = None

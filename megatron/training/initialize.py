@@ -20,7 +20,7 @@ def backend_name() -> str:
     return "nccl" if cuda_available() else "gloo"
 
 
-def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10,
+def initialize_distributed(parallel: ParallelConfig,
                            control_timeout_s: Optional[float] = None) -> None:
     """1) patch megatron-core for CPU if needed; 2) init the default process group from the
     torchrun environment (a single process without torchrun gets a world of one);
@@ -39,7 +39,8 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10,
         init_method = "env://" if "MASTER_PORT" in os.environ else \
             f"tcp://127.0.0.1:{_free_port()}"
         dist.init_process_group(backend=backend_name(), init_method=init_method, rank=rank,
-                                world_size=world, timeout=timedelta(minutes=timeout_minutes))
+                                world_size=world,
+                                timeout=timedelta(minutes=parallel.distributed_timeout_minutes))
     if dist.get_world_size() != parallel.world_size:
         raise ValueError(f"config was built for world size {parallel.world_size} but "
                          f"torch.distributed has {dist.get_world_size()} ranks")
@@ -48,6 +49,7 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10,
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            distributed_timeout_minutes=parallel.distributed_timeout_minutes,
         )
     control_plane.control_group(control_timeout_s)  # checkpointing's gloo group, every rank
 
