@@ -214,8 +214,9 @@ def test_resume_with_another_schedule_follows_megatron_lms_rule(dropout_run):
     assert refused.returncode == 2, refused.describe()
     errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
     assert len(errors) == 1, refused.describe()
-    for needle in ("another learning-rate schedule", "--lr-decay-iters (default --train-iters) x "
-                   "global batch: checkpoint 48, this run 56", "--override-opt_param-scheduler",
+    for needle in ("another learning-rate schedule", "decay samples (--lr-decay-iters, default "
+                   "--train-iters, x global batch; or --lr-decay-samples, default "
+                   "--train-samples): checkpoint 48, this run 56", "--override-opt_param-scheduler",
                    "--use-checkpoint-opt_param-scheduler"):
         assert needle in errors[0], (needle, errors[0])
     for flag, says in (("--override-opt_param-scheduler", "following this run's flags"),

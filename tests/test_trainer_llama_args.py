@@ -68,10 +68,47 @@ def test_precision_recompute_and_warmup_flags_resolve():
     assert uneven.model.recompute_num_layers == 4  # the first stage holds 4 layers
     assert c.optimizer.lr_warmup_fraction == 0.25 and c.optimizer.lr_warmup_iters == 0
     # Megatron-LM: warm-up samples = fraction * decay samples (100 iterations of 8 samples).
-    assert schedule_steps(c) == (200.0, 800)
-    assert schedule_steps(config("--lr-warmup-iters 3 --train-iters 100")) == (24, 800)
+    assert schedule_steps(c) == (200.0, 800, 800)
+    assert schedule_steps(config("--lr-warmup-iters 3 --train-iters 100")) == (24, 800, 800)
     assert config("--fp16").optimizer.initial_loss_scale == 2.0 ** 32
     assert config("--bf16 --loss-scale 1024").optimizer.loss_scale == 1024
+
+
+def _by_samples(extra):
+    argv = (BASE.replace("--train-iters 4", "") + " " + extra).split()
+    return build_run_config(parse_args(argv), world_size=1)
+
+
+def test_sample_based_training_counts_as_megatron_lm():
+    from megatron.training.training import schedule_steps
+
+    c = _by_samples("--train-samples 100 --lr-warmup-samples 12 --lr-decay-samples 90")
+    assert (c.training.train_iters, c.training.train_samples) == (12, 100)  # 100 // 8
+    assert schedule_steps(c) == (12, 90, 100)
+    assert schedule_steps(_by_samples("--train-samples 100 --lr-warmup-fraction 0.1")) == \
+        (10.0, 100, 100)
+    # The same lengths in samples as in iterations make the same schedule.
+    assert schedule_steps(_by_samples("--train-samples 48 --lr-warmup-samples 8")) == \
+        schedule_steps(config("--train-iters 6 --lr-warmup-iters 1"))
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("--train-iters 4 --train-samples 40", "pass one of --train-iters and --train-samples (the "
+     "length of the run), got both"),
+    ("", "pass one of --train-iters and --train-samples (the length of the run), got neither"),
+    ("--train-iters 4 --lr-warmup-samples 8", "--lr-warmup-samples is for sample-based training "
+     "(--train-samples); with --train-iters use --lr-decay-iters and --lr-warmup-iters"),
+    ("--train-samples 40 --lr-decay-iters 3", "--lr-decay-iters is for iteration-based training "
+     "(--train-iters); with --train-samples use --lr-decay-samples and --lr-warmup-samples"),
+    ("--train-samples 40 --lr-warmup-samples 40", "--lr-warmup-samples must be >= 0 and smaller "
+     "than the decay length (--lr-decay-samples, default --train-samples) 40, got 40"),
+    ("--train-samples 40 --lr-warmup-samples 8 --lr-warmup-fraction 0.1",
+     "--lr-warmup-fraction 0.1 and --lr-warmup-samples 8 both set the warm-up; pass one"),
+])
+def test_sample_and_iteration_flags_do_not_mix(extra, message):
+    with pytest.raises(ArgumentError) as err:
+        _by_samples(extra)
+    assert message in str(err.value)
 
 
 @pytest.mark.parametrize("extra,world,message", [

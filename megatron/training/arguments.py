@@ -149,7 +149,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="samples per forward/backward on one data-parallel rank")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per optimizer step (default micro-batch size * DP)")
-    g.add_argument("--train-iters", type=int, required=True, help="optimizer steps of the run")
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="optimizer steps of the run (or --train-samples)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="samples of the run, instead of --train-iters (Megatron-LM's sample-based "
+                   "training: --train-samples // --global-batch-size iterations)")
     g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay")
     g.add_argument("--lr-decay-style", choices=[s.value for s in LrDecayStyle], default="linear",
@@ -166,6 +170,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="warm-up as a fraction of the decay length (instead of --lr-warmup-iters)")
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="iterations over which the learning rate decays (default --train-iters)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="with --train-samples: samples of linear warm-up from 0 to --lr")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples: samples over which the learning rate decays "
+                   "(default --train-samples)")
     g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay")
     g.add_argument("--clip-grad", type=float, default=1.0,
                    help="clip the global gradient norm to this (0: no clipping)")
@@ -907,17 +916,41 @@ def _check_precision(a: argparse.Namespace) -> None:
              f"above --initial-loss-scale {a.initial_loss_scale}")
 
 
+def _check_length(a: argparse.Namespace, gbs: int) -> None:
+    """Iteration- or sample-based training, as Megatron-LM: the other's flags are refused; with
+    --train-samples, `a.train_iters` is set to the iterations it makes."""
+    _require((a.train_iters is None) != (a.train_samples is None),
+             "pass one of --train-iters and --train-samples (the length of the run), got "
+             + ("both" if a.train_iters is not None else "neither"))
+    if a.train_iters is not None:
+        _require(a.train_iters >= 0, f"--train-iters must be >= 0, got {a.train_iters}")
+        for flag, value in (("--lr-decay-samples", a.lr_decay_samples),
+                            ("--lr-warmup-samples", a.lr_warmup_samples or None)):
+            _require(value is None, f"{flag} is for sample-based training (--train-samples); "
+                     "with --train-iters use --lr-decay-iters and --lr-warmup-iters")
+        return
+    _require(a.train_samples >= 0, f"--train-samples must be >= 0, got {a.train_samples}")
+    for flag, value in (("--lr-decay-iters", a.lr_decay_iters),
+                        ("--lr-warmup-iters", a.lr_warmup_iters or None)):
+        _require(value is None, f"{flag} is for iteration-based training (--train-iters); with "
+                 "--train-samples use --lr-decay-samples and --lr-warmup-samples")
+    a.train_iters = a.train_samples // gbs
+
+
 def _check_warmup(a: argparse.Namespace) -> None:
-    decay = a.lr_decay_iters or a.train_iters
+    samples = a.train_samples is not None
+    unit, length = ("samples", a.train_samples) if samples else ("iters", a.train_iters)
+    warmup = a.lr_warmup_samples if samples else a.lr_warmup_iters
+    decay = (a.lr_decay_samples if samples else a.lr_decay_iters) or length
     if a.lr_warmup_fraction is not None:
-        _require(a.lr_warmup_iters == 0, f"--lr-warmup-fraction {a.lr_warmup_fraction} and "
-                 f"--lr-warmup-iters {a.lr_warmup_iters} both set the warm-up; pass one")
+        _require(warmup == 0, f"--lr-warmup-fraction {a.lr_warmup_fraction} and "
+                 f"--lr-warmup-{unit} {warmup} both set the warm-up; pass one")
         _require(0.0 <= a.lr_warmup_fraction < 1.0, "--lr-warmup-fraction must be >= 0 and < 1 "
                  f"(a fraction of the decay length), got {a.lr_warmup_fraction}")
         return
-    _require(a.lr_warmup_iters >= 0 and (a.lr_warmup_iters < decay or a.train_iters == 0),
-             f"--lr-warmup-iters must be >= 0 and smaller than the decay length "
-             f"(--lr-decay-iters, default --train-iters) {decay}, got {a.lr_warmup_iters}")
+    _require(warmup >= 0 and (warmup < decay or length == 0),
+             f"--lr-warmup-{unit} must be >= 0 and smaller than the decay length "
+             f"(--lr-decay-{unit}, default --train-{unit}) {decay}, got {warmup}")
 
 
 def _model_config(a: argparse.Namespace, tp: int, pp: int, vocab_size: int) -> ModelConfig:
@@ -978,7 +1011,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     gbs = _check_batch(a, dp, vpp, pp)
     _check_checkpointing(a)
     _check_data(a)
-    _require(a.train_iters >= 0, f"--train-iters must be >= 0, got {a.train_iters}")
+    _check_length(a, gbs)
     _require(not (a.override_opt_param_scheduler and a.use_checkpoint_opt_param_scheduler),
              "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
              "each other; pass one of them")
@@ -1009,7 +1042,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     optimizer = OptimizerConfig(
         lr=a.lr, min_lr=a.min_lr, lr_decay_style=LrDecayStyle(a.lr_decay_style),
         lr_warmup_iters=a.lr_warmup_iters, lr_warmup_fraction=a.lr_warmup_fraction,
-        lr_decay_iters=a.lr_decay_iters,
+        lr_decay_iters=a.lr_decay_iters, lr_warmup_samples=a.lr_warmup_samples,
+        lr_decay_samples=a.lr_decay_samples,
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
         adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
         scheduler_on_resume=(SchedulerOnResume.OVERRIDE if a.override_opt_param_scheduler else
@@ -1028,6 +1062,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
              f"{a.exit_duration_in_mins}")
     training = TrainingConfig(
         micro_batch_size=a.micro_batch_size, global_batch_size=gbs, train_iters=a.train_iters,
+        train_samples=a.train_samples,
         seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
         exit_interval=a.exit_interval, exit_duration_in_mins=a.exit_duration_in_mins or None,
         exit_signal_handler=a.exit_signal_handler, manual_gc=a.manual_gc,

@@ -224,6 +224,10 @@ class OptimizerConfig:
     lr_warmup_fraction: Optional[float] = None
     """Warm-up as a fraction of the decay length (Megatron-LM's --lr-warmup-fraction); when set,
     lr_warmup_iters is 0."""
+    lr_warmup_samples: int = 0
+    """With train_samples: samples of linear warm-up (Megatron-LM's --lr-warmup-samples)."""
+    lr_decay_samples: Optional[int] = None
+    """With train_samples: samples over which lr decays; train_samples when not given."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which lr decays; train_iters when not given."""
     weight_decay: float = 0.01
@@ -257,7 +261,10 @@ class TrainingConfig:
     global_batch_size: int
     """Samples per optimizer step over all data-parallel ranks."""
     train_iters: int
-    """Optimizer steps of the whole run."""
+    """Optimizer steps of the whole run (train_samples // global_batch_size with train_samples)."""
+    train_samples: Optional[int] = None
+    """Samples of the whole run for Megatron-LM's sample-based training (--train-samples): the
+    learning-rate schedule then counts in the samples flags; None: iteration-based."""
     seed: int = 1234
     """Seed of python, numpy, torch and the tensor-parallel RNG tracker."""
     eval_interval: int = 1000

@@ -76,30 +76,35 @@ def megatron_optimizer_config(config: RunConfig):
 
 
 def schedule_steps(config: RunConfig) -> tuple:
-    """(warm-up, decay) lengths of the learning-rate schedule in samples, as Megatron-LM counts
-    them; --lr-warmup-fraction is a fraction of the decay length."""
+    """(warm-up, decay, weight-decay increment) lengths of the learning-rate schedule in samples,
+    as Megatron-LM counts them: from the iteration flags times the global batch, or the sample
+    flags of sample-based training; --lr-warmup-fraction is a fraction of the decay length."""
     o, t = config.optimizer, config.training
     gbs = t.global_batch_size
-    decay_steps = max(1, (o.lr_decay_iters or t.train_iters) * gbs)
+    if t.train_samples is not None:
+        decay_steps = max(1, o.lr_decay_samples or t.train_samples)
+        warmup_steps, wd_steps = o.lr_warmup_samples, max(1, t.train_samples)
+    else:
+        decay_steps = max(1, (o.lr_decay_iters or t.train_iters) * gbs)
+        warmup_steps, wd_steps = o.lr_warmup_iters * gbs, max(1, t.train_iters * gbs)
     if o.lr_warmup_fraction is not None:
-        return o.lr_warmup_fraction * decay_steps, decay_steps
-    return o.lr_warmup_iters * gbs, decay_steps
+        warmup_steps = o.lr_warmup_fraction * decay_steps
+    return warmup_steps, decay_steps, wd_steps
 
 
 def _build_optimizer(config: RunConfig, model):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    o, t = config.optimizer, config.training
+    o = config.optimizer
     optimizer = get_megatron_optimizer(megatron_optimizer_config(config), model)
-    gbs = t.global_batch_size
-    warmup_steps, decay_steps = schedule_steps(config)
+    warmup_steps, decay_steps, wd_steps = schedule_steps(config)
     # Megatron counts scheduler steps in samples: one optimizer step advances it by gbs.
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
         lr_decay_style=o.lr_decay_style.value, start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=max(1, t.train_iters * gbs), wd_incr_style="constant",
+        wd_incr_steps=wd_steps, wd_incr_style="constant",
         # Megatron-LM's defaults: neither, so a checkpoint with another schedule is refused
         # (checked with a clear message in checkpointing/contents.py before megatron's assert).
         use_checkpoint_opt_param_scheduler=o.scheduler_on_resume is SchedulerOnResume.CHECKPOINT,

@@ -270,11 +270,15 @@ def common_state(state: TrainState, config: RunConfig) -> dict:
 #: (scheduler attribute, Megatron-LM's name for it in messages) compared on resume.
 _SCHEDULE_FIELDS = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
                     ("lr_warmup_steps", "warm-up samples (--lr-warmup-iters x global batch, "
-                                        "or --lr-warmup-fraction x decay samples)"),
-                    ("lr_decay_steps", "--lr-decay-iters (default --train-iters) x global batch"),
+                                        "--lr-warmup-samples, or --lr-warmup-fraction x decay "
+                                        "samples)"),
+                    ("lr_decay_steps", "decay samples (--lr-decay-iters, default --train-iters, "
+                                       "x global batch; or --lr-decay-samples, default "
+                                       "--train-samples)"),
                     ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"),
                     ("end_wd", "--weight-decay"),
-                    ("wd_incr_steps", "--train-iters x global batch"),
+                    ("wd_incr_steps", "samples of the run (--train-iters x global batch, or "
+                                      "--train-samples)"),
                     ("wd_incr_style", "weight-decay schedule"))
 
 
