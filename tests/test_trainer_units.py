@@ -47,6 +47,11 @@ def config(extra="", world_size=1):
      "--overlap-param-gather needs --overlap-grad-reduce, as in Megatron-LM"),
     ("--overlap-grad-reduce --ddp-bucket-size 0", 1, "--ddp-bucket-size must be > 0 elements"),
     ("--distributed-timeout-minutes 0", 1, "--distributed-timeout-minutes must be > 0, got 0"),
+    ("--save /tmp/x --save-interval 2 --save-retain-interval 3", 1, "--save-retain-interval 3 "
+     "must be a multiple of a fixed --save-interval, as in Megatron-LM (so each retained "
+     "iteration is saved), got --save-interval 2"),
+    ("--save /tmp/x --save-interval 2 --save-retain-interval 0", 1,
+     "--save-retain-interval must be >= 1, got 0"),
     ("--exit-duration-in-mins -5", 1,
      "--exit-duration-in-mins must be >= 0 minutes (0: no limit), got -5.0"),
     ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),

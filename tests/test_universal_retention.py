@@ -30,6 +30,58 @@ def test_retention_keeps_what_a_merge_reads(tmp_path):
     assert sorted(os.listdir(root)) == ["iter_0000004"]
 
 
+def test_save_retain_interval_keeps_its_multiples_besides_the_newest(tmp_path):
+    """Megatron-LM's --save-retain-interval: multiples of it stay; of the others only the newest
+    (alone: the one the tracker names), or the newest --keep-last-n-checkpoints of them."""
+    from megatron.training.checkpointing.retention import apply_retention
+
+    root = tmp_path / "save"
+    for it in range(1, 11):
+        (root / f"iter_{it:07d}").mkdir(parents=True)
+    done = apply_retention(str(root), None, 9, in_flight=[10], retain_every=4)
+    assert done.removed == [1, 2, 3, 5, 6, 7]
+    assert sorted(os.listdir(root)) == [f"iter_{it:07d}" for it in (4, 8, 9, 10)]
+    for it in (11, 12, 13):
+        (root / f"iter_{it:07d}").mkdir()
+    done = apply_retention(str(root), 2, 13, retain_every=4)  # with --keep-last-n-checkpoints 2
+    assert done.removed == [9, 10]
+    assert sorted(os.listdir(root)) == [f"iter_{it:07d}" for it in (4, 8, 11, 12, 13)]
+
+
+def test_a_save_at_a_retained_iteration_is_never_deferred(tmp_path, one_rank_group):
+    """While the persistent level is busy (latest wins), saves due at 2 and 6 are deferred; those
+    at 4 and 8 (--save-retain-interval 4) are made at their iteration."""
+    from megatron.training.arguments import build_run_config, parse_args
+    from megatron.training.checkpointing.contents import TrainState
+    from megatron.training.checkpointing.manager import CheckpointManager
+
+    class Busy(CheckpointManager):
+        def __init__(self, config):
+            super().__init__(config)
+            self.saved = []
+
+        def _persistent_busy(self):
+            return True
+
+        def _times_reported_at_commit(self, root):
+            return True
+
+        def _save(self, state, root):
+            self.saved.append(state.iteration)
+
+    config = build_run_config(parse_args(
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+        "--micro-batch-size 2 --global-batch-size 4 --train-iters 8 --mock-data --vocab-size 127 "
+        f"--save {tmp_path / 'ckpt'} --save-interval 2 --save-retain-interval 4".split()),
+        world_size=1)
+    manager = Busy(config)
+    state = TrainState(model=[], optimizer=None, scheduler=None)
+    for it in range(1, 9):
+        state.iteration = it
+        manager.maybe_save(state)
+    assert manager.saved == [4, 8] and manager.saves_deferred == 2
+
+
 def test_universal_retention_after_each_merge(tmp_path):
     from megatron.training.checkpointing.lazy import LazyCheckpointManager
 

@@ -307,6 +307,11 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "the worker out")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="keep only the newest N complete checkpoints under --save")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep the checkpoints of every N-th iteration under --save; the others go "
+                   "once a newer one is complete (Megatron-LM's), besides the newest "
+                   "--keep-last-n-checkpoints. A save due at a retained iteration is never "
+                   "deferred")
     g.add_argument("--ckpt-failure-policy", choices=[x.value for x in CkptFailurePolicy],
                    default="stop",
                    help="when a save fails (full disk, I/O error, hung writer): stop with the "
@@ -737,6 +742,14 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
              f"--keep-last-n-universal must be >= 1, got {a.keep_last_n_universal}")
     _require(a.keep_last_n_checkpoints is None or a.keep_last_n_checkpoints > 0,
              f"--keep-last-n-checkpoints must be >= 1, got {a.keep_last_n_checkpoints}")
+    if a.save_retain_interval is not None:
+        _require(a.save_retain_interval > 0, "--save-retain-interval must be >= 1, got "
+                 f"{a.save_retain_interval}")
+        _require(a.save_interval not in (None, "auto")
+                 and a.save_retain_interval % a.save_interval == 0,
+                 f"--save-retain-interval {a.save_retain_interval} must be a multiple of a fixed "
+                 f"--save-interval, as in Megatron-LM (so each retained iteration is saved), got "
+                 f"--save-interval {a.save_interval}")
     _require(not a.async_save or a.ckpt_format == "torch_dist",
              f"--async-save needs --ckpt-format torch_dist, got --ckpt-format {a.ckpt_format}")
     if a.ckpt_verify_replicas is not None:
@@ -1083,6 +1096,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lazy_save_wait_persistent=a.lazy_save_wait_persistent,
         lazy_save_on_training_thread=a.lazy_save_on_training_thread,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
+        save_retain_interval=a.save_retain_interval,
         non_persistent_save_interval=(None if a.non_persistent_save_interval == "auto"
                                       else a.non_persistent_save_interval),
         non_persistent_save_interval_auto=a.non_persistent_save_interval == "auto",

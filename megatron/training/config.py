@@ -362,6 +362,10 @@ class CheckpointConfig:
     (megatron-core's FullyParallelLoadStrategyWrapper; CUDA only)."""
     keep_last_n_checkpoints: Optional[int] = None
     """Keep only the newest N complete checkpoints under --save (None: keep all)."""
+    save_retain_interval: Optional[int] = None
+    """Megatron-LM's --save-retain-interval: the checkpoints of iterations that are multiples of
+    it are kept; of the others, the newest (keep_last_n_checkpoints of them, default 1) go once a
+    newer one is complete. A persistent save due at a retained iteration is never deferred."""
     non_persistent_save_interval: Optional[int] = None
     """Megatron-LM's non-persistent checkpoints: also save every this many iterations (where no
     persistent save is due) under `non_persistent_root`, which keeps the newest

@@ -265,7 +265,11 @@ class CheckpointManager:
         if not self.ckpt.save:
             return False
         persistent = force or self.should_save(iteration) or self.deferred_since is not None
-        if persistent and not force and self._persistent_busy():
+        # --save-retain-interval's iterations are saved as such: never deferred (the save then
+        # waits for the level, as every persistent save does with --lazy-save-wait-persistent).
+        retained = bool(self.ckpt.save_retain_interval and self.should_save(iteration)
+                        and iteration % self.ckpt.save_retain_interval == 0)
+        if persistent and not force and not retained and self._persistent_busy():
             if self.deferred_since is None or self.should_save(iteration):
                 self._defer(iteration)
             persistent = False
@@ -470,7 +474,8 @@ class CheckpointManager:
         at_once = not persistent and self.ckpt.non_persistent_ckpt_type == "in_memory"
         done = apply_retention(root, keep, iteration,
                                in_flight=self._in_use() if persistent else [],
-                               remove=remove_now if at_once else self._remove)
+                               remove=remove_now if at_once else self._remove,
+                               retain_every=self.ckpt.save_retain_interval if persistent else None)
         if done.kept_in_use and not at_once:  # in memory: held while a peer replica is sent
             print_rank_0(f"retention: keeping iteration(s) {done.kept_in_use} under "
                          f"{root} for now: a merge or a converter is reading them")

@@ -1,5 +1,6 @@
 """When old checkpoints go: keep the newest K complete ones (`--keep-last-n-checkpoints` under
---save, `--keep-last-n-universal` under the universal root).
+--save, `--keep-last-n-universal` under the universal root), and under --save every multiple of
+`--save-retain-interval` besides them.
 
 Only rank 0 calls this, right after the tracker of a root moved to a newly complete iteration. It
 never touches the iteration the tracker names, anything newer (saves still in flight), an
@@ -48,14 +49,20 @@ def remove_now(trash: str) -> None:
 
 def apply_retention(root: str, keep: Optional[int], latest: int,
                     in_flight: Iterable[int] = (),
-                    remove: Callable[[str], None] = remove_now) -> Removal:
-    """Remove checkpoints older than the newest `keep` ones up to `latest` (see module doc);
-    `remove(trash)` deletes each one once it is renamed out of the `iter_*` namespace."""
+                    remove: Callable[[str], None] = remove_now,
+                    retain_every: Optional[int] = None) -> Removal:
+    """Remove checkpoints older than the newest `keep` ones up to `latest` (see module doc),
+    except multiples of `retain_every` (with it alone, `keep` is 1: Megatron-LM's
+    --save-retain-interval); `remove(trash)` deletes each one once it is renamed out of the
+    `iter_*` namespace."""
     out = Removal()
+    if retain_every:
+        keep = keep or 1
     if not keep or keep <= 0:
         return out
     protected = set(in_flight) | {latest}
-    candidates = [it for it in iteration_dirs(root) if it <= latest and it not in protected]
+    candidates = [it for it in iteration_dirs(root) if it <= latest and it not in protected
+                  and not (retain_every and it % retain_every == 0)]
     # `latest` itself counts as one of the kept checkpoints.
     for it in candidates[:max(0, len(candidates) - (keep - 1))]:
         name = f"iter_{it:07d}"
