@@ -25,10 +25,15 @@ def main(argv=None) -> int:
     from megatron.training.arguments import ArgumentError, build_run_config, parse_args
 
     from datastates import CheckpointError  # the trainer's checkpoint errors subclass it
+    from megatron.training.checkpointing.checkpoint_args import apply_checkpoint_args
 
     try:
-        config = build_run_config(parse_args(argv))
-    except (ArgumentError, ValueError) as err:
+        args = parse_args(argv)
+        for line in apply_checkpoint_args(args):  # --use-checkpoint-args: before the checks
+            if os.environ.get("RANK", "0") == "0":
+                print(line, flush=True)
+        config = build_run_config(args)
+    except (ArgumentError, ValueError, CheckpointError) as err:
         # Every rank finds the same mistake; one copy of the message is enough. The other ranks
         # must not end first: the launcher (torchrun, srun) would stop rank 0 before its line is
         # out, and rank 0 may reach the same error seconds later on a loaded machine (its

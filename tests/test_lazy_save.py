@@ -184,6 +184,14 @@ def test_dp2_resume_bit_exact_and_incomplete_never_loaded(dp2, tmp_path):
     write_universal(open_source(str(tmp_path / "load" / "iter_0000005")),
                     str(uroot / "iter_0000005"))
     (uroot / "latest_checkpointed_iteration.txt").write_text("5")
+    # --use-checkpoint-args reads a universal checkpoint's model from its manifest.
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing.checkpoint_args import apply_checkpoint_args
+
+    args = parse_args(["--micro-batch-size", "2", "--train-iters", "6", "--mock-data",
+                       "--use-checkpoint-args", "--load", str(uroot)])
+    (line,) = apply_checkpoint_args(args)
+    assert f"model flags from {uroot / 'iter_0000005'}: --num-layers 4 --hidden-size 64 " in line
     resumed = launch(2, TINY_MODEL + SIX + DISTOPT + LAZY + [
         "--load", load, "--save", load, "--universal-checkpoint-interval", "100"])
     assert resumed.returncode == 0, resumed.describe()

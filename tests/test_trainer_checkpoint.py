@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from megatron.training.arguments import parse_args
+from megatron.training.checkpointing.checkpoint_args import apply_checkpoint_args
 from trainer_launch import (NO_DROPOUT, TINY_MODEL, after, assert_close, copy_checkpoints,
                             launch, send_sigterm_to_tree)
 
@@ -53,6 +55,13 @@ def test_torch_format_exit_interval_then_bit_exact_resume(dropout_run, tmp_path)
     assert sorted(first.losses()) == [1, 2, 3]
     assert (root / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt").is_file()
     assert open(root / "latest_checkpointed_iteration.txt").read().strip() == "3"
+    # --use-checkpoint-args reads the torch format's model too (a file of one (TP, PP) rank).
+    args = parse_args(_without_model_flags(TINY_MODEL) + ["--train-iters", "6",
+                                                          "--use-checkpoint-args",
+                                                          "--load", str(root)])
+    (line,) = apply_checkpoint_args(args)
+    assert f"model flags from {root / 'iter_0000003'}: --num-layers 4 --hidden-size 64 " in line
+    assert (args.num_layers, args.seq_length, args.max_position_embeddings) == (4, 32, 32)
     resumed = launch(1, TINY_MODEL + SIX + ["--ckpt-format", "torch", "--load", str(root)])
     assert resumed.returncode == 0, resumed.describe()
     assert resumed.losses() == after(run.losses(), 3)
@@ -101,6 +110,46 @@ def test_resume_at_another_layout_restores_weights_and_optimizer(distopt_async_r
 def _digests(directory):
     return {p.relative_to(directory): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+MODEL_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+               "--max-position-embeddings")
+
+
+def _without_model_flags(argv):
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item in MODEL_FLAGS:
+            skip = True
+        else:
+            out.append(item)
+    return out
+
+
+def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(dropout_run, tmp_path):
+    """Megatron-LM's --use-checkpoint-args: a launch that gives no model flags, and an
+    architecture flag the checkpoint overrides (--swiglu), resumes the dropout run's iteration 3
+    (--ckpt-step) and prints its losses, bit for bit. Without a checkpoint in --load, the flags
+    that are missing are named."""
+    run, root = dropout_run
+    argv = _without_model_flags(TINY_MODEL) + SIX + ["--use-checkpoint-args", "--load",
+                                                     str(root), "--ckpt-step", "3", "--swiglu"]
+    resumed = launch(1, argv)
+    assert resumed.returncode == 0, resumed.describe()
+    line = next(ln for ln in resumed.stdout.splitlines() if "--use-checkpoint-args" in ln)
+    for part in (f"model flags from {root / 'iter_0000003'}: ", "--num-layers 4 ",
+                 "--seq-length 32 ", "--ffn-hidden-size 256 ", "--hidden-dropout 0.1 "):
+        assert part in line, line
+    assert "--swiglu" not in line
+    assert resumed.losses() == after(run.losses(), 3)
+    empty = launch(1, argv[:argv.index("--load") + 1] + [str(tmp_path)] + ["--swiglu"])
+    assert empty.returncode == 2 and "the following arguments are required: --num-layers, " \
+        "--hidden-size, --num-attention-heads, --seq-length (--use-checkpoint-args found no " \
+        "checkpoint that gives them)" in empty.stderr, empty.describe()
+    assert f"--use-checkpoint-args: no checkpoint in {tmp_path} to take the model flags from" \
+        in empty.stdout
 
 
 def test_ckpt_step_rolls_back_and_sets_the_newer_checkpoint_aside(dropout_run, tmp_path):

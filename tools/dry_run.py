@@ -154,12 +154,16 @@ def lazy_cache_mb(rank_bytes: int, multiple: int = 64) -> int:
 def _config(launch: list, world_size=None):
     """pretrain_gpt.py's parser and checks on ``launch``; a refused launch is one-line SystemExit."""
     from megatron.training.arguments import ArgumentError, build_run_config, parse_args
+    from megatron.training.checkpointing.checkpoint_args import apply_checkpoint_args
+
+    from datastates import CheckpointError
 
     try:
         namespace = parse_args(launch)
+        apply_checkpoint_args(namespace)  # --use-checkpoint-args, as pretrain_gpt.py
         world = world_size or namespace.tensor_model_parallel_size * namespace.pipeline_model_parallel_size
         return build_run_config(namespace, world_size=world)
-    except (ArgumentError, ValueError) as error:
+    except (ArgumentError, ValueError, CheckpointError) as error:
         raise SystemExit(f"error: the launch arguments do not parse: {error}")
 
 

@@ -43,15 +43,17 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True,
-                   help="transformer layers (all pipeline stages together)")
-    g.add_argument("--hidden-size", type=int, required=True, help="width of the residual stream")
-    g.add_argument("--num-attention-heads", type=int, required=True,
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="transformer layers (all pipeline stages together); this, --hidden-size, "
+                   "--num-attention-heads and --seq-length are required unless "
+                   "--use-checkpoint-args takes them from the --load checkpoint")
+    g.add_argument("--hidden-size", type=int, default=None, help="width of the residual stream")
+    g.add_argument("--num-attention-heads", type=int, default=None,
                    help="attention (query) heads per layer")
     g.add_argument("--ffn-hidden-size", type=int, default=None,
                    help="width of the MLP (default 4 * hidden size; with --swiglu "
                         "int((4 * hidden size * 2 / 3) / 64) * 64, as Megatron-LM)")
-    g.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    g.add_argument("--seq-length", type=int, default=None, help="tokens per sample")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="size of the learned position-embedding table (default --seq-length); "
                         "unused with --position-embedding-type rope")
@@ -234,6 +236,9 @@ def _save_interval(text: str):
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", type=str, default=None, help="directory to save checkpoints in")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model flags from the --load checkpoint (Megatron-LM's rule: "
+                   "its sizes where none is given, its architecture whatever is given)")
     g.add_argument("--load", type=str, default=None,
                    help="directory to resume from (a missing tracker: start from scratch)")
     g.add_argument("--save-interval", type=_save_interval, default=None,
@@ -966,6 +971,17 @@ def _check_warmup(a: argparse.Namespace) -> None:
              f"(--lr-decay-{unit}, default --train-{unit}) {decay}, got {warmup}")
 
 
+def check_required_model_flags(a: argparse.Namespace) -> None:
+    """The model flags a launch must give (argparse's message), unless --use-checkpoint-args
+    took them from the checkpoint (`checkpointing.checkpoint_args`), which runs first."""
+    missing = [f"--{name.replace('_', '-')}" for name in
+               ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+               if getattr(a, name) is None]
+    _require(not missing, "the following arguments are required: " + ", ".join(missing)
+             + (" (--use-checkpoint-args found no checkpoint that gives them)"
+                if a.use_checkpoint_args else ""))
+
+
 def _model_config(a: argparse.Namespace, tp: int, pp: int, vocab_size: int) -> ModelConfig:
     """Check the model and precision flags; the resolved ModelConfig."""
     _check_position_embedding(a)
@@ -1018,6 +1034,7 @@ def _padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
 def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) -> RunConfig:
     """Check the parsed flags against each other and the world size; return the frozen config."""
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    check_required_model_flags(a)
     vpp = _check_parallel(a, world_size)
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     dp = world_size // (tp * pp)
