@@ -253,6 +253,28 @@ def test_settling_several_keeps_the_local_copies_of_the_ones_after_each(tmp_path
     ckpt.finish()
 
 
+def test_a_run_from_an_older_iteration_drops_the_newer_local_copies(tmp_path,
+                                                                    one_rank_megatron):
+    """A run that starts from iteration 3 where the node-local copies of 3 and 4 are (4: the run
+    rolled back from): 4's copy goes before the first save, so `local_keep` counts this run's
+    copies, not that one."""
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
+    from datastates.megatron_adapter.levels.local_tier import local_iterations
+
+    root, local = tmp_path / "ckpt", tmp_path / "local"
+    config = LazySaveConfig(root=str(root), cache_bytes=1 << 20, local_dir=str(local))
+    ckpt = LazyCheckpointer(config, log=lambda _msg: None)
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, _state(step))
+        ckpt.before_optimizer_step()
+    ckpt.finish()
+    assert local_iterations(str(local)) == [3, 4]
+    again = LazyCheckpointer(config, log=lambda _msg: None)
+    assert again.drop_local_copies_newer(3) == [4]
+    assert local_iterations(str(local)) == [3]
+    again.finish()
+
+
 def test_a_failed_commit_of_several_names_the_first_and_settles_those_before(
         tmp_path, one_rank_megatron, monkeypatch):
     """Iterations 2, 3 and 4 are committed together; 3's tracker write fails: 2 is committed and

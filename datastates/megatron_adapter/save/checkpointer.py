@@ -469,6 +469,20 @@ class LazyCheckpointer:
         """The commit in flight of --save's lane (None: none)."""
         return self.persistent.publishing
 
+    def drop_local_copies_newer(self, iteration: int) -> List[int]:
+        """Every rank, before the first save of a run that starts from `iteration`: its files of
+        the --lazy-save-local-dir copies of newer iterations, which are another run's (the one
+        rolled back from; its checkpoints under --save are set aside or torn). Never read again
+        (a copy is used only where it matches --save's version), they would count as the newest
+        in `local_keep` until this run's saves replaced them. Returns the iterations removed."""
+        local_dir = self.config.local_dir
+        if local_dir is None:
+            return []
+        newer = [it for it in local_tier.local_iterations(local_dir) if it > iteration]
+        for it in newer:
+            local_tier.remove_rank_files(checkpoint_dir(local_dir, it), self.rank)
+        return newer
+
     def busy(self, root: Optional[str] = None) -> bool:
         """Whether `root`'s lane (None: --save's) holds a save not yet committed. The same on
         every rank: saves leave a lane only after an agreement."""

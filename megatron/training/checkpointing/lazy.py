@@ -310,8 +310,9 @@ class LazyCheckpointManager(CheckpointManager):
         iteration this run starts from are removed by each node's leader (`drop_node_local_newer`:
         not every node held them intact (--ckpt-fallback-to-previous skipped a damaged one), or
         they were of another model or layout), then the roots are scanned again, so the run's own
-        saves of those iterations never meet them. Then the shared roots' newer checkpoints
-        are set aside (`set_aside_newer`)."""
+        saves of those iterations never meet them. Every rank's --lazy-save-local-dir copies of
+        newer iterations go too. Then the shared roots' newer checkpoints are set aside
+        (`set_aside_newer`)."""
         node = self.checkpointer.node
         if node is not None:
             root = self.non_persistent_root
@@ -331,6 +332,17 @@ class LazyCheckpointManager(CheckpointManager):
                     "saved again")
             control_plane.barrier()
             self.start()
+        try:
+            copies = self.checkpointer.drop_local_copies_newer(start_iteration)
+        except OSError as err:
+            copies = []
+            say(f"[rank {dist.get_rank()}] WARNING: could not remove the --lazy-save-local-dir "
+                f"copies newer than iteration {start_iteration}: {err}")
+        if copies:
+            print_rank_0(f"--lazy-save-local-dir: removed the copies of iteration(s) {copies} "
+                         f"under {self.checkpointer.config.local_dir}: newer than iteration "
+                         f"{start_iteration}, which this run starts from (another run's; a "
+                         "restart reads a copy only where it matches --save's checkpoint)")
         super().begin_training(start_iteration, loaded)
 
     def set_aside_newer(self, start_iteration: int, loaded: Optional[str] = None) -> None:
