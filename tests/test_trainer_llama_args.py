@@ -74,6 +74,37 @@ def test_precision_recompute_and_warmup_flags_resolve():
     assert config("--bf16 --loss-scale 1024").optimizer.loss_scale == 1024
 
 
+def test_llama_launch_line_flags_reach_megatron_core():
+    """Flags of Megatron-LM's Llama launch lines: what each sets in megatron-core's configs, or
+    what it is accepted as; the values this trainer does not build are refused by name."""
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.training.model import layer_spec, transformer_config
+
+    c = config("--attention-backend local --calculate-per-token-loss --kv-channels 16 "
+               "--context-parallel-size 1 --bf16 --grad-reduce-in-bf16 --data-cache-path /tmp/dc "
+               "--no-mmap-bin-files --no-create-attention-mask-in-dataloader "
+               "--empty-unused-memory-level 2")
+    tc = transformer_config(c.model, c.parallel, "gloo")
+    assert tc.attention_backend is AttnBackend.local and tc.calculate_per_token_loss
+    assert "TENorm" not in repr(layer_spec(c.model))  # local: megatron-core's own attention
+    assert c.parallel.grad_reduce_in_bf16 and c.training.empty_unused_memory_level == 2
+    assert (c.data.data_cache_path, c.data.mmap_bin_files) == ("/tmp/dc", False)
+    default = config("")
+    assert transformer_config(default.model, default.parallel, "gloo").attention_backend is \
+        AttnBackend.auto and not default.model.calculate_per_token_loss
+    assert config("--no-create-attention-mask-in-dataloader --kv-channels 16 "
+                  "--context-parallel-size 1") == default  # what they ask for is so here
+    for extra, message in (
+            ("--kv-channels 8", "--kv-channels 8: only --hidden-size / --num-attention-heads = "
+                                "16 is built here"),
+            ("--context-parallel-size 2", "--context-parallel-size 2: context parallelism is "
+                                          "not built here (1 only)"),
+            ("--grad-reduce-in-bf16", "--grad-reduce-in-bf16 needs --bf16"),
+            ("--empty-unused-memory-level 3", "invalid choice: 3")):
+        with pytest.raises(ArgumentError, match=re.escape(message)):
+            config(extra)
+
+
 def _by_samples(extra):
     argv = (BASE.replace("--train-iters 4", "") + " " + extra).split()
     return build_run_config(parse_args(argv), world_size=1)

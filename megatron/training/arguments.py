@@ -92,6 +92,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-mcore-models", action="store_true", dest="use_mcore_models_deprecated",
                    help="deprecated Megatron-LM flag, ignored there too: the model is always "
                         "megatron-core's")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="channels per attention head; only --hidden-size / "
+                        "--num-attention-heads (megatron-core's default) is built here")
+    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+                   default="auto",
+                   help="transformer-engine's attention kernels on a GPU (megatron-core sets "
+                        "its NVTE_* switches); local: megatron-core's own attention (the local "
+                        "layer spec, as on CPU)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="normalise the loss by the tokens of the whole global batch (gradients "
+                        "scaled once, after the data-parallel reduction) instead of per "
+                        "micro-batch")
 
 
 def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
@@ -132,6 +144,11 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="split norm and dropout activations along the sequence over the TP ranks")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over the data-parallel ranks (ZeRO-1)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context parallelism is not built here: 1 only")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: reduce gradients over the data-parallel ranks in bf16 "
+                        "(default fp32)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="reduce gradients bucket by bucket during backward")
     g.add_argument("--overlap-param-gather", action="store_true",
@@ -218,6 +235,10 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--manual-gc-interval", type=int, default=0,
                    help="with --manual-gc: collect every N iterations (0: only around "
                         "validation)")
+    g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
+                   help="on a GPU, give cached unused memory back (torch.cuda.empty_cache): 1 "
+                        "after each forward/backward and validation batch, 2 also after each "
+                        "optimizer step")
     g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
                    help="with --manual-gc: do not collect before and after each validation")
 
@@ -440,6 +461,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                         "none, so giving it is an error)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer: ids in the text (eod gets id vocab size)")
+    g.add_argument("--data-cache-path", type=str, default=None,
+                   help="where megatron-core keeps the datasets' index caches (default: next to "
+                        "the data; the mock dataset's are not kept)")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read the .bin files instead of memory-mapping them")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true",
+                   dest="no_attention_mask_always",
+                   help="accepted: batches never carry an attention mask here (the layer specs "
+                        "build the causal mask)")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -990,6 +1020,9 @@ def _model_config(a: argparse.Namespace, tp: int, pp: int, vocab_size: int) -> M
     _check_recompute(a, pp)
     _check_precision(a)
     _require(a.norm_epsilon > 0, f"--norm-epsilon must be > 0, got {a.norm_epsilon}")
+    head = a.hidden_size // a.num_attention_heads
+    _require(a.kv_channels in (None, head), f"--kv-channels {a.kv_channels}: only --hidden-size "
+             f"/ --num-attention-heads = {head} is built here (megatron-core's default)")
     return ModelConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size,
         num_attention_heads=a.num_attention_heads, ffn_hidden_size=ffn, seq_length=a.seq_length,
@@ -1008,7 +1041,8 @@ def _model_config(a: argparse.Namespace, tp: int, pp: int, vocab_size: int) -> M
                                else RecomputeGranularity(a.recompute_granularity)),
         recompute_method=(None if a.recompute_method is None
                           else RecomputeMethod(a.recompute_method)),
-        recompute_num_layers=a.recompute_num_layers)
+        recompute_num_layers=a.recompute_num_layers, attention_backend=a.attention_backend,
+        calculate_per_token_loss=a.calculate_per_token_loss)
 
 
 def _check_data(a: argparse.Namespace) -> None:
@@ -1051,6 +1085,10 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
              "optimizer's all-gather of the updated parameters)")
     _require(not a.overlap_param_gather or a.overlap_grad_reduce,
              "--overlap-param-gather needs --overlap-grad-reduce, as in Megatron-LM")
+    _require(a.context_parallel_size == 1, f"--context-parallel-size {a.context_parallel_size}: "
+             "context parallelism is not built here (1 only)")
+    _require(not a.grad_reduce_in_bf16 or a.bf16, "--grad-reduce-in-bf16 needs --bf16 (the "
+             "gradients are reduced in the model's precision otherwise)")
     _require(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be > 0, got "
              f"{a.distributed_timeout_minutes}")
     _require(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
@@ -1065,7 +1103,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=a.sequence_parallel,
         use_distributed_optimizer=a.use_distributed_optimizer, world_size=world_size,
         overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
-        ddp_bucket_size=a.ddp_bucket_size,
+        ddp_bucket_size=a.ddp_bucket_size, grad_reduce_in_bf16=a.grad_reduce_in_bf16,
         distributed_timeout_minutes=a.distributed_timeout_minutes,
         decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers)
@@ -1096,7 +1134,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
         exit_interval=a.exit_interval, exit_duration_in_mins=a.exit_duration_in_mins or None,
         exit_signal_handler=a.exit_signal_handler, manual_gc=a.manual_gc,
-        manual_gc_interval=a.manual_gc_interval, manual_gc_eval=a.manual_gc_eval)
+        manual_gc_interval=a.manual_gc_interval, manual_gc_eval=a.manual_gc_eval,
+        empty_unused_memory_level=a.empty_unused_memory_level)
     checkpoint = CheckpointConfig(
         save=a.save, load=a.load,
         save_interval=None if a.save_interval == "auto" else a.save_interval,
@@ -1135,7 +1174,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
         tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size,
-        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+        data_cache_path=a.data_cache_path, mmap_bin_files=a.mmap_bin_files)
     return RunConfig(model=model, parallel=parallel, optimizer=optimizer, training=training,
                      checkpoint=checkpoint, data=data,
                      logging=_logging_config(a))

@@ -155,6 +155,14 @@ class ModelConfig:
     """Which layers full recomputation covers (required with full, None with selective)."""
     recompute_num_layers: Optional[int] = None
     """Layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
+    attention_backend: str = "auto"
+    """Megatron-LM's --attention-backend: transformer-engine's attention kernels on a GPU
+    (auto, flash, fused, unfused; megatron-core sets TE's switches), or local: megatron-core's
+    own attention, the local layer spec (always so without CUDA and TE)."""
+    calculate_per_token_loss: bool = False
+    """Normalise the loss by the tokens of the global batch: megatron-core's schedule sums the
+    micro-batches' token losses and scales the gradients by the total tokens after the
+    data-parallel reduction, instead of averaging per micro-batch."""
 
     @property
     def query_groups(self) -> int:
@@ -181,6 +189,9 @@ class ParallelConfig:
     """With the distributed optimizer: all-gather the updated parameters during the next forward
     pass, bucket by bucket, instead of in the optimizer step (--overlap-param-gather). A
     checkpoint or a validation gathers them first (`model.params_gathered`)."""
+    grad_reduce_in_bf16: bool = False
+    """With bf16: gradients are accumulated and reduced over the data-parallel ranks in bf16
+    instead of fp32 (Megatron-LM's --grad-reduce-in-bf16)."""
     ddp_bucket_size: Optional[int] = None
     """Gradient bucket size in elements with overlap_grad_reduce; None: megatron-core's
     default, max(40M, 1M * data-parallel size)."""
@@ -285,6 +296,9 @@ class TrainingConfig:
     """With manual_gc: a collection every this many iterations (0: none between iterations)."""
     manual_gc_eval: bool = True
     """With manual_gc: a collection before and after each validation."""
+    empty_unused_memory_level: int = 0
+    """Megatron-LM's: on a GPU, torch.cuda.empty_cache() after each forward/backward and
+    validation batch (1), and after each optimizer step too (2); 0: never."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
@@ -460,6 +474,10 @@ class DataConfig:
     """For NullTokenizer: number of ids in the text (eod gets id vocab_size)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times TP."""
+    data_cache_path: Optional[str] = None
+    """Where megatron-core caches the datasets' sample indices (None: next to the data)."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files (Megatron-LM's default; --no-mmap-bin-files reads them)."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,8 @@ def build_datasets(data: DataConfig, model: ModelConfig, training: TrainingConfi
         eod_mask_loss=False,
         # The local layer spec builds its own causal mask; skipping it saves memory and time.
         create_attention_mask=False,
+        path_to_cache=data.data_cache_path,
+        mmap_bin_files=data.mmap_bin_files,
     )
     cls = MockGPTDataset if data.mock_data else GPTDataset
     train, valid, test = BlendedMegatronDatasetBuilder(

@@ -64,8 +64,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: st
         use_cpu_initialization=not cuda_available(),
         batch_p2p_comm=batch_p2p_comm_for(parallel.pipeline_model_parallel_size,
                                           parallel.virtual_pipeline_model_parallel_size, backend),
-        # Megatron-LM masks with the causal attention mask type; the local spec needs no mask tensor.
-        calculate_per_token_loss=False,
+        calculate_per_token_loss=model.calculate_per_token_loss,
+        attention_backend=_attention_backend(model),
     )
 
 
@@ -74,14 +74,22 @@ def layer_spec(model: ModelConfig):
     (TE's norm follows config.normalization; the local spec is told RMSNorm explicitly.)"""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if cuda_available():
-        try:
+    if cuda_available() and model.attention_backend != "local":  # local: as Megatron-LM's
+        try:                                                      # --spec local
             import transformer_engine  # noqa: F401
 
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
         except ImportError:
             pass
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization.value)
+
+
+def _attention_backend(model: ModelConfig):
+    """megatron-core's AttnBackend for --attention-backend (it sets transformer-engine's NVTE_*
+    switches when the model is built)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    return AttnBackend[model.attention_backend]
 
 
 def gpt_model_args(model: ModelConfig) -> dict:
@@ -175,7 +183,7 @@ def wrap_model(chunks, model: ModelConfig, parallel: ParallelConfig, config):
     if model.bf16 or model.fp16:
         chunks = [Float16Module(config, c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=model.bf16,
+        grad_reduce_in_fp32=model.bf16 and not parallel.grad_reduce_in_bf16,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather,

@@ -224,13 +224,23 @@ def train_step(trainer: Trainer, iterators):
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = _run_schedule(trainer, iterators, forward_only=False)
+    level = trainer.config.training.empty_unused_memory_level
+    _empty_cache(level >= 1)
     t0 = time.perf_counter()
     trainer.checkpoints.before_optimizer_step()
     trainer.checkpoint_wait_s += time.perf_counter() - t0
     ok, grad_norm, _ = state.optimizer.step()
     if ok:
         state.scheduler.step(increment=trainer.config.training.global_batch_size)
+    _empty_cache(level >= 2)
     return _reduce_loss(losses), grad_norm, ok
+
+
+def _empty_cache(when: bool) -> None:
+    """--empty-unused-memory-level: the CUDA caching allocator's unused blocks given back (memory
+    a lazy snapshot's copies still read is in use, so it stays)."""
+    if when and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()
@@ -253,6 +263,7 @@ def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False,
     with params_gathered(state.model, trainer.config.parallel):
         for done in range(1, t.eval_iters + 1):
             losses += _run_schedule(trainer, iterators, forward_only=True)
+            _empty_cache(t.empty_unused_memory_level >= 1)
             state.consumed_valid_samples += t.global_batch_size
             if time_up is not None and done < t.eval_iters and time_up():
                 print_rank_0(f"validation stopped after {done} of {t.eval_iters} iterations: "
