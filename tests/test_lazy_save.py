@@ -14,7 +14,10 @@ from trainer_launch import NO_DROPOUT, REPO, TINY_MODEL, after, copy_checkpoints
 
 SIX = ["--train-iters", "6", "--eval-interval", "0"]
 LAZY = ["--async-lazy-save", "--save-interval", "1"]
-DISTOPT = ["--use-distributed-optimizer"]
+# With Megatron-LM's --decoupled-lr the embeddings' and output layer's parameter group has its
+# own schedule: a resume must give each group its own (megatron-core 0.16.1 gave the default group
+# the decoupled one's, see mcore_fixes.optimizer_config_overrides).
+DISTOPT = ["--use-distributed-optimizer", "--decoupled-lr", "3e-3", "--decoupled-min-lr", "2e-4"]
 
 
 def _checkpoint_lines(stdout):

@@ -100,7 +100,8 @@ def test_llama_launch_line_flags_reach_megatron_core():
             ("--context-parallel-size 2", "--context-parallel-size 2: context parallelism is "
                                           "not built here (1 only)"),
             ("--grad-reduce-in-bf16", "--grad-reduce-in-bf16 needs --bf16"),
-            ("--empty-unused-memory-level 3", "invalid choice: 3")):
+            ("--empty-unused-memory-level 3", "invalid choice: 3"),
+            ("--decoupled-min-lr 1e-5", "--decoupled-min-lr needs --decoupled-lr")):
         with pytest.raises(ArgumentError, match=re.escape(message)):
             config(extra)
 

@@ -189,6 +189,10 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="warm-up as a fraction of the decay length (instead of --lr-warmup-iters)")
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="iterations over which the learning rate decays (default --train-iters)")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the word embeddings and the output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="with --decoupled-lr: their final learning rate (default --min-lr)")
     g.add_argument("--lr-warmup-samples", type=int, default=0,
                    help="with --train-samples: samples of linear warm-up from 0 to --lr")
     g.add_argument("--lr-decay-samples", type=int, default=None,
@@ -1076,6 +1080,9 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     _check_checkpointing(a)
     _check_data(a)
     _check_length(a, gbs)
+    _require(a.decoupled_min_lr is None or a.decoupled_lr is not None,
+             "--decoupled-min-lr needs --decoupled-lr (it is the final learning rate of the "
+             "parameter group --decoupled-lr makes)")
     _require(not (a.override_opt_param_scheduler and a.use_checkpoint_opt_param_scheduler),
              "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
              "each other; pass one of them")
@@ -1111,7 +1118,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lr=a.lr, min_lr=a.min_lr, lr_decay_style=LrDecayStyle(a.lr_decay_style),
         lr_warmup_iters=a.lr_warmup_iters, lr_warmup_fraction=a.lr_warmup_fraction,
         lr_decay_iters=a.lr_decay_iters, lr_warmup_samples=a.lr_warmup_samples,
-        lr_decay_samples=a.lr_decay_samples,
+        lr_decay_samples=a.lr_decay_samples, decoupled_lr=a.decoupled_lr,
+        decoupled_min_lr=a.decoupled_min_lr,
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
         adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
         scheduler_on_resume=(SchedulerOnResume.OVERRIDE if a.override_opt_param_scheduler else

@@ -235,6 +235,11 @@ class OptimizerConfig:
     lr_warmup_fraction: Optional[float] = None
     """Warm-up as a fraction of the decay length (Megatron-LM's --lr-warmup-fraction); when set,
     lr_warmup_iters is 0."""
+    decoupled_lr: Optional[float] = None
+    """Peak learning rate of the word embeddings and the output layer (their own parameter
+    group, Megatron-LM's --decoupled-lr); None: --lr."""
+    decoupled_min_lr: Optional[float] = None
+    """With decoupled_lr: their final learning rate; None: --min-lr."""
     lr_warmup_samples: int = 0
     """With train_samples: samples of linear warm-up (Megatron-LM's --lr-warmup-samples)."""
     lr_decay_samples: Optional[int] = None

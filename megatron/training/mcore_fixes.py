@@ -8,6 +8,10 @@ for that). Each function says which call is wrong, how it shows, and when the fi
   (`KeyError: 'step'`) and, after loading one, shares a single `step` tensor between all
   parameters (wrong bias correction: a resumed run silently diverges), and cannot build a fresh
   distributed optimizer's sharded state dict for loading (`assert len(steps) == 1`);
+- `optimizer_config_overrides`: with `decoupled_lr` (Megatron-LM's --decoupled-lr), a resume
+  gives the default parameter group the embedding group's learning rates (the run silently
+  diverges after the load) with the distributed optimizer, and fails to load with the other
+  (`loaded state dict contains a parameter group that doesn't match the size`);
 - `results_queue_dies_with_rank`: torch_dist's writers report through a multiprocessing
   Manager process that outlives a rank stopped by a signal (e.g. torchrun's SIGTERM after another
   rank failed), holding the job's output open: the job never ends for whoever waits on it.
@@ -31,6 +35,25 @@ def batch_p2p_comm_for(pipeline_parallel_size: int, virtual_pipeline_size: Optio
     if virtual_pipeline_size is not None and pipeline_parallel_size == 2 and backend == "gloo":
         return False
     return True
+
+
+def optimizer_config_overrides(config) -> dict:
+    """megatron-core's standard parameter-group overrides for `config` (its OptimizerConfig),
+    with the --decoupled-lr group marked `is_decoupled_lr`.
+
+    On load, `MegatronOptimizer._filter_and_reorder_param_groups` matches the checkpoint's
+    groups to this run's by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr). Its own
+    `get_standard_config_overrides` gives the decoupled group only max_lr and min_lr, so that key
+    is the default group's too: one of the two is taken for both (found on CPU: after a resume
+    the default group stepped with --decoupled-lr's rates; without the distributed optimizer the
+    load failed). Marking the group tells them apart, as the older API did."""
+    from megatron.core.optimizer import get_standard_config_overrides
+
+    overrides = get_standard_config_overrides(config)
+    for override in overrides.values():
+        if "max_lr" in override or "min_lr" in override:  # the --decoupled-lr group
+            override["is_decoupled_lr"] = True
+    return overrides
 
 
 def apply_torch_adam_patches() -> bool:

@@ -16,7 +16,8 @@ from megatron.training.checkpointing.contents import TrainState
 from megatron.training.checkpointing.formats import format_name, make_checkpoint_manager
 from megatron.training.checkpointing.manager import CheckpointManager
 from megatron.training.config import RunConfig, SchedulerOnResume, TrainingConfig
-from megatron.training.mcore_fixes import apply_torch_adam_patches, results_queue_dies_with_rank
+from megatron.training.mcore_fixes import apply_torch_adam_patches, optimizer_config_overrides, \
+    results_queue_dies_with_rank
 from megatron.training.data import Datasets, MicroBatchIterator, build_datasets, get_batch
 from megatron.training.flops import num_floating_point_operations, shape_of, \
     throughput_tflops_per_gpu
@@ -72,7 +73,10 @@ def megatron_optimizer_config(config: RunConfig):
         loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
         min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
         hysteresis=o.hysteresis,
-        use_distributed_optimizer=config.parallel.use_distributed_optimizer)
+        use_distributed_optimizer=config.parallel.use_distributed_optimizer,
+        # Megatron-LM's --decoupled-lr: the word embeddings' and the output layer's parameter
+        # group has its own peak and final learning rate (megatron-core's standard overrides).
+        decoupled_lr=o.decoupled_lr, decoupled_min_lr=o.decoupled_min_lr)
 
 
 def schedule_steps(config: RunConfig) -> tuple:
@@ -97,7 +101,9 @@ def _build_optimizer(config: RunConfig, model):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = config.optimizer
-    optimizer = get_megatron_optimizer(megatron_optimizer_config(config), model)
+    opt_config = megatron_optimizer_config(config)
+    optimizer = get_megatron_optimizer(opt_config, model,
+                                       config_overrides=optimizer_config_overrides(opt_config))
     warmup_steps, decay_steps, wd_steps = schedule_steps(config)
     # Megatron counts scheduler steps in samples: one optimizer step advances it by gbs.
     scheduler = OptimizerParamScheduler(
