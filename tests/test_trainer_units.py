@@ -209,6 +209,10 @@ def test_log_lines_follow_megatron_format():
     assert "lm loss: 5.123457E+00 |" in line
     assert "grad norm: 1.500 |" in line
     assert "lm loss value: 2.000000E+00 |" in validation_lines(3, 2.0)
+    # With --decoupled-lr, Megatron-LM prints that group's rate right after the learning rate.
+    line = training_log_line(7, 100, 56, 123.45, 3e-4, 8, 5.1, 1.5, 0, 0, decoupled_lr=5e-3)
+    assert "| learning rate: 3.000000E-04 | decoupled learning rate: 5.000000E-03 | global " \
+        "batch size:     8 |" in line
 
 
 def test_log_window_averages_stepped_iterations_and_drops_an_all_skipped_loss():

@@ -42,17 +42,21 @@ def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
                       elapsed_ms: float, lr: float, global_batch_size: int,
                       lm_loss: Optional[float],
                       grad_norm, skipped: int, nans: int, loss_scale: float = 1.0,
-                      throughput: Optional[float] = None) -> str:
+                      throughput: Optional[float] = None,
+                      decoupled_lr: Optional[float] = None) -> str:
     """Megatron-LM's iteration line. `throughput` (TFLOP/s per rank, `--log-throughput`) goes
     where Megatron puts it, right after the iteration time, with its wording ("per GPU");
     `loss_scale` is the optimizer's (1.0 unless fp16 or --loss-scale), printed, as Megatron-LM
-    does, between the losses and the grad norm."""
+    does, between the losses and the grad norm; `decoupled_lr`, with --decoupled-lr, the
+    embeddings' and output layer's learning rate, after the learning rate as there."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
     if throughput is not None:
         line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
     line += f" learning rate: {lr:.6E} |"
+    if decoupled_lr is not None:
+        line += f" decoupled learning rate: {decoupled_lr:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     if lm_loss is not None:  # None: every iteration of the window was skipped (Megatron-LM)
         line += f" lm loss: {lm_loss:.6E} |"

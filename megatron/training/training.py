@@ -457,7 +457,9 @@ def _log_line(trainer: Trainer, elapsed_ms: float, loss: Optional[float], grad_n
     print_rank_last(training_log_line(
         state.iteration, t.train_iters, state.consumed_train_samples, elapsed_ms,
         state.optimizer.param_groups[0]["lr"], t.global_batch_size, loss, grad_norm, skipped, 0,
-        loss_scale=float(state.optimizer.get_loss_scale()), throughput=throughput))
+        loss_scale=float(state.optimizer.get_loss_scale()), throughput=throughput,
+        decoupled_lr=next((g["lr"] for g in state.optimizer.param_groups
+                           if g.get("is_decoupled_lr")), None)))
     trainer.metrics.timing(state.iteration, elapsed_ms / 1000.0, throughput)
 
 
