@@ -6,6 +6,7 @@ and wandb's offline run files they wrote (rank 0 writes the checkpoint scalars, 
 training ones).
 """
 import glob
+import gzip
 import importlib.util
 import json
 import math
@@ -149,6 +150,11 @@ def test_checkpoint_record_from_the_lazy_telemetry_line():
     ("--wandb-exp-name run1", "--wandb-exp-name configure wandb, which is off"),
     ("--wandb-project p --wandb-save-dir /tmp/w", "--wandb-project needs --wandb-exp-name"),
     ("--wandb-project p --wandb-exp-name e", "--wandb-project needs a place for its local files"),
+    ("--use-pytorch-profiler", "--use-pytorch-profiler needs --profile"),
+    ("--profile --use-pytorch-profiler", "--use-pytorch-profiler writes its traces to "
+     "<tensorboard-dir>/../torch_profile, as Megatron-LM: add --tensorboard-dir DIR"),
+    ("--profile --profile-step-start 5 --profile-step-end 5", "--profile needs 0 <= "
+     "--profile-step-start < --profile-step-end, got 5 and 5"),
 ])
 def test_logging_flags_that_cannot_work_are_refused(extra, message):
     with pytest.raises(ArgumentError) as err:
@@ -237,7 +243,10 @@ def runs(tmp_path_factory):
         common += ["--wandb-project", "tests", "--wandb-exp-name", "pp2"]
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(root / "wbc"),
            "WANDB_CACHE_DIR": str(root / "wbc"), "WANDB_DATA_DIR": str(root / "wbc")}
-    first = launch(2, common + ["--train-iters", "4", "--async-lazy-save"], extra_env=env)
+    first = launch(2, common + ["--train-iters", "4", "--async-lazy-save", "--profile",
+                                "--use-pytorch-profiler", "--profile-step-start", "2",
+                                "--profile-step-end", "3", "--profile-ranks", "0"],
+                   extra_env=env)
     assert first.returncode == 0, first.describe()
     files_first = set(glob.glob(str(tb / "events.out.tfevents.*")))
     # Resume with the synchronous torch_dist format: the load report, a stock-format record.
@@ -266,6 +275,19 @@ def test_tensorboard_holds_the_printed_training_values(runs):
     for it, loss in valid.items():
         assert _close(tb["lm loss validation"][it], loss, 7)
         assert tb["lm loss validation ppl"][it] == pytest.approx(math.exp(float(loss)), rel=1e-6)
+
+
+def test_pytorch_profiler_traces_the_iterations_and_ranks_asked_for(runs):
+    """--profile --use-pytorch-profiler (Megatron-LM's): one chrome trace per profiled rank
+    (--profile-ranks 0) in <tensorboard-dir>/../torch_profile, of iteration 3 (torch's step 2:
+    after --profile-step-start 2, up to --profile-step-end 3)."""
+    root, first, _, _ = runs
+    assert sorted(os.listdir(root / "torch_profile")) == ["rank-0.json.gz"]
+    with gzip.open(root / "torch_profile" / "rank-0.json.gz") as f:
+        events = json.load(f)["traceEvents"]
+    assert {e["name"] for e in events if str(e.get("name")).startswith("ProfilerStep#")} == \
+        {"ProfilerStep#2"}
+    assert any(e.get("name") == "aten::mm" for e in events)  # the iteration's own work
 
 
 def test_throughput_field_follows_the_flop_count_and_the_iteration_time(runs):

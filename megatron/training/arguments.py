@@ -505,6 +505,23 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-exp-name", type=str, default=None, help="name of the wandb run")
     g.add_argument("--wandb-save-dir", type=str, default=None,
                    help="local directory of the wandb files (default: <save>/wandb)")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations --profile-step-start to --profile-step-end: for "
+                        "nsys (cudaProfilerStart/Stop; run under nsys --capture-range="
+                        "cudaProfilerApi), or with --use-pytorch-profiler torch's profiler")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: torch's profiler, one chrome trace per rank in "
+                        "<tensorboard-dir>/../torch_profile/rank-R.json.gz")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="first profiled iteration")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="profiling stops once this iteration is done")
+    g.add_argument("--profile-ranks", type=int, nargs="*", default=[],
+                   help="global ranks that profile (default: every rank)")
+    g.add_argument("--pytorch-profiler-collect-shapes", action="store_true",
+                   help="with --use-pytorch-profiler: record operator input shapes")
+    g.add_argument("--pytorch-profiler-collect-callstack", action="store_true",
+                   help="with --use-pytorch-profiler: record Python call stacks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -846,6 +863,14 @@ def _logging_config(a: argparse.Namespace) -> LoggingConfig:
     _require(a.wandb_project is not None or not wandb_only,
              f"{', '.join(wandb_only)} configure wandb, which is off: add --wandb-project NAME, "
              "or drop the flag (it would be ignored)")
+    _require(not a.use_pytorch_profiler or a.profile, "--use-pytorch-profiler needs --profile "
+             "(which iterations: --profile-step-start, --profile-step-end)")
+    _require(not (a.profile and a.use_pytorch_profiler) or a.tensorboard_dir is not None,
+             "--use-pytorch-profiler writes its traces to <tensorboard-dir>/../torch_profile, as "
+             "Megatron-LM: add --tensorboard-dir DIR")
+    _require(not a.profile or 0 <= a.profile_step_start < a.profile_step_end,
+             f"--profile needs 0 <= --profile-step-start < --profile-step-end, got "
+             f"{a.profile_step_start} and {a.profile_step_end}")
     if a.wandb_project is not None:
         _require(bool(a.wandb_exp_name), "--wandb-project needs --wandb-exp-name NAME (the name "
                                          "of this run in the project)")
@@ -863,7 +888,12 @@ def _logging_config(a: argparse.Namespace) -> LoggingConfig:
         log_memory_to_tensorboard=a.log_memory_to_tensorboard,
         wandb_project=a.wandb_project, wandb_exp_name=a.wandb_exp_name,
         wandb_save_dir=(a.wandb_save_dir if a.wandb_save_dir is not None or a.wandb_project is None
-                        else os.path.join(a.save, "wandb")))
+                        else os.path.join(a.save, "wandb")),
+        profile=a.profile, use_pytorch_profiler=a.use_pytorch_profiler,
+        profile_step_start=a.profile_step_start, profile_step_end=a.profile_step_end,
+        profile_ranks=tuple(a.profile_ranks),
+        pytorch_profiler_collect_shapes=a.pytorch_profiler_collect_shapes,
+        pytorch_profiler_collect_callstack=a.pytorch_profiler_collect_callstack)
 
 
 #: Flags that only --position-embedding-type rope reads, and their defaults (Megatron-LM's).

@@ -515,6 +515,22 @@ class LoggingConfig:
     """Name of the wandb run (required with wandb_project)."""
     wandb_save_dir: Optional[str] = None
     """Local directory of the wandb files; None: <save>/wandb."""
+    profile: bool = False
+    """Megatron-LM's --profile: iterations profile_step_start..profile_step_end are profiled, for
+    nsys (cudaProfilerStart/Stop) or, with use_pytorch_profiler, by torch's profiler."""
+    use_pytorch_profiler: bool = False
+    """torch.profiler instead of nsys: a chrome trace per rank in
+    <tensorboard_dir>/../torch_profile/rank-R.json.gz (Megatron-LM's place)."""
+    profile_step_start: int = 10
+    """First profiled iteration."""
+    profile_step_end: int = 12
+    """Profiling stops once this iteration is done."""
+    profile_ranks: tuple = ()
+    """Global ranks that profile; empty: every rank."""
+    pytorch_profiler_collect_shapes: bool = False
+    """Record operator input shapes (torch's profiler)."""
+    pytorch_profiler_collect_callstack: bool = False
+    """Record Python call stacks (torch's profiler)."""
 
     @property
     def writes_scalars(self) -> bool:

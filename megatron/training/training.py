@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -283,6 +284,66 @@ def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False,
     return loss
 
 
+class _Profiler:
+    """--profile (Megatron-LM's): iterations profile_step_start..profile_step_end of the ranks in
+    --profile-ranks (all by default) are profiled, the same points as Megatron-LM's loop. With
+    --use-pytorch-profiler, torch's profiler on its schedule, one chrome trace per rank in
+    <tensorboard-dir>/../torch_profile/rank-R.json.gz (a lazy save's copies and writes show on
+    their threads). Otherwise cudaProfilerStart/Stop around them, for nsys with
+    --capture-range=cudaProfilerApi; without CUDA there is nothing for nsys to capture (said
+    once)."""
+
+    def __init__(self, config: RunConfig):
+        log = config.logging
+        rank = dist.get_rank()
+        self.log, self.on = log, log.profile and (not log.profile_ranks
+                                                  or rank in log.profile_ranks)
+        self.torch_prof = None
+        if self.on and log.use_pytorch_profiler:
+            where = os.path.normpath(os.path.join(log.tensorboard_dir, "..", "torch_profile"))
+
+            def write(prof) -> None:
+                os.makedirs(where, exist_ok=True)
+                prof.export_chrome_trace(os.path.join(where, f"rank-{rank}.json.gz"))
+
+            start, end = log.profile_step_start, log.profile_step_end
+            self.torch_prof = torch.profiler.profile(
+                schedule=torch.profiler.schedule(wait=max(start - 1, 0),
+                                                 warmup=1 if start > 0 else 0,
+                                                 active=end - start, repeat=1),
+                on_trace_ready=write, record_shapes=log.pytorch_profiler_collect_shapes,
+                with_stack=log.pytorch_profiler_collect_callstack)
+            self.torch_prof.start()
+        elif self.on and not torch.cuda.is_available():
+            self.on = False
+            print_rank_0("--profile: no CUDA device, so nothing for nsys to capture "
+                         "(--use-pytorch-profiler profiles on CPU too)")
+        self.running = self.torch_prof is not None
+
+    def before_iteration(self, iteration: int) -> None:
+        """Top of the loop, `iteration` iterations done."""
+        if not self.on:
+            return
+        if self.torch_prof is not None:
+            self.torch_prof.step()
+        elif iteration == self.log.profile_step_start:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+            self.running = True
+
+    def after_iteration(self, iteration: int) -> None:
+        if self.on and iteration == self.log.profile_step_end:
+            self.stop()
+
+    def stop(self) -> None:
+        if not self.running:
+            return
+        self.running = False
+        if self.torch_prof is not None:
+            self.torch_prof.stop()
+        else:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+
+
 class _ManualGC:
     """--manual-gc (Megatron-LM's): Python's automatic garbage collection is off while training,
     and collections run at the same points on every rank instead: every `manual_gc_interval`
@@ -491,8 +552,10 @@ def _train_loop(trainer: Trainer) -> int:
     trainer.checkpoints.begin_training(state.iteration, loaded=state.loaded)
     manual_gc = _ManualGC(t)
     manual_gc.start()
+    profiler = _Profiler(trainer.config)
     try:
         while state.iteration < t.train_iters:
+            profiler.before_iteration(state.iteration)
             loss, grad_norm, ok = train_step(trainer, iterators)
             state.iteration += 1
             state.consumed_train_samples += t.global_batch_size
@@ -512,6 +575,7 @@ def _train_loop(trainer: Trainer) -> int:
             saved_last = summary.saving(trainer.checkpoints.maybe_save, state)
             summary.blocked(trainer.checkpoints.after_iteration, state.iteration)
             manual_gc.after_iteration(state.iteration)  # the save's garbage too
+            profiler.after_iteration(state.iteration)
             sigterm, time_up = stop.agreed()
             if sigterm:
                 print_rank_0(f"exiting on SIGTERM at iteration {state.iteration}")
@@ -544,6 +608,7 @@ def _train_loop(trainer: Trainer) -> int:
         return state.iteration
     finally:
         manual_gc.stop()
+        profiler.stop()  # a run that ended before --profile-step-end: what was recorded
         try:
             summary.blocked(trainer.checkpoints.finalize)
         finally:  # also when the final drain raises (a save that failed or was refused late)
