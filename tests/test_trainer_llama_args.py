@@ -1,6 +1,7 @@
 """Llama-family flags without a process group: resolved config, Megatron-LM's defaults, one-line
 errors for contradictions, the megatron-core configs they build, the architecture check on load,
 and the loss scale in the log line."""
+import importlib.util
 import json
 import re
 
@@ -86,14 +87,19 @@ def test_llama_launch_line_flags_reach_megatron_core():
                "--empty-unused-memory-level 2")
     tc = transformer_config(c.model, c.parallel, "gloo")
     assert tc.attention_backend is AttnBackend.local and tc.calculate_per_token_loss
+    fused = config("--cross-entropy-loss-fusion --tiktoken-pattern v2")
+    tc = transformer_config(fused.model, fused.parallel, "gloo")
+    assert tc.cross_entropy_loss_fusion and tc.cross_entropy_fusion_impl == "native"
     assert "TENorm" not in repr(layer_spec(c.model))  # local: megatron-core's own attention
     assert c.parallel.grad_reduce_in_bf16 and c.training.empty_unused_memory_level == 2
     assert (c.data.data_cache_path, c.data.mmap_bin_files) == ("/tmp/dc", False)
     default = config("")
-    assert transformer_config(default.model, default.parallel, "gloo").attention_backend is \
-        AttnBackend.auto and not default.model.calculate_per_token_loss
+    tc = transformer_config(default.model, default.parallel, "gloo")
+    assert tc.attention_backend is AttnBackend.auto and not tc.calculate_per_token_loss
+    assert not tc.cross_entropy_loss_fusion
     assert config("--no-create-attention-mask-in-dataloader --kv-channels 16 "
-                  "--context-parallel-size 1") == default  # what they ask for is so here
+                  "--context-parallel-size 1 --tiktoken-pattern v2 --num-workers 1"
+                  ) == default  # what they ask for is so here (or unused, as in Megatron-LM)
     for extra, message in (
             ("--kv-channels 8", "--kv-channels 8: only --hidden-size / --num-attention-heads = "
                                 "16 is built here"),
@@ -101,7 +107,11 @@ def test_llama_launch_line_flags_reach_megatron_core():
                                           "not built here (1 only)"),
             ("--grad-reduce-in-bf16", "--grad-reduce-in-bf16 needs --bf16"),
             ("--empty-unused-memory-level 3", "invalid choice: 3"),
-            ("--decoupled-min-lr 1e-5", "--decoupled-min-lr needs --decoupled-lr")):
+            ("--decoupled-min-lr 1e-5", "--decoupled-min-lr needs --decoupled-lr"),
+            ("--num-workers -1", "--num-workers must be >= 0, got -1")) + ((
+            ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te",
+             "--cross-entropy-fusion-impl te needs the transformer_engine package"),)
+            if importlib.util.find_spec("transformer_engine") is None else ()):
         with pytest.raises(ArgumentError, match=re.escape(message)):
             config(extra)
 

@@ -21,7 +21,9 @@ def reference():
 
 
 LAYOUTS = {
-    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    # With megatron-core's fused cross entropy over the vocabulary-parallel logits (Megatron-LM's
+    # --cross-entropy-loss-fusion): the same losses as the single process's unfused one.
+    "tp2": (2, ["--tensor-model-parallel-size", "2", "--cross-entropy-loss-fusion"]),
     # Uneven split (Megatron-LM's first-stage layer count): 3 + 1 layers. Even PP2 runs below.
     "pp2_uneven": (2, ["--pipeline-model-parallel-size", "2",
                        "--decoder-first-pipeline-num-layers", "3"]),

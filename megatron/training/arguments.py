@@ -100,6 +100,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="transformer-engine's attention kernels on a GPU (megatron-core sets "
                         "its NVTE_* switches); local: megatron-core's own attention (the local "
                         "layer spec, as on CPU)")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's fused cross entropy over the vocabulary-parallel logits")
+    g.add_argument("--cross-entropy-fusion-impl", choices=("native", "te"), default="native",
+                   help="with --cross-entropy-loss-fusion: megatron-core's own kernel (native) or "
+                        "transformer-engine's (te)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="normalise the loss by the tokens of the whole global batch (gradients "
                         "scaled once, after the data-parallel reduction) instead of per "
@@ -465,6 +470,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                         "none, so giving it is an error)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer: ids in the text (eod gets id vocab size)")
+    g.add_argument("--tiktoken-pattern", type=str, default=None,
+                   help="accepted: read by Megatron-LM's TikTokenizer only, not built here (the "
+                        "tokenizers here ignore it, as Megatron-LM's other tokenizers do)")
+    g.add_argument("--num-workers", type=int, default=None,
+                   help="Megatron-LM's data-loader workers: batches are read on the training "
+                        "thread here (one line says so)")
     g.add_argument("--data-cache-path", type=str, default=None,
                    help="where megatron-core keeps the datasets' index caches (default: next to "
                         "the data; the mock dataset's are not kept)")
@@ -1054,6 +1065,8 @@ def _model_config(a: argparse.Namespace, tp: int, pp: int, vocab_size: int) -> M
     _check_recompute(a, pp)
     _check_precision(a)
     _require(a.norm_epsilon > 0, f"--norm-epsilon must be > 0, got {a.norm_epsilon}")
+    if a.cross_entropy_loss_fusion and a.cross_entropy_fusion_impl == "te":
+        _require_package("transformer_engine", "--cross-entropy-fusion-impl te")
     head = a.hidden_size // a.num_attention_heads
     _require(a.kv_channels in (None, head), f"--kv-channels {a.kv_channels}: only --hidden-size "
              f"/ --num-attention-heads = {head} is built here (megatron-core's default)")
@@ -1076,10 +1089,16 @@ def _model_config(a: argparse.Namespace, tp: int, pp: int, vocab_size: int) -> M
         recompute_method=(None if a.recompute_method is None
                           else RecomputeMethod(a.recompute_method)),
         recompute_num_layers=a.recompute_num_layers, attention_backend=a.attention_backend,
+        cross_entropy_fusion=a.cross_entropy_fusion_impl if a.cross_entropy_loss_fusion else None,
         calculate_per_token_loss=a.calculate_per_token_loss)
 
 
 def _check_data(a: argparse.Namespace) -> None:
+    if a.num_workers is not None:
+        _require(a.num_workers >= 0, f"--num-workers must be >= 0, got {a.num_workers}")
+        _warn(f"--num-workers {a.num_workers}: this trainer has no data-loader workers; each "
+              "micro-batch is read on the training thread (from the memory-mapped .bin files, "
+              "or made by the mock dataset)")
     _require(a.mock_data != bool(a.data_path),
              "give exactly one of --mock-data or --data-path PREFIX [PREFIX ...]")
     if a.data_path:

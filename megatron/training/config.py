@@ -159,6 +159,9 @@ class ModelConfig:
     """Megatron-LM's --attention-backend: transformer-engine's attention kernels on a GPU
     (auto, flash, fused, unfused; megatron-core sets TE's switches), or local: megatron-core's
     own attention, the local layer spec (always so without CUDA and TE)."""
+    cross_entropy_fusion: Optional[str] = None
+    """Megatron-LM's --cross-entropy-loss-fusion with its --cross-entropy-fusion-impl: "native"
+    (megatron-core's fused vocabulary-parallel cross entropy) or "te"; None: not fused."""
     calculate_per_token_loss: bool = False
     """Normalise the loss by the tokens of the global batch: megatron-core's schedule sums the
     micro-batches' token losses and scales the gradients by the total tokens after the

@@ -66,6 +66,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: st
                                           parallel.virtual_pipeline_model_parallel_size, backend),
         calculate_per_token_loss=model.calculate_per_token_loss,
         attention_backend=_attention_backend(model),
+        cross_entropy_loss_fusion=model.cross_entropy_fusion is not None,
+        cross_entropy_fusion_impl=model.cross_entropy_fusion or "native",
     )
 
 
