@@ -24,7 +24,6 @@ def config(extra="", world_size=1):
     ("--global-batch-size 6", 4, "--global-batch-size 6 is not divisible by --micro-batch-size 2"),
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 2,
      "not divisible by --num-layers-per-virtual-pipeline-stage 3"),
-    ("--sequence-parallel", 1, "--sequence-parallel needs"),
     ("--train-iters 4 --lr-warmup-iters 4", 1, "--lr-warmup-iters must be >= 0 and smaller "
      "than the decay length (--lr-decay-iters, default --train-iters) 4, got 4"),
     ("--async-lazy-save --lazy-save-cache-mb 100000000", 1, "--lazy-save-cache-mb 100000000 on 1 "
@@ -102,6 +101,12 @@ def test_contradictory_flags_get_a_clear_error(extra, world, message):
     with pytest.raises(ArgumentError) as err:
         config(extra, world)
     assert message in str(err.value)
+
+
+def test_sequence_parallel_without_tp_is_disabled_with_megatron_lms_warning(capsys):
+    assert not config("--sequence-parallel").parallel.sequence_parallel
+    assert "WARNING: Disabling sequence parallelism because tensor model parallelism is " \
+        "disabled" in capsys.readouterr().out
 
 
 def test_exit_duration_zero_means_no_limit_as_in_megatron_lm():

@@ -597,8 +597,10 @@ def _check_parallel(a: argparse.Namespace, world_size: int) -> Optional[int]:
     _require(a.hidden_size % a.num_attention_heads == 0,
              f"--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
              f"{a.num_attention_heads}")
-    _require(not a.sequence_parallel or tp > 1,
-             "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if a.sequence_parallel and tp == 1:  # Megatron-LM's rule: a warning, not an error
+        _warn("Disabling sequence parallelism because tensor model parallelism is disabled "
+              "(--sequence-parallel with --tensor-model-parallel-size 1), as Megatron-LM does")
+        a.sequence_parallel = False
     _require(not a.sequence_parallel or _sequence_parallel_norms_available(),
              "--sequence-parallel on a GPU needs transformer-engine or apex: megatron-core's "
              "plain torch norms refuse it (pip install transformer-engine, or drop "
