@@ -20,8 +20,11 @@ from universal_hf_probe import our_logits, transformers_logits
 ROPE = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
         "--rotary-base", "500000", "--norm-epsilon", "1e-6"]
 VARIANTS = {
+    # With Megatron-LM's Llama 3 recipe's zero-centered norms (--apply-layernorm-1p): each norm
+    # scales by 1 + its weight, which the export hands to Hugging Face as 1 + weight.
     "gqa_untied_nobias": ROPE + ["--group-query-attention", "--num-query-groups", "2",
-                                 "--untie-embeddings-and-output-weights", "--disable-bias-linear"],
+                                 "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+                                 "--apply-layernorm-1p"],
     "mha_tied_bias": ROPE,
 }
 _i = TINY_MODEL.index("--max-position-embeddings")

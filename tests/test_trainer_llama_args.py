@@ -263,6 +263,10 @@ def test_checkpoint_of_another_architecture_is_refused_and_old_ones_still_load()
     with pytest.raises(CheckpointError, match="rotary_base: checkpoint 10000, this run 500000"):
         check_model_shape(llama.to_json(), config(LLAMA + " --ffn-hidden-size 256 "
                                                   "--rotary-base 500000"), "ckpt")
+    # Zero-centered norm weights mean another model: 0 there is a scale of 1.
+    with pytest.raises(CheckpointError, match="apply_layernorm_1p: checkpoint False, this run True"):
+        check_model_shape(llama.to_json(), config(LLAMA + " --ffn-hidden-size 256 "
+                                                  "--apply-layernorm-1p"), "ckpt")
     # rope has no position table: another --max-position-embeddings loads.
     check_model_shape(llama.to_json(), config(LLAMA + " --ffn-hidden-size 256 "
                                               "--max-position-embeddings 64"), "ckpt")
@@ -270,7 +274,8 @@ def test_checkpoint_of_another_architecture_is_refused_and_old_ones_still_load()
     old = json.loads(gpt2.to_json())
     for k in ("position_embedding_type", "rotary_base", "rotary_percent", "normalization",
               "norm_epsilon", "swiglu", "num_query_groups", "add_bias_linear", "fp16",
-              "recompute_granularity", "recompute_method", "recompute_num_layers"):
+              "recompute_granularity", "recompute_method", "recompute_num_layers",
+              "apply_layernorm_1p"):
         del old["model"][k]
     check_model_shape(json.dumps(old), gpt2, "ckpt")
     with pytest.raises(CheckpointError, match="swiglu: checkpoint False, this run True"):

@@ -300,6 +300,9 @@ def test_sequence_parallel_on_a_gpu_without_fused_norms_is_one_line(monkeypatch)
     with pytest.raises(ArgumentError, match="--sequence-parallel on a GPU needs "
                                             "transformer-engine or apex"):
         config(sp, world_size=2)
+    with pytest.raises(ArgumentError, match="--apply-layernorm-1p on a GPU needs "
+                                            "transformer-engine or apex"):
+        config("--apply-layernorm-1p")
 
 
 def test_manual_gc_collects_at_the_same_points_on_every_rank(monkeypatch):
@@ -346,3 +349,25 @@ def test_manual_gc_collects_at_the_same_points_on_every_rank(monkeypatch):
     off.validate(None)
     off.stop()
     assert calls == ["evaluate"]
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_zero_centered_norms_scale_by_one_plus_their_weight(normalization):
+    """--apply-layernorm-1p without apex/TE (cpu_compat's torch norms): the weight starts at 0
+    and the norm scales by 1 + weight, as megatron-core's fused norms and TE's do."""
+    import torch
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.training.cpu_compat import apply_cpu_patches
+    from megatron.training.model import transformer_config
+
+    apply_cpu_patches()
+    c = config(f"--apply-layernorm-1p --normalization {normalization}")
+    norm = WrappedTorchNorm(transformer_config(c.model, c.parallel, "gloo"), 64, eps=1e-5)
+    assert torch.equal(norm.weight.detach(), torch.zeros(64))
+    x = torch.randn(3, 64)
+    plain = getattr(torch.nn, normalization)(64, eps=1e-5)
+    assert torch.allclose(norm(x), plain(x))
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 64))
+        plain.weight.copy_(norm.weight + 1)
+    assert torch.allclose(norm(x), plain(x))

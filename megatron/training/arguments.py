@@ -69,6 +69,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    default=Normalization.LAYER_NORM.value,
                    help="norm of every layer and the final norm: LayerNorm (default) or RMSNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every norm")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centered norm weights: every norm multiplies by 1 + its weight, "
+                        "which starts at 0 (Megatron-LM's; weight decay then pulls towards 1)")
     g.add_argument("--swiglu", action="store_true",
                    help="gated MLP with SiLU (fc1 makes two halves: silu(a) * b) instead of GeLU")
     g.add_argument("--group-query-attention", action="store_true",
@@ -549,10 +552,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def _sequence_parallel_norms_available() -> bool:
+def _torch_norms_patched_or_fused() -> bool:
     """On a GPU the local layer spec uses megatron-core's torch norms unless transformer-engine
-    (or apex) is there, and those assert that sequence parallel is off. On CPU, cpu_compat builds
-    sequence-parallel norms itself."""
+    (or apex) is there, and those assert that sequence parallel and zero-centered weights are off.
+    On CPU, cpu_compat builds such norms itself."""
     from megatron.training.cpu_compat import cuda_available
 
     if not cuda_available():
@@ -601,7 +604,10 @@ def _check_parallel(a: argparse.Namespace, world_size: int) -> Optional[int]:
         _warn("Disabling sequence parallelism because tensor model parallelism is disabled "
               "(--sequence-parallel with --tensor-model-parallel-size 1), as Megatron-LM does")
         a.sequence_parallel = False
-    _require(not a.sequence_parallel or _sequence_parallel_norms_available(),
+    _require(not a.apply_layernorm_1p or _torch_norms_patched_or_fused(),
+             "--apply-layernorm-1p on a GPU needs transformer-engine or apex: megatron-core's "
+             "plain torch norms refuse zero-centered weights (pip install transformer-engine)")
+    _require(not a.sequence_parallel or _torch_norms_patched_or_fused(),
              "--sequence-parallel on a GPU needs transformer-engine or apex: megatron-core's "
              "plain torch norms refuse it (pip install transformer-engine, or drop "
              "--sequence-parallel)")
@@ -1084,6 +1090,7 @@ def _model_config(a: argparse.Namespace, tp: int, pp: int, vocab_size: int) -> M
         fp16=a.fp16, position_embedding_type=PositionEmbeddingType(a.position_embedding_type),
         rotary_base=a.rotary_base, rotary_percent=a.rotary_percent,
         normalization=Normalization(a.normalization), norm_epsilon=a.norm_epsilon,
+        apply_layernorm_1p=a.apply_layernorm_1p,
         swiglu=a.swiglu, num_query_groups=groups if a.group_query_attention else None,
         add_bias_linear=a.add_bias_linear,
         recompute_granularity=(None if a.recompute_granularity is None

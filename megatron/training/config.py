@@ -140,6 +140,10 @@ class ModelConfig:
     """Fraction of each head's channels that rotary embeddings rotate (rope only)."""
     normalization: Normalization = Normalization.LAYER_NORM
     """LayerNorm (GPT-2) or RMSNorm (Llama) in every layer and as the final norm."""
+    apply_layernorm_1p: bool = False
+    """Zero-centered norm weights (Megatron-LM's --apply-layernorm-1p): each norm scales by
+    1 + weight, the weight starting at 0; checkpoints and universal checkpoints store the weight,
+    a Hugging Face export adds the 1."""
     norm_epsilon: float = 1e-5
     """Epsilon of every norm."""
     swiglu: bool = False

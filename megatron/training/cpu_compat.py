@@ -3,8 +3,8 @@
 ``apply_cpu_patches()`` is a no-op when CUDA is available. On CPU it is called once, before the
 model is built; each patch says which megatron-core call needs it (docs/TRAINER.md, "CPU
 compatibility", lists them and how they were found). The patches only redirect CUDA-specific
-calls to their CPU equivalents (and build the torch LayerNorm that sequence parallelism needs
-without apex/TE); they change no numerics. Fixes of megatron-core bugs that are not about the CPU
+calls to their CPU equivalents (and build the torch norms that sequence parallelism and
+zero-centered weights need without apex/TE); they change no numerics. Fixes of megatron-core bugs that are not about the CPU
 live in `mcore_fixes.py`.
 """
 from __future__ import annotations
@@ -130,23 +130,48 @@ def _patch_type_checks() -> None:
         cls.__init__ = _with_cuda_type_names(cls.__init__)
 
 
-def _patch_sequence_parallel_norm() -> None:
-    """Sequence parallel without apex/TE: `transformer.torch_norm.WrappedTorchNorm` asserts that
-    sequence parallel is off. A torch LayerNorm whose params carry `sequence_parallel=True` is what
-    the fused norms do (DDP all-reduces those grads over the TP group), so build that instead."""
+class _LayerNorm1p(torch.nn.LayerNorm):
+    """LayerNorm scaled by 1 + weight (zero-centered weight, as megatron-core's fused norms)."""
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1,
+                                              self.bias, self.eps)
+
+
+class _RMSNorm1p(torch.nn.RMSNorm):
+    """RMSNorm scaled by 1 + weight (zero-centered weight, as transformer-engine's)."""
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+_ONE_P = {torch.nn.LayerNorm: _LayerNorm1p, torch.nn.RMSNorm: _RMSNorm1p}
+
+
+def _patch_norms() -> None:
+    """Without apex/TE, `transformer.torch_norm.WrappedTorchNorm` asserts that sequence parallel
+    and zero-centered weights (--apply-layernorm-1p) are off. Sequence parallel: a torch norm whose
+    params carry `sequence_parallel=True` is what the fused norms do (DDP all-reduces those grads
+    over the TP group). Zero-centered: the same norm with its weight at 0, scaling by 1 + weight
+    (as megatron-core's FusedLayerNorm and TE's norms with `zero_centered_gamma`)."""
     from megatron.core.transformer import torch_norm
 
     original_new = torch_norm.WrappedTorchNorm.__new__
 
     def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
             normalization="LayerNorm"):
-        if not config.sequence_parallel:
+        sp, one_p = config.sequence_parallel, config.layernorm_zero_centered_gamma
+        if not (sp or one_p):
             return original_new(cls, config, hidden_size, eps, persist_layer_norm,
                                 zero_centered_gamma, normalization)
-        config_without_sp = _shallow_copy(config, sequence_parallel=False)
-        norm = original_new(cls, config_without_sp, hidden_size, eps, persist_layer_norm,
-                            zero_centered_gamma, normalization)
-        for param in norm.parameters():
+        plain = _shallow_copy(config, sequence_parallel=False,
+                              layernorm_zero_centered_gamma=False)
+        norm = original_new(cls, plain, hidden_size, eps, persist_layer_norm, False,
+                            normalization)
+        if one_p:
+            norm.__class__ = _ONE_P[type(norm)]  # same parameters, its forward
+            torch.nn.init.zeros_(norm.weight)
+        for param in norm.parameters() if sp else ():
             setattr(param, "sequence_parallel", True)
         return norm
 
@@ -172,6 +197,6 @@ def apply_cpu_patches() -> bool:
             _patch_rng()
             _patch_devices()
             _patch_type_checks()
-            _patch_sequence_parallel_norm()
+            _patch_norms()
             _APPLIED = True
     return True

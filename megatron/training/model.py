@@ -42,6 +42,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: st
         init_method_std=model.init_method_std,
         normalization=model.normalization.value,
         layernorm_epsilon=model.norm_epsilon,
+        layernorm_zero_centered_gamma=model.apply_layernorm_1p,
         # Megatron-LM's --swiglu: a gated MLP with SiLU; the fc1 output holds both halves.
         gated_linear_unit=model.swiglu,
         activation_func=F.silu if model.swiglu else F.gelu,

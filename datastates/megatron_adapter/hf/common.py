@@ -77,14 +77,25 @@ class Layout:
         return out + [n for r in self.last for n in r.hf]
 
 
+def is_norm_weight(key: str) -> bool:
+    """A norm's scale in megatron-core's sharded keys (fused into the next linear layer, or
+    separate, or the final norm); not its bias."""
+    return key.endswith(("layer_norm_weight", "layernorm.weight"))
+
+
 def export_plan(u: UniversalCheckpoint, layout: Layout) -> Plan:
     """(HF name, loader) pairs in the layout's order; each loader reads one megatron tensor (one
-    layer of a layered one) and returns one of the Hugging Face tensors it splits into."""
+    layer of a layered one) and returns one of the Hugging Face tensors it splits into. A model
+    with zero-centered norm weights (--apply-layernorm-1p: each norm scales by 1 + weight) gets
+    them as Hugging Face's norms hold them, 1 + weight."""
     out: Plan = []
+    one_p = bool(u.manifest["model_config"].get("apply_layernorm_1p"))
 
     def add(rule: Rule, i: int) -> None:
+        plus = 1 if one_p and is_norm_weight(rule.key) else 0
         for j, name in enumerate(rule.hf):
-            part = (lambda t, rule=rule, j=j: rule.split(t)[j])
+            part = (lambda t, rule=rule, j=j, plus=plus: rule.split(t)[j] + plus if plus
+                    else rule.split(t)[j])
             load = layer_loader(u, rule.key[len(LAYERS):], i, part) if rule.layered else \
                 (lambda rule=rule, part=part: part(u.read(rule.key)).contiguous())
             out.append((name.format(i=i), load))

@@ -38,6 +38,7 @@ ARCHITECTURE = (("--position-embedding-type", "position_embedding_type"),
                 ("--normalization", "normalization"), ("--swiglu", "swiglu"),
                 ("--disable-bias-linear", "add_bias_linear"),
                 ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights"),
+                ("--apply-layernorm-1p", "apply_layernorm_1p"),
                 ("--hidden-dropout", "hidden_dropout"),
                 ("--attention-dropout", "attention_dropout"))
 _ROPE = (("--rotary-base", "rotary_base"), ("--rotary-percent", "rotary_percent"))

@@ -48,7 +48,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "padded_vocab_size", "max_position_embeddings",
                 "untie_embeddings_and_output_weights", "position_embedding_type",
                 "rotary_base", "rotary_percent", "normalization", "swiglu", "num_query_groups",
-                "add_bias_linear")
+                "add_bias_linear", "apply_layernorm_1p")
 _ROPE_ONLY = ("rotary_base", "rotary_percent")
 _MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 

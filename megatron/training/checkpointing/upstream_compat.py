@@ -72,7 +72,7 @@ def megatron_lm_args(state, config) -> argparse.Namespace:
         normalization=m.normalization.value, norm_epsilon=m.norm_epsilon, swiglu=m.swiglu,
         add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_bias_linear,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        apply_layernorm_1p=False, hidden_dropout=m.hidden_dropout,
+        apply_layernorm_1p=m.apply_layernorm_1p, hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
         bf16=m.bf16, fp16=m.fp16, transformer_impl="local",
         tokenizer_type=config.data.tokenizer_type, vocab_size=m.vocab_size, vocab_file=None,
@@ -190,6 +190,8 @@ def saved_config_from_args(common: dict, path: str) -> str:
         "swiglu": bool(_arg(args, "swiglu", path, False, required=False)),
         "num_query_groups": _arg(args, "num_query_groups", path) if gqa else None,
         "add_bias_linear": bool(_arg(args, "add_bias_linear", path, True, required=False)),
+        "apply_layernorm_1p": bool(_arg(args, "apply_layernorm_1p", path, False,
+                                        required=False)),
     })
     parallel = {name: _arg(args, name, path) for name in _REQUIRED_ARGS[6:]}
     parallel["virtual_pipeline_model_parallel_size"] = _arg(
