@@ -59,3 +59,25 @@ def test_megatron_lms_llama3_launch_line_trains_saves_and_resumes_bit_exactly(tm
     assert resumed.returncode == 0, resumed.describe()
     assert resumed.losses() == after(first.losses(), 4)
     assert resumed.validation() == after(first.validation(), 4)
+
+
+def test_the_unscaled_line_builds_llama3_8b(tmp_path, capsys):
+    """The same line at its own sizes (world size 8, as the script's single node), through the
+    dry run that builds every rank on the meta device: Llama 3 8B's 8.03 billion parameters
+    (NullTokenizer's end-of-document id pads the 128256 ids to 128384 rows)."""
+    from tools import dry_run as dry_run_cli
+
+    scaled = dict(re.findall(r"(--[a-z-]+) (\S+) \(scaled\)", LLAMA3_8B))
+    real = {"--num-layers": "32", "--hidden-size": "4096", "--ffn-hidden-size": "14336",
+            "--num-attention-heads": "32", "--num-query-groups": "8", "--kv-channels": "128",
+            "--seq-length": "8192", "--max-position-embeddings": "8192", "--global-batch-size": "128",
+            "--train-samples": "1953125000", "--lr-decay-samples": "1949218748",
+            "--lr-warmup-samples": "3906252", "--vocab-size": "128256", "--eval-iters": "32",
+            "--eval-interval": "100", "--save-interval": "1000"}
+    assert scaled.keys() == real.keys()
+    argv = _argv(tmp_path)
+    for i, item in enumerate(argv[:-1]):
+        if item in real:
+            argv[i + 1] = real[item]
+    assert dry_run_cli.main(["--world-size", "8", "--"] + argv) == 0
+    assert "unique parameters 8,031,309,824;" in capsys.readouterr().out

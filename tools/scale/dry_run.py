@@ -121,6 +121,8 @@ def _stage_shapes(model_cfg, parallel_cfg, layers: int, first: bool, last: bool,
     # Built without sequence parallelism: parameter shapes do not depend on it, megatron-core refuses
     # it at TP=1 (the reference build), and the local spec's torch norms refuse it at any TP (only
     # transformer-engine's norms support it: a GPU launch needs TE for --sequence-parallel).
+    # Zero-centered norm weights (--apply-layernorm-1p) likewise: same shapes, refused by them.
+    model_cfg = dataclasses.replace(model_cfg, apply_layernorm_1p=False)
     parallel = dataclasses.replace(parallel_cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                                    virtual_pipeline_model_parallel_size=None, world_size=tp, sequence_parallel=False,
                                    decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
