@@ -72,6 +72,10 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(victims, timeout=10)
 
 
+#: Set in os.environ by megatron-core's model constructor (`_set_attention_backend`).
+NVTE_ATTENTION_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
 def launch(nproc: int, args: List[str], timeout: float = 240.0,
            on_line: Optional[Callable[[str, subprocess.Popen], None]] = None,
            entry: str = ENTRY, extra_env: Optional[Dict[str, str]] = None) -> Run:
@@ -83,8 +87,12 @@ def launch(nproc: int, args: List[str], timeout: float = 240.0,
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", entry] + args
+    # Also not transformer-engine's attention switches: megatron-core sets them in the process
+    # that builds a model (in-process tests here), for that model's --attention-backend, and
+    # asserts in the next build that they match its own: a launch inherits none.
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+           and k not in NVTE_ATTENTION_SWITCHES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     env.update(extra_env or {})
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,

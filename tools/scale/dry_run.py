@@ -13,6 +13,7 @@ fp32), fp32 main params (bf16 only: in fp32 the weights are the main params), Ad
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -105,8 +106,14 @@ def _constructing_as_rank(tp: int, tp_rank: int):
     for f in dataclasses.fields(groups):
         setattr(groups, f.name, _StandInGroup(1, 0))
     groups.tp = _StandInGroup(tp, tp_rank)
+    # megatron-core's constructor sets transformer-engine's attention switches in os.environ for
+    # the model's --attention-backend and asserts that values already there agree: a build here
+    # neither meets another build's nor leaves its own.
     with mock.patch("torch.distributed.is_initialized", return_value=True), \
-            mock.patch("torch.distributed.get_rank", return_value=0), torch.device("meta"):
+            mock.patch("torch.distributed.get_rank", return_value=0), torch.device("meta"), \
+            mock.patch.dict(os.environ):
+        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            os.environ.pop(name, None)
         yield groups
 
 
