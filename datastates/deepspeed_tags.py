@@ -214,24 +214,15 @@ def newer_committed_tags(save_dir: str, than: str) -> List[str]:
                   key=lambda n: _tag_order(save_dir, n))
 
 
-def superseded_dir(save_dir: str, loaded: str) -> str:
-    """Where `supersede_tags` moves the tags a run resumed from tag `loaded` replaces."""
-    return os.path.join(save_dir, f"superseded-by-{loaded}-{time.strftime('%Y%m%dT%H%M%S')}")
-
-
 def supersede_tags(save_dir: str, tags: List[str], loaded: str) -> str:
     """Rank 0: move committed `tags` of `save_dir`, whole and untouched, into a
-    `superseded_dir` (no DeepSpeed load, `latest` or save meets them there), `latest` first:
-    to `loaded` if it names one of them (a kill in between leaves it naming a tag in place).
-    Returns that directory."""
+    `layout.superseded_dir` (no DeepSpeed load, `latest` or save meets them there), `latest`
+    first: to `loaded` if it names one of them (a kill in between leaves it naming a tag in
+    place). Returns that directory."""
     if _latest(save_dir) in tags:
         atomic_write(os.path.join(save_dir, "latest"), loaded.encode())
-    into = superseded_dir(save_dir, loaded)
-    os.makedirs(into, exist_ok=True)
-    for tag in tags:
-        os.replace(os.path.join(save_dir, tag), os.path.join(into, tag))
-    fsync_dir(into)
-    fsync_dir(save_dir)
+    into = layout.superseded_dir(save_dir, loaded)
+    layout.move_aside(save_dir, tags, into)
     return into
 
 

@@ -17,6 +17,7 @@ import concurrent.futures
 import json
 import os
 import re
+import time
 import zlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -45,6 +46,27 @@ def rank_marker_file(rank: int) -> str:
 def local_version_dir(local_root: str, directory: str) -> str:
     """Node-local counterpart of a version directory (level 3)."""
     return os.path.join(local_root, os.path.basename(os.path.normpath(directory)))
+
+
+#: Where a run that starts from an older checkpoint moves the newer ones it replaces.
+SUPERSEDED_PREFIX = "superseded-"
+
+
+def superseded_dir(root: str, by: str) -> str:
+    """Under `root`, where a run that starts from the checkpoint named `by` (an ``iter_*``
+    directory, a DeepSpeed tag) moves the newer ones: named by it and the time (the name of the
+    one rank that moves them is the one used)."""
+    return os.path.join(root, f"{SUPERSEDED_PREFIX}by-{by}-{time.strftime('%Y%m%dT%H%M%S')}")
+
+
+def move_aside(root: str, names: Sequence[str], into: str) -> None:
+    """Move the entries `names` of `root`, whole and untouched, into `into` (made if needed);
+    then both directories' entries are made durable."""
+    os.makedirs(into, exist_ok=True)
+    for name in names:
+        os.replace(os.path.join(root, name), os.path.join(into, name))
+    fsync_dir(into)
+    fsync_dir(root)
 
 
 def step_dir(root: str, step: int) -> str:

@@ -18,6 +18,8 @@ from typing import Callable, Dict, List, Optional
 
 import psutil
 
+from megatron.training.model import ATTENTION_SWITCHES
+
 REPO = Path(__file__).resolve().parent.parent
 ENTRY = str(REPO / "pretrain_gpt.py")
 
@@ -72,10 +74,6 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(victims, timeout=10)
 
 
-#: Set in os.environ by megatron-core's model constructor (`_set_attention_backend`).
-NVTE_ATTENTION_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-
-
 def launch(nproc: int, args: List[str], timeout: float = 240.0,
            on_line: Optional[Callable[[str, subprocess.Popen], None]] = None,
            entry: str = ENTRY, extra_env: Optional[Dict[str, str]] = None) -> Run:
@@ -88,11 +86,10 @@ def launch(nproc: int, args: List[str], timeout: float = 240.0,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", entry] + args
     # Also not transformer-engine's attention switches: megatron-core sets them in the process
-    # that builds a model (in-process tests here), for that model's --attention-backend, and
-    # asserts in the next build that they match its own: a launch inherits none.
+    # that builds a model (in-process tests here) and a launch's build would assert on them.
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-           and k not in NVTE_ATTENTION_SWITCHES}
+           and k not in ATTENTION_SWITCHES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     env.update(extra_env or {})
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,

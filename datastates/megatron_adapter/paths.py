@@ -28,7 +28,8 @@ from ..errors import CheckpointError
 from ..faults import fail_point
 from ..fileio import TRACKER_MAX_BYTES, atomic_write, fsync_dir, make_spare, read_confined, \
     read_iteration, replace_from_spare, safe_join
-from ..layout import COMMIT_FILE, is_committed
+from ..layout import COMMIT_FILE, SUPERSEDED_PREFIX, is_committed, move_aside
+from ..layout import superseded_dir as layout_superseded_dir
 from ..safe_load import torch_load
 
 __all__ = ["COMMON_FILENAME", "DISTRIB_OPTIM_FILENAME", "METADATA_FILENAME",
@@ -179,15 +180,10 @@ def set_aside(directory: str) -> Optional[str]:
     return aside
 
 
-#: Where `supersede` moves a root's checkpoints that a run starting from an older one replaces.
-SUPERSEDED_PREFIX = "superseded-"
-
-
 def superseded_dir(root: str, start_iteration: int) -> str:
-    """Where `supersede` moves the checkpoints a run starting from `start_iteration` replaces:
-    under `root`, named by that iteration and the time (rank 0's name is the one used)."""
-    return os.path.join(root, f"{SUPERSEDED_PREFIX}by-{_ITER_PREFIX}{start_iteration:07d}-"
-                              f"{time.strftime('%Y%m%dT%H%M%S')}")
+    """Where `supersede` moves the checkpoints a run starting from `start_iteration` replaces
+    (`layout.superseded_dir`, named by that iteration's directory)."""
+    return layout_superseded_dir(root, os.path.basename(checkpoint_dir(root, start_iteration)))
 
 
 def supersede(root: str, iterations: List[int], into: str, tracker_to: Optional[int]) -> None:
@@ -201,12 +197,7 @@ def supersede(root: str, iterations: List[int], into: str, tracker_to: Optional[
         else:
             os.unlink(os.path.join(root, TRACKER_FILENAME))
             fsync_dir(root)
-    os.makedirs(into, exist_ok=True)
-    for it in iterations:
-        directory = checkpoint_dir(root, it)
-        os.replace(directory, os.path.join(into, os.path.basename(directory)))
-    fsync_dir(into)
-    fsync_dir(root)
+    move_aside(root, [os.path.basename(checkpoint_dir(root, it)) for it in iterations], into)
 
 
 def write_tracker(root: str, iteration: int, run_config_json: Optional[str] = None) -> None:

@@ -87,6 +87,11 @@ def layer_spec(model: ModelConfig):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization.value)
 
 
+#: transformer-engine's attention switches, which megatron-core's model constructor sets in
+#: os.environ for the model's --attention-backend, asserting that values already there agree.
+ATTENTION_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
 def _attention_backend(model: ModelConfig):
     """megatron-core's AttnBackend for --attention-backend (it sets transformer-engine's NVTE_*
     switches when the model is built)."""

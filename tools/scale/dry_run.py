@@ -102,17 +102,17 @@ def _constructing_as_rank(tp: int, tp_rank: int):
     say yes while constructing so layers size themselves from the stand-in groups."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from megatron.training.model import ATTENTION_SWITCHES
+
     groups = ProcessGroupCollection()
     for f in dataclasses.fields(groups):
         setattr(groups, f.name, _StandInGroup(1, 0))
     groups.tp = _StandInGroup(tp, tp_rank)
-    # megatron-core's constructor sets transformer-engine's attention switches in os.environ for
-    # the model's --attention-backend and asserts that values already there agree: a build here
-    # neither meets another build's nor leaves its own.
+    # A build here neither meets another build's attention switches nor leaves its own.
     with mock.patch("torch.distributed.is_initialized", return_value=True), \
             mock.patch("torch.distributed.get_rank", return_value=0), torch.device("meta"), \
             mock.patch.dict(os.environ):
-        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        for name in ATTENTION_SWITCHES:
             os.environ.pop(name, None)
         yield groups
 
