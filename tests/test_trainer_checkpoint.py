@@ -152,6 +152,44 @@ def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(dropout_run, tm
         in empty.stdout
 
 
+def test_pretrained_checkpoint_starts_a_fine_tuning_that_restarts_from_its_own(dropout_run,
+                                                                              tmp_path):
+    """Megatron-LM's --pretrained-checkpoint, one launch line run twice: the first launch
+    (--load empty) fine-tunes from iteration 3 of the dropout run (--ckpt-step goes to the
+    pretrained checkpoint while --load has no tracker; the model from it, --use-checkpoint-args)
+    and exits at 2; the second resumes the fine-tuning's own iteration 2, not the pretrained
+    weights. Together they print, bit for bit, what --finetune --load <that checkpoint> prints.
+    With neither holding a checkpoint the error says so."""
+    _, root = dropout_run
+    ft = tmp_path / "ft"
+    line = _without_model_flags(TINY_MODEL) + [
+        "--train-iters", "4", "--use-checkpoint-args", "--pretrained-checkpoint", str(root),
+        "--load", str(ft), "--save", str(ft), "--save-interval", "2"]
+    first = launch(1, line + ["--ckpt-step", "3", "--exit-interval", "2"])
+    assert first.returncode == 0, first.describe()
+    assert f"--ckpt-step 3: --load {ft} has no latest_checkpointed_iteration.txt: fine-tuning " \
+           f"from iteration 3 of --pretrained-checkpoint {root}" in first.stdout
+    assert f"loaded checkpoint {root / 'iter_0000003'} (format torch_dist, iteration 3; " \
+           "optimizer not restored, rng not restored)" in first.stdout
+    assert f"model flags from {root / 'iter_0000003'}: --num-layers 4" in first.stdout
+    restarted = launch(1, line)
+    assert restarted.returncode == 0, restarted.describe()
+    assert f"loaded checkpoint {ft / 'iter_0000002'} (format torch_dist, iteration 2; " \
+           "optimizer restored, rng restored)" in restarted.stdout
+    assert f"model flags from {ft / 'iter_0000002'}: " in restarted.stdout
+    reference = launch(1, TINY_MODEL + ["--train-iters", "4", "--finetune", "--load", str(root),
+                                        "--ckpt-step", "3"])
+    assert reference.returncode == 0, reference.describe()
+    assert sorted(reference.losses()) == [1, 2, 3, 4]
+    assert {**first.losses(), **restarted.losses()} == reference.losses()
+    empty = launch(1, TINY_MODEL + ["--train-iters", "4", "--load", str(tmp_path / "none"),
+                                    "--pretrained-checkpoint", str(tmp_path / "neither")])
+    assert empty.returncode == 2, empty.describe()
+    assert f"--pretrained-checkpoint directory {tmp_path / 'neither'} does not exist: no " \
+           "checkpoint to load, and --load holds no checkpoint to resume either" \
+        in empty.stderr, empty.describe()
+
+
 def test_ckpt_step_rolls_back_and_sets_the_newer_checkpoint_aside(dropout_run, tmp_path):
     """--ckpt-step 3 with --save = --load whose tracker names 6: the run resumes from 3 and
     prints the first run's losses, its save of 6 is a new checkpoint (not skipped for the other

@@ -289,6 +289,11 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
     g.add_argument("--finetune", action="store_true",
                    help="load weights only; start at iteration 0 with a fresh optimizer")
+    g.add_argument("--pretrained-checkpoint", type=str, default=None,
+                   help="where --load holds no checkpoint to resume (none of its levels): "
+                        "fine-tune from this one (weights only, iteration 0, as --finetune), so "
+                        "the first launch of a fine-tuning starts from the pretrained model and "
+                        "a restart resumes the fine-tuning's own checkpoints")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with an error instead of starting from scratch when "
                         "there is no checkpoint to load (a mistyped path)")
@@ -1209,7 +1214,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         ckpt_format=CkptFormat(a.ckpt_format), async_save=a.async_save,
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
-        ckpt_step=a.ckpt_step, exit_on_missing_checkpoint=a.exit_on_missing_checkpoint,
+        pretrained_checkpoint=a.pretrained_checkpoint, ckpt_step=a.ckpt_step,
+        exit_on_missing_checkpoint=a.exit_on_missing_checkpoint,
         async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,
         lazy_save_checksum=a.lazy_save_checksum, lazy_save_local_dir=a.lazy_save_local_dir,
         lazy_save_local_keep=a.lazy_save_local_keep,

@@ -342,6 +342,9 @@ class CheckpointConfig:
     """Restore the RNG states."""
     finetune: bool = False
     """Load weights only; start at iteration 0 with fresh optimizer, scheduler and RNG."""
+    pretrained_checkpoint: Optional[str] = None
+    """Megatron-LM's: where `load` (with its levels) holds nothing to resume, fine-tune from this
+    checkpoint (as `finetune`)."""
     exit_on_missing_checkpoint: bool = False
     """With `load`: an error instead of starting from scratch when it holds nothing to load."""
     ckpt_step: Optional[int] = None

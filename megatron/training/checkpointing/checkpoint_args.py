@@ -10,7 +10,8 @@ fine-tuning launch names the checkpoint instead of repeating the model. The toke
 otherwise: the padded vocabulary the checkpoint holds is checked against them at load.
 
 The checkpoint is the one a resume would load from --load: the tracker's iteration (or
---ckpt-step's, or Megatron-LM's ``release``), or --load itself when it is a checkpoint directory.
+--ckpt-step's, or Megatron-LM's ``release``), or --load itself when it is a checkpoint directory;
+where --load holds none, --pretrained-checkpoint's, read the same way.
 Its model comes from its common state (this trainer's run config, or Megatron-LM's ``args``),
 from a universal checkpoint's manifest, or from a torch-format file, each read without running
 code from it. Without a checkpoint there, the flags given are used, as in Megatron-LM.
@@ -50,12 +51,18 @@ def apply_checkpoint_args(a: argparse.Namespace) -> List[str]:
     checkpoint that cannot be read."""
     if not a.use_checkpoint_args:
         return []
-    if a.load is None:
-        return ["--use-checkpoint-args: no --load directory, using the model flags given"]
-    found = _saved_model(a.load, a.ckpt_step, a.allow_unsafe_pickle)
+    sources = [d for d in (a.load, a.pretrained_checkpoint) if d is not None]
+    if not sources:
+        return ["--use-checkpoint-args: no --load or --pretrained-checkpoint directory, using the "
+                "model flags given"]
+    # The checkpoint the run will load: --load's, else (a first fine-tuning launch) the
+    # pretrained one's.
+    found = None
+    for directory in sources:
+        found = found or _saved_model(directory, a.ckpt_step, a.allow_unsafe_pickle)
     if found is None:
-        return [f"--use-checkpoint-args: no checkpoint in {a.load} to take the model flags from, "
-                "using the flags given"]
+        return [f"--use-checkpoint-args: no checkpoint in {' or '.join(sources)} to take the model "
+                "flags from, using the flags given"]
     directory, model = found
     taken, kept = [], []
     for flag, field in SIZES:

@@ -5,6 +5,7 @@ Format is detected from the directory (torch_dist writes ``metadata.json``; torc
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -83,11 +84,43 @@ def _load_distrib_optim(optimizer, path: str, allow_unsafe_pickle: bool) -> None
 
 def load_checkpoint(state: TrainState, config: RunConfig,
                     loader: Optional[Callable[[dict, str], dict]] = None) -> bool:
-    """Restore ``state`` from ``config.checkpoint.load``; False when there is nothing to load.
+    """Restore ``state`` from ``config.checkpoint.load`` (with its non-persistent levels), else
+    fine-tune from ``--pretrained-checkpoint`` when given; False when there is nothing to load.
 
     ``loader(sharded_state_dict, directory) -> state_dict`` replaces megatron-core's
     ``dist_checkpointing.load`` for a custom strategy (torch_dist layout assumed).
     """
+    ckpt = config.checkpoint
+    if ckpt.pretrained_checkpoint is None:
+        return _load(state, config, loader)
+    # Megatron-LM's rule: --load first, the pretrained checkpoint only where it holds none. A
+    # --ckpt-step is --load's while --load has a tracker (a rollback of the fine-tuning), else
+    # the pretrained checkpoint's (which of its iterations to start from).
+    resumable = ckpt.ckpt_step is None or (
+        ckpt.load is not None and os.path.isfile(os.path.join(ckpt.load, paths.TRACKER_FILENAME)))
+    if resumable and _load(state, config, loader):
+        return True
+    if not resumable:
+        print_rank_0(f"--ckpt-step {ckpt.ckpt_step}: --load {ckpt.load} has no "
+                     f"{paths.TRACKER_FILENAME}: fine-tuning from iteration {ckpt.ckpt_step} of "
+                     f"--pretrained-checkpoint {ckpt.pretrained_checkpoint}")
+    return _load(state, pretrained_config(config), loader, pretrained=True)
+
+
+def pretrained_config(config: RunConfig) -> RunConfig:
+    """`config` reading --pretrained-checkpoint as --finetune would read --load: the weights
+    only, from that directory alone (the non-persistent levels, --lazy-save-local-dir copies and
+    peer replicas hold versions of --save, not of it)."""
+    ckpt = config.checkpoint
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(
+        ckpt, load=ckpt.pretrained_checkpoint, finetune=True, non_persistent_ckpt_type=None,
+        lazy_save_local_dir=None, lazy_save_peer_replica=False))
+
+
+def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict, str], dict]],
+          pretrained: bool = False) -> bool:
+    """`load_checkpoint` from ``config.checkpoint.load`` and its levels (`pretrained`: the
+    `pretrained_config` pass, after --load held nothing)."""
     ckpt = config.checkpoint
     root = resume_root(config) if ckpt.ckpt_step is None else _step_root(config)
     if root is None:
@@ -97,15 +130,17 @@ def load_checkpoint(state: TrainState, config: RunConfig,
             raise CheckpointError(f"--ckpt-step {ckpt.ckpt_step}: the --load directory does not "
                                   "exist", path=root)
         # Megatron-LM's behaviour: nothing to load is a warning, not an error.
-        return _nothing_to_load(config, f"--load directory {root} does not exist: no "
-                                        "checkpoint to load", root, warn=True)
+        flag = "--pretrained-checkpoint" if pretrained else "--load"
+        return _nothing_to_load(config, f"{flag} directory {root} does not exist: no "
+                                        "checkpoint to load", root, warn=True,
+                                pretrained=pretrained)
     if _load_if_universal(state, config, root):  # --load names a universal checkpoint
         state.loaded = root
         return True
     if ckpt.ckpt_step is None and not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
         # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
         return _nothing_to_load(config, f"no {paths.TRACKER_FILENAME} in {root}: no complete "
-                                        "checkpoint there yet", root)
+                                        "checkpoint there yet", root, pretrained=pretrained)
     release = ckpt.ckpt_step is None and paths.tracker_names_release(root)
     if release:  # Megatron-LM's released weights: iteration 0, no optimizer or RNG state
         iteration = 0
@@ -304,11 +339,21 @@ def resume_root(config: RunConfig) -> Optional[str]:
     return non_persistent
 
 
-def _nothing_to_load(config: RunConfig, why: str, root: str, warn: bool = False) -> bool:
+def _nothing_to_load(config: RunConfig, why: str, root: str, warn: bool = False,
+                     pretrained: bool = False) -> bool:
     """--load names nothing to resume: training starts from scratch, as in Megatron-LM, unless
     --exit-on-missing-checkpoint (then the error says why, and the job exits 2 where
-    Megatron-LM's exits 0: a scheduler sees it fail)."""
-    if config.checkpoint.exit_on_missing_checkpoint:
+    Megatron-LM's exits 0: a scheduler sees it fail). With --pretrained-checkpoint, the run
+    fine-tunes from it instead; when that holds nothing either, the error says so."""
+    ckpt = config.checkpoint
+    if pretrained:
+        raise CheckpointError(f"{why}, and --load holds no checkpoint to resume either",
+                              path=root)
+    if ckpt.pretrained_checkpoint is not None:
+        print_rank_0(f"{why}: fine-tuning from --pretrained-checkpoint "
+                     f"{ckpt.pretrained_checkpoint}")
+        return False
+    if ckpt.exit_on_missing_checkpoint:
         raise CheckpointError(f"{why}; not starting from scratch (--exit-on-missing-checkpoint)",
                               path=root)
     print_rank_0(("WARNING: " if warn else "") + why + ", starting from scratch")
