@@ -190,6 +190,34 @@ def test_pretrained_checkpoint_starts_a_fine_tuning_that_restarts_from_its_own(d
         in empty.stderr, empty.describe()
 
 
+def test_ckpt_convert_format_saves_the_loaded_checkpoint_in_another_format(dropout_run,
+                                                                          tmp_path):
+    """Megatron-LM's --ckpt-convert-format: iteration 3 of the dropout run (torch_dist) saved as
+    <--ckpt-convert-save>/torch/, no iteration trained; a resume from the converted checkpoint
+    prints the dropout run's losses after 3 bit for bit (optimizer and RNG converted too)."""
+    run, root = dropout_run
+    out = tmp_path / "converted"
+    converted = launch(1, TINY_MODEL + SIX + ["--load", str(root), "--ckpt-step", "3",
+                                              "--ckpt-convert-format", "torch",
+                                              "--ckpt-convert-save", str(out)])
+    assert converted.returncode == 0, converted.describe()
+    assert converted.losses() == {}
+    assert f"> converted checkpoint: torch_dist -> torch. (iter_0000003 of {root} saved under " \
+           f"{out / 'torch'})" in converted.stdout
+    assert (out / "torch" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert (out / "torch" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    resumed = launch(1, TINY_MODEL + SIX + ["--ckpt-format", "torch", "--load", str(out / "torch")])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "optimizer restored, rng restored" in resumed.stdout
+    assert resumed.losses() == after(run.losses(), 3)
+    missing = launch(1, TINY_MODEL + SIX + ["--load", str(tmp_path / "none"),
+                                            "--ckpt-convert-format", "torch",
+                                            "--ckpt-convert-save", str(out)])
+    assert missing.returncode == 2 and f"--load directory {tmp_path / 'none'} does not exist: " \
+        "no checkpoint to load: nothing to convert (--ckpt-convert-format)" in missing.stderr, \
+        missing.describe()
+
+
 def test_ckpt_step_rolls_back_and_sets_the_newer_checkpoint_aside(dropout_run, tmp_path):
     """--ckpt-step 3 with --save = --load whose tracker names 6: the run resumes from 3 and
     prints the first run's losses, its save of 6 is a new checkpoint (not skipped for the other

@@ -96,6 +96,12 @@ def config(extra="", world_size=1):
      "--replication (Megatron-LM's copies of local non-persistent checkpoints on peer ranks) is "
      "not supported: drop --replication, --replication-jump and --replication-factor. With "
      "--async-lazy-save, --lazy-save-peer-replica keeps"),
+    ("--ckpt-convert-format torch --load /ckpt", 1,
+     "--ckpt-convert-format and --ckpt-convert-save go together"),
+    ("--ckpt-convert-format torch --ckpt-convert-save /out", 1,
+     "--ckpt-convert-format converts the checkpoint it loads: add --load DIR"),
+    ("--load /ckpt --ckpt-convert-update-legacy-dist-opt-format", 1,
+     "format of before February 2024, which is not read here"),
 ])
 def test_contradictory_flags_get_a_clear_error(extra, world, message):
     with pytest.raises(ArgumentError) as err:

@@ -297,6 +297,14 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with an error instead of starting from scratch when "
                         "there is no checkpoint to load (a mistyped path)")
+    g.add_argument("--ckpt-convert-format", choices=[f.value for f in CkptFormat], default=None,
+                   help="Megatron-LM's conversion: load --load, save it in this format as "
+                        "<--ckpt-convert-save>/<format>/ and exit without training")
+    g.add_argument("--ckpt-convert-save", type=str, default=None,
+                   help="root of the --ckpt-convert-format checkpoint")
+    g.add_argument("--ckpt-convert-update-legacy-dist-opt-format", action="store_true",
+                   help="Megatron-LM's update of the distributed optimizer's pre-2024 legacy "
+                        "format on load: not supported (that format is not read here)")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load the checkpoint of this iteration under --load instead of the one "
                         "its tracker names (a rollback); the non-persistent level is not read, "
@@ -699,6 +707,16 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
         _require(cuda_available(), "--ckpt-fully-parallel-load needs CUDA: megatron-core "
                  "exchanges the loaded shards between data-parallel ranks as CUDA tensors; drop "
                  "the flag on CPU")
+    _require(not a.ckpt_convert_update_legacy_dist_opt_format,
+             "--ckpt-convert-update-legacy-dist-opt-format updates Megatron-LM's distributed-"
+             "optimizer format of before February 2024, which is not read here: convert the "
+             "checkpoint with Megatron-LM first, or load it with --no-load-optim")
+    if a.ckpt_convert_format is not None or a.ckpt_convert_save is not None:
+        _require(a.ckpt_convert_format is not None and a.ckpt_convert_save is not None,
+                 "--ckpt-convert-format and --ckpt-convert-save go together: the format to save "
+                 "the loaded checkpoint in, and where")
+        _require(a.load is not None or a.pretrained_checkpoint is not None,
+                 "--ckpt-convert-format converts the checkpoint it loads: add --load DIR")
     _check_non_persistent_flags(a)
 
 
@@ -1215,7 +1233,10 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
         pretrained_checkpoint=a.pretrained_checkpoint, ckpt_step=a.ckpt_step,
-        exit_on_missing_checkpoint=a.exit_on_missing_checkpoint,
+        exit_on_missing_checkpoint=(a.exit_on_missing_checkpoint  # implied, as Megatron-LM
+                                    or a.ckpt_convert_format is not None),
+        ckpt_convert_format=a.ckpt_convert_format and CkptFormat(a.ckpt_convert_format),
+        ckpt_convert_save=a.ckpt_convert_save,
         async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,
         lazy_save_checksum=a.lazy_save_checksum, lazy_save_local_dir=a.lazy_save_local_dir,
         lazy_save_local_keep=a.lazy_save_local_keep,

@@ -342,6 +342,11 @@ class CheckpointConfig:
     """Restore the RNG states."""
     finetune: bool = False
     """Load weights only; start at iteration 0 with fresh optimizer, scheduler and RNG."""
+    ckpt_convert_format: Optional[CkptFormat] = None
+    """Megatron-LM's --ckpt-convert-format: save the loaded checkpoint in this format under
+    `ckpt_convert_save` and end the run without training."""
+    ckpt_convert_save: Optional[str] = None
+    """Where the converted checkpoint goes (as ``<ckpt_convert_save>/<format>/``)."""
     pretrained_checkpoint: Optional[str] = None
     """Megatron-LM's: where `load` (with its levels) holds nothing to resume, fine-tune from this
     checkpoint (as `finetune`)."""

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from megatron.training.checkpointing.loading import timed_load_checkpoint
 from megatron.training.checkpointing.contents import TrainState
-from megatron.training.checkpointing.formats import format_name, make_checkpoint_manager
+from megatron.training.checkpointing.formats import format_name, make_checkpoint_manager, \
+    save_converted
 from megatron.training.checkpointing.manager import CheckpointManager
 from megatron.training.config import RunConfig, SchedulerOnResume, TrainingConfig
 from megatron.training.mcore_fixes import apply_torch_adam_patches, optimizer_config_overrides, \
@@ -526,11 +527,16 @@ def _log_line(trainer: Trainer, elapsed_ms: float, loss: Optional[float], grad_n
 
 def train(trainer: Trainer) -> int:
     """Run to train_iters (or the exit interval, the time limit, SIGTERM); returns the last
-    iteration. The scalar writers are closed (flushed) at the end, after the final checkpoint's
+    iteration. With --ckpt-convert-format, the loaded checkpoint is saved in that format
+    instead. The scalar writers are closed (flushed) at the end, after the final checkpoint's
     record."""
     failed = True
     try:
-        iteration = _train_loop(trainer)
+        if trainer.config.checkpoint.ckpt_convert_format is not None:  # Megatron-LM's: no training
+            save_converted(trainer.state, trainer.config, trainer.metrics)
+            iteration = trainer.state.iteration
+        else:
+            iteration = _train_loop(trainer)
         failed = False
         return iteration
     finally:

@@ -353,6 +353,8 @@ def _nothing_to_load(config: RunConfig, why: str, root: str, warn: bool = False,
         print_rank_0(f"{why}: fine-tuning from --pretrained-checkpoint "
                      f"{ckpt.pretrained_checkpoint}")
         return False
+    if ckpt.ckpt_convert_format is not None:
+        raise CheckpointError(f"{why}: nothing to convert (--ckpt-convert-format)", path=root)
     if ckpt.exit_on_missing_checkpoint:
         raise CheckpointError(f"{why}; not starting from scratch (--exit-on-missing-checkpoint)",
                               path=root)
