@@ -7,12 +7,13 @@ Megatron-LM's own training loop (`pretrain_gpt.py` from its repository, tag core
     python tests/megatron_lm_fixtures.py /tmp/mlm gpt2_adam  # one
 
 Each fixture is one tiny model trained by Megatron-LM for SAVED iterations with a checkpoint at
-SAVED (`--save-interval SAVED`, `--train-iters SAVED+1`): `iter_000000S/` as Megatron-LM wrote it
-and a tracker naming it (its own run goes on to save SAVED+1 at the end of training; that one is
-not kept), plus `fixture.json` with the commit, the exact command, and the log line Megatron-LM
-printed for iteration SAVED+1 in that same uninterrupted run. tests/test_megatron_lm_interop.py
-resumes each with our pretrain_gpt.py and the same flags and expects that iteration's `lm loss`
-string exactly.
+SAVED (`--save-interval SAVED`, `--train-iters SAVED+1`, or SAVED+2 where the learning rates
+are what is checked): `iter_000000S/` as Megatron-LM wrote it and a tracker naming it (its own
+run goes on to save the last iteration at the end of training; that one is not kept), plus
+`fixture.json` with the commit, the exact command, and the log line Megatron-LM printed for
+iteration SAVED+1 in that same uninterrupted run (and the `lm loss` of every later iteration).
+tests/test_megatron_lm_interop.py resumes each with our pretrain_gpt.py and the same flags and
+expects those `lm loss` strings exactly.
 """
 from __future__ import annotations
 
@@ -56,6 +57,14 @@ LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
          "--group-query-attention", "--num-query-groups", "2",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 DISTOPT = ["--use-distributed-optimizer"]
+#: Megatron-LM's separate rates for the embedding and output layer, and the iteration after the
+#: next one (the first whose loss follows the resumed run's learning rates).
+DECOUPLED_LR = ["--decoupled-lr", "4e-3", "--decoupled-min-lr", "2e-4"]
+
+
+def _two_later(flags: list) -> list:
+    i = flags.index("--train-iters")
+    return flags[:i + 1] + [str(SAVED + 2)] + flags[i + 2:]
 
 #: name -> (flags of both trainers, the distributed optimizer's sharding type or None)
 VARIANTS = {
@@ -64,6 +73,7 @@ VARIANTS = {
     "llama_adam": (TINY + LLAMA, None),
     "llama_distopt_fully_reshardable": (
         TINY + LLAMA + DISTOPT, "fully_reshardable"),
+    "gpt2_distopt_decoupled_lr": (_two_later(TINY) + DISTOPT + DECOUPLED_LR, "dp_reshardable"),
 }
 _UPSTREAM_ONLY = {"fully_reshardable": ["--dist-ckpt-optim-fully-reshardable"]}
 _LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|")
@@ -125,6 +135,7 @@ def make(tree: str, name: str) -> dict:
         "next_iteration": SAVED + 1,
         "lm_loss": loss,
         "log_line": line.strip(),
+        "later_losses": {str(it): lines[it][1] for it in sorted(lines) if it > SAVED},
     }
     (out / "fixture.json").write_text(json.dumps(record, indent=1) + "\n")
     return record

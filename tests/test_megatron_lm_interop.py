@@ -49,9 +49,12 @@ def test_resume_megatron_lm_checkpoint_prints_its_next_loss(name, tmp_path):
     assert "written by Megatron-LM" in run.stdout, run.stdout[-2000:]
     assert "optimizer restored, rng restored" in run.stdout, run.stdout[-2000:]
     losses = run.losses()
-    assert sorted(losses) == [fixture["next_iteration"]], run.stdout[-2000:]
-    # Megatron-LM printed this for the same iteration in the uninterrupted run.
-    assert losses[fixture["next_iteration"]] == fixture["lm_loss"], fixture["log_line"]
+    # Megatron-LM printed these for the same iterations in the uninterrupted run (from the
+    # second one on, they follow the learning rates of each parameter group the resume restored:
+    # gpt2_distopt_decoupled_lr's decoupled group is unmarked in Megatron-LM's checkpoint).
+    later = fixture.get("later_losses", {str(fixture["next_iteration"]): fixture["lm_loss"]})
+    assert {str(it): loss for it, loss in losses.items()} == later, fixture["log_line"]
+    assert losses[fixture["next_iteration"]] == fixture["lm_loss"]
     consumed = re.search(r" consumed samples:\s+(\d+) \|", fixture["log_line"]).group(1)
     assert re.search(_MLM_LINE.format(fixture["next_iteration"]), run.stdout).group(1) == consumed
 

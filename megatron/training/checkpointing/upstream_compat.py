@@ -203,11 +203,13 @@ def saved_config_from_args(common: dict, path: str) -> str:
 
 def normalize_loaded(loaded: dict, path: str) -> dict:
     """A state dict loaded from a Megatron-LM checkpoint, with our keys: progress counters from
-    ``args`` and the RNG state of this rank (item 0 of Megatron-LM's list: the state data-parallel
-    rank 0 saved, which Megatron-LM restores on every DP rank)."""
+    ``args``, the RNG state of this rank (item 0 of Megatron-LM's list: the state data-parallel
+    rank 0 saved, which Megatron-LM restores on every DP rank), and its --decoupled-lr
+    parameter group marked (`_mark_decoupled_groups`)."""
     args = loaded["args"]
     for name in ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"):
         loaded.setdefault(name, int(getattr(args, name, 0) or 0))
+    _mark_decoupled_groups(loaded.get("optimizer"), args)
     rng = loaded.get(UPSTREAM_RNG_KEY)
     if isinstance(rng, list):
         if not rng or not isinstance(rng[0], dict):
@@ -215,3 +217,30 @@ def normalize_loaded(loaded: dict, path: str) -> dict:
                                   "dict (Megatron-LM saves [state] per (PP, TP) rank)", path=path)
         loaded[UPSTREAM_RNG_KEY] = rng[0]
     return loaded
+
+
+def _mark_decoupled_groups(optimizer_state, args) -> None:
+    """megatron-core 0.16.1's own overrides leave the --decoupled-lr parameter group unmarked
+    (`mcore_fixes.optimizer_config_overrides`), so in a checkpoint Megatron-LM saved that group
+    has the default group's identity (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) and
+    a load takes one group's hyperparameters for both (Megatron-LM's own resume then steps the
+    default group with the decoupled rates). The group is the one whose (max_lr, min_lr) are the
+    run's decoupled ones, from the checkpoint's ``args``: marked as this trainer marks it. Where
+    those equal the default rates the groups are alike and stay as they are."""
+    decoupled = getattr(args, "decoupled_lr", None)
+    if decoupled is None or not isinstance(optimizer_state, (dict, list)):
+        return
+    decoupled_min = getattr(args, "decoupled_min_lr", None)
+    rates = (decoupled, getattr(args, "min_lr", None) if decoupled_min is None else decoupled_min)
+    if rates == (getattr(args, "lr", None), getattr(args, "min_lr", None)):
+        return
+    pending = [optimizer_state]
+    while pending:  # the optimizer's state dict, or a chained optimizer's list of them
+        item = pending.pop()
+        values = item.values() if isinstance(item, dict) else item
+        pending.extend(v for v in values if isinstance(v, (dict, list)) and not (
+            isinstance(item, dict) and v is item.get("param_groups")))
+        if isinstance(item, dict) and isinstance(item.get("param_groups"), list):
+            for group in item["param_groups"]:
+                if isinstance(group, dict) and (group.get("max_lr"), group.get("min_lr")) == rates:
+                    group["is_decoupled_lr"] = True
