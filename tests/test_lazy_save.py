@@ -54,12 +54,19 @@ def tp2pp2(tmp_path_factory):
 
 
 def test_tp2pp2_resume_bit_exact(tp2pp2, tmp_path):
+    """Resumed by a launch that names neither the model nor the layout: Megatron-LM's
+    --use-checkpoint-args --use-mp-args-from-checkpoint-args take both from the checkpoint."""
     run, root = tp2pp2
     load = copy_checkpoints(root, [3], 3, tmp_path / "load")
-    resumed = launch(4, TINY_MODEL + NO_DROPOUT + SIX + DISTOPT + [
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--load", load], timeout=400)
+    sizes = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+             "--max-position-embeddings")
+    unnamed = [x for i, x in enumerate(TINY_MODEL)
+               if x not in sizes and (i == 0 or TINY_MODEL[i - 1] not in sizes)]
+    resumed = launch(4, unnamed + NO_DROPOUT + SIX + DISTOPT + [
+        "--use-checkpoint-args", "--use-mp-args-from-checkpoint-args", "--load", load],
+        timeout=400)
     assert resumed.returncode == 0, resumed.describe()
+    assert "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" in resumed.stdout
     assert "optimizer restored" in resumed.stdout
     assert resumed.losses() == after(run.losses(), 3)
 

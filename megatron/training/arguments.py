@@ -272,6 +272,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model flags from the --load checkpoint (Megatron-LM's rule: "
                    "its sizes where none is given, its architecture whatever is given)")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="with --use-checkpoint-args: also take the checkpoint's tensor, pipeline "
+                   "and virtual pipeline sizes, whatever is given (Megatron-LM's)")
     g.add_argument("--load", type=str, default=None,
                    help="directory to resume from (a missing tracker: start from scratch)")
     g.add_argument("--save-interval", type=_save_interval, default=None,
@@ -707,6 +710,9 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
         _require(cuda_available(), "--ckpt-fully-parallel-load needs CUDA: megatron-core "
                  "exchanges the loaded shards between data-parallel ranks as CUDA tensors; drop "
                  "the flag on CPU")
+    if a.use_mp_args_from_checkpoint_args and not a.use_checkpoint_args:
+        _warn("--use-mp-args-from-checkpoint-args takes effect with --use-checkpoint-args only (as "
+              "in Megatron-LM): the layout flags given are used")
     _require(not a.ckpt_convert_update_legacy_dist_opt_format,
              "--ckpt-convert-update-legacy-dist-opt-format updates Megatron-LM's distributed-"
              "optimizer format of before February 2024, which is not read here: convert the "

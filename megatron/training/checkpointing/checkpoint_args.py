@@ -28,6 +28,7 @@ from datastates.megatron_adapter import paths
 from datastates.universal import UniversalCheckpoint, is_universal
 
 from megatron.training.checkpointing.contents import safe_torch_load, saved_run_config
+from megatron.training.checkpointing.errors import CheckpointError
 
 #: (flag, saved model field = the flag's argparse destination): taken where the flag is not given.
 SIZES = (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
@@ -63,7 +64,8 @@ def apply_checkpoint_args(a: argparse.Namespace) -> List[str]:
     if found is None:
         return [f"--use-checkpoint-args: no checkpoint in {' or '.join(sources)} to take the model "
                 "flags from, using the flags given"]
-    directory, model = found
+    directory, saved = found
+    model = saved["model"]
     taken, kept = [], []
     for flag, field in SIZES:
         value = model.get(field)
@@ -88,27 +90,53 @@ def apply_checkpoint_args(a: argparse.Namespace) -> List[str]:
             taken.append(f"--group-query-attention --num-query-groups {groups}")
     if not rope:  # rotary settings mean nothing for it (and would be refused)
         a.rotary_base = a.rotary_percent = None
+    if a.use_mp_args_from_checkpoint_args:
+        taken += _take_layout(a, saved.get("parallel"), directory)
     return [f"--use-checkpoint-args: model flags from {directory}: {' '.join(taken)}"
             + (f"; given on the command line, kept: {', '.join(kept)}" if kept else "")]
 
 
+def _take_layout(a: argparse.Namespace, parallel: Optional[dict], directory: str) -> List[str]:
+    """--use-mp-args-from-checkpoint-args: the checkpoint's TP, PP and virtual pipeline (and an
+    uneven first/last stage), whatever the command line says, as Megatron-LM forces them; the
+    flags taken. A universal checkpoint has no layout: the flags given stay."""
+    if parallel is None:
+        raise CheckpointError(f"--use-mp-args-from-checkpoint-args: {directory} is a universal "
+                              "checkpoint, which has no parallel layout to take; give the "
+                              "layout flags and drop this one")
+    tp, pp = parallel["tensor_model_parallel_size"], parallel["pipeline_model_parallel_size"]
+    vpp = parallel.get("virtual_pipeline_model_parallel_size")
+    a.tensor_model_parallel_size, a.pipeline_model_parallel_size = tp, pp
+    a.num_layers_per_virtual_pipeline_stage = a.num_layers // (pp * vpp) if vpp else None
+    a.decoder_first_pipeline_num_layers = parallel.get("decoder_first_pipeline_num_layers")
+    a.decoder_last_pipeline_num_layers = parallel.get("decoder_last_pipeline_num_layers")
+    taken = [f"--tensor-model-parallel-size {tp}", f"--pipeline-model-parallel-size {pp}"]
+    if vpp:
+        taken.append(f"--num-layers-per-virtual-pipeline-stage "
+                     f"{a.num_layers_per_virtual_pipeline_stage}")
+    for stage in ("first", "last"):
+        field = f"decoder_{stage}_pipeline_num_layers"
+        if getattr(a, field) is not None:
+            taken.append(f"--decoder-{stage}-pipeline-num-layers {getattr(a, field)}")
+    return taken
+
+
 def _saved_model(load: str, ckpt_step: Optional[int],
                  allow_unsafe_pickle: bool) -> Optional[Tuple[str, dict]]:
-    """(checkpoint directory, its model config as run_config.json writes it), or None when
-    `load` holds no checkpoint."""
+    """(checkpoint directory, its run config as run_config.json writes it: "model", and
+    "parallel" except for a universal checkpoint), or None when `load` holds no checkpoint."""
     directory = _checkpoint_directory(load, ckpt_step)
     if directory is None:
         return None
     if is_universal(directory):
         with UniversalCheckpoint(directory, allow_unsafe_pickle=allow_unsafe_pickle) as u:
-            return directory, dict(u.manifest["model_config"])
+            return directory, {"model": dict(u.manifest["model_config"])}
     kind = paths.detect_format(directory)
     if kind is paths.Format.TORCH:  # every (TP, PP) file holds the run config: the first's
         name = sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))[0]
         path = os.path.join(directory, name, paths.TORCH_FILENAME)
-        return directory, json.loads(safe_torch_load(path, allow_unsafe_pickle)["run_config"])[
-            "model"]
-    return directory, json.loads(saved_run_config(directory, kind, allow_unsafe_pickle))["model"]
+        return directory, json.loads(safe_torch_load(path, allow_unsafe_pickle)["run_config"])
+    return directory, json.loads(saved_run_config(directory, kind, allow_unsafe_pickle))
 
 
 def _checkpoint_directory(load: str, ckpt_step: Optional[int]) -> Optional[str]:
