@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing.checkpoint_args import apply_checkpoint_args
@@ -216,6 +217,46 @@ def test_ckpt_convert_format_saves_the_loaded_checkpoint_in_another_format(dropo
     assert missing.returncode == 2 and f"--load directory {tmp_path / 'none'} does not exist: " \
         "no checkpoint to load: nothing to convert (--ckpt-convert-format)" in missing.stderr, \
         missing.describe()
+
+
+def test_lenient_dist_ckpt_strictness_loads_the_tensors_both_models_have(dropout_run,
+                                                                          tmp_path):
+    """Megatron-LM's --dist-ckpt-strictness log_all: the dropout run's tied-embeddings model
+    loaded into one with its own output layer (refused by default, with the way out named).
+    Both loads, converted to the torch format (--ckpt-convert-format) to read what they hold:
+    every tensor of the tied model is the untied one's, bit for bit; the output layer the
+    checkpoint lacks keeps its initial value and is named. Without --finetune it is refused:
+    that tensor's optimizer state is not in the checkpoint."""
+    from megatron.training.checkpointing.contents import safe_torch_load
+
+    _, root = dropout_run
+    untie = ["--untie-embeddings-and-output-weights"]
+    convert = ["--load", str(root), "--ckpt-convert-format", "torch", "--ckpt-convert-save"]
+    refused = launch(1, TINY_MODEL + SIX + untie + ["--load", str(root), "--finetune"])
+    assert refused.returncode == 2 and "untie_embeddings_and_output_weights: checkpoint False, " \
+        "this run True); pass the same model flags or another --load (or, to load the tensors " \
+        "both models have, --dist-ckpt-strictness log_all with --finetune)" in refused.stderr, \
+        refused.describe()
+    tied = launch(1, TINY_MODEL + SIX + ["--finetune"] + convert + [str(tmp_path / "tied")])
+    lenient = ["--dist-ckpt-strictness", "log_all"]
+    untied = launch(1, TINY_MODEL + SIX + untie + lenient + ["--finetune"] + convert
+                    + [str(tmp_path / "untied")])
+    for run in (tied, untied):
+        assert run.returncode == 0, run.describe()
+    assert "--dist-ckpt-strictness log_all: the checkpoint lacks 1 tensor(s) of this model, " \
+           "which keep their initial values (unexpected): output_layer.weight" in untied.stdout
+    assert "(missing)" not in untied.stdout  # the optimizer and RNG states were not asked for
+    files = [safe_torch_load(str(tmp_path / name / "torch" / "iter_0000000" / "mp_rank_00" /
+                                 "model_optim_rng.pt"))["model"] for name in ("tied", "untied")]
+    assert sorted(files[1]) == sorted(list(files[0]) + ["output_layer.weight"])
+    for key, tensor in files[0].items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(tensor, files[1][key]), key
+    no_finetune = launch(1, TINY_MODEL + SIX + untie + lenient + ["--load", str(root)])
+    assert no_finetune.returncode == 2 and "the checkpoint lacks 3 tensor(s) of this model " \
+        "(optimizer.state.exp_avg.output_layer.weight, optimizer.state.exp_avg_sq.output_layer." \
+        "weight, output_layer.weight), whose optimizer state it cannot restore; add --finetune " \
+        "(or --no-load-optim)" in no_finetune.stderr, no_finetune.describe()
 
 
 def test_ckpt_step_rolls_back_and_sets_the_newer_checkpoint_aside(dropout_run, tmp_path):

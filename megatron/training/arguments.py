@@ -24,6 +24,7 @@ from megatron.training.config import (
     RecomputeGranularity,
     RecomputeMethod,
     RunConfig,
+    STRICTNESS,
     SchedulerOnResume,
     TrainingConfig,
     shared_memory_dir,
@@ -377,6 +378,14 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "commits; a disagreement (silent data corruption) refuses the version, "
                         "names the tensor and ranks, and --ckpt-failure-policy decides whether "
                         "training stops (default) or goes on without that checkpoint")
+    g.add_argument("--dist-ckpt-strictness", choices=STRICTNESS, default=STRICTNESS[0],
+                   help="Megatron-LM's handling of tensors the model has and the checkpoint lacks "
+                   "(unexpected) or the checkpoint has and the model lacks (missing), torch_dist "
+                   "and DataStates loads: assume_ok_unexpected (default: a lacking tensor fails "
+                   "the load), raise_unexpected/raise_all (fail first, naming them), "
+                   "log_unexpected/log_all/return_unexpected/return_all (list them; the model's "
+                   "lacking tensors keep their initial values: with --finetune or "
+                   "--no-load-optim), ignore_all (the same, silently)")
     g.add_argument("--ckpt-fallback-to-previous", action="store_true",
                    help="if the newest complete checkpoint is damaged, verify and load the newest "
                         "older intact one instead of failing")
@@ -1265,6 +1274,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         ckpt_failure_policy=CkptFailurePolicy(a.ckpt_failure_policy),
         ckpt_verify_replicas=a.ckpt_verify_replicas,
         ckpt_fallback_to_previous=a.ckpt_fallback_to_previous,
+        dist_ckpt_strictness=a.dist_ckpt_strictness,
         allow_unsafe_pickle=a.allow_unsafe_pickle,
         ckpt_drain_timeout=a.ckpt_drain_timeout,
         universal_checkpoint_interval=a.universal_checkpoint_interval,

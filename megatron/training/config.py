@@ -39,6 +39,14 @@ class SchedulerOnResume(str, enum.Enum):
     OVERRIDE = "override"          # --override-opt_param-scheduler: this run's flags win
 
 
+#: Megatron-LM's --dist-ckpt-strictness values (megatron-core's StrictHandling), the default first.
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+              "raise_all", "return_unexpected", "return_all", "ignore_all")
+#: Those that load a checkpoint lacking some of the model's tensors (they keep their values).
+LENIENT_STRICTNESS = ("log_unexpected", "log_all", "return_unexpected", "return_all",
+                      "ignore_all")
+
+
 class CkptFormat(str, enum.Enum):
     """On-disk checkpoint format (``--ckpt-format``)."""
 
@@ -428,6 +436,10 @@ class CheckpointConfig:
     ckpt_verify_replicas: Optional[int] = None
     """--ckpt-verify-replicas: every this many saves, the data-parallel replicas of each tensor
     are compared before the version commits (None: never)."""
+    dist_ckpt_strictness: str = STRICTNESS[0]
+    """Megatron-LM's --dist-ckpt-strictness (a `STRICTNESS` value): what a torch_dist or DataStates
+    load does with tensors the model has and the checkpoint lacks ("unexpected") or the
+    checkpoint has and the model lacks ("missing"); see `LENIENT_STRICTNESS`."""
     ckpt_fallback_to_previous: bool = False
     """When the newest complete checkpoint is damaged, verify and load the newest older one that
     is intact instead of failing (every checksum of each candidate is read first)."""

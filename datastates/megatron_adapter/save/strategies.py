@@ -347,7 +347,9 @@ class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)
 
 
-_PATCH_LOCK = threading.Lock()
+#: Reentrant: megatron-core's `load_sharded_metadata` (a --dist-ckpt-strictness other than the
+#: default) calls `load_tensors_metadata` on the same strategy, inside the first patch.
+_PATCH_LOCK = threading.RLock()
 
 
 class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):

@@ -96,10 +96,17 @@ def _model_fields(saved: dict) -> dict:
     return out
 
 
-def check_model_shape(saved_config_json: str, config: RunConfig, path: str) -> None:
+#: Architecture fields that only add or remove whole tensors (the output layer, the biases):
+#: what a lenient --dist-ckpt-strictness load may bridge.
+TENSOR_SET_FIELDS = ("untie_embeddings_and_output_weights", "add_bias_linear")
+
+
+def check_model_shape(saved_config_json: str, config: RunConfig, path: str,
+                      tensor_set_may_differ: bool = False) -> List[str]:
     """Refuse a checkpoint of another model shape or architecture before megatron-core reports it
     as a tensor-level mismatch (or, for an architecture flag, loads it into a model that computes
-    something else)."""
+    something else). `tensor_set_may_differ` (a lenient --dist-ckpt-strictness): differences in
+    `TENSOR_SET_FIELDS` alone are returned (described) instead of refused."""
     saved = _model_fields(json.loads(saved_config_json)["model"])
     ours = model_shape(config)
     # A rope model has no position table; the rotary fields mean nothing without rope.
@@ -109,11 +116,16 @@ def check_model_shape(saved_config_json: str, config: RunConfig, path: str) -> N
         ignored.add("max_position_embeddings")
     if rope not in (saved["position_embedding_type"], ours["position_embedding_type"]):
         ignored.update(_ROPE_ONLY)
-    diffs = [f"{k}: checkpoint {saved[k]!r}, this run {v!r}" for k, v in ours.items()
-             if k not in ignored and saved[k] != v]
-    if diffs:
+    differ = [k for k, v in ours.items() if k not in ignored and saved[k] != v]
+    diffs = [f"{k}: checkpoint {saved[k]!r}, this run {ours[k]!r}" for k in differ]
+    bridgeable = set(differ) <= set(TENSOR_SET_FIELDS)
+    if diffs and not (tensor_set_may_differ and bridgeable):
         raise CheckpointError("checkpoint was saved for another model shape (" + "; ".join(diffs)
-                              + "); pass the same model flags or another --load", path=path)
+                              + "); pass the same model flags or another --load"
+                              + (" (or, to load the tensors both models have, "
+                                 "--dist-ckpt-strictness log_all with --finetune)"
+                                 if bridgeable else ""), path=path)
+    return diffs
 
 
 def rng_state(with_cuda: bool = False) -> dict:
@@ -392,17 +404,20 @@ def _te_pickle_opt_in(allow_unsafe_pickle: bool) -> Iterator[None]:
 def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool,
                             load_rng: bool, finetune: bool,
                             schedule: SchedulerOnResume = SchedulerOnResume.MUST_MATCH,
-                            path: str = "", allow_unsafe_pickle: bool = False) -> Optional[str]:
+                            path: str = "", allow_unsafe_pickle: bool = False,
+                            partial: bool = False) -> Optional[str]:
     """Restore model (always), then optimizer+scheduler, RNG and progress counters unless told
-    not to. ``finetune`` keeps iteration and sample counters at zero. Module extra state that
-    would be unpickled with code in it is refused first (`check_extra_states`)."""
+    not to; a note to print, or None. ``finetune`` keeps iteration and sample counters at zero.
+    Module extra state that would be unpickled with code in it is refused first
+    (`check_extra_states`). ``partial``: the checkpoint lacked some of this rank's model tensors
+    (a lenient --dist-ckpt-strictness load left exactly those out), which keep their values."""
     n = len(state.model)
     for i in range(n):
         check_extra_states(loaded[_model_key(i, n)], allow_unsafe_pickle=allow_unsafe_pickle,
                            path=path)
     with _te_pickle_opt_in(allow_unsafe_pickle):
         for i, chunk in enumerate(state.model):
-            unwrap(chunk).load_state_dict(loaded[_model_key(i, n)], strict=True)
+            unwrap(chunk).load_state_dict(loaded[_model_key(i, n)], strict=not partial)
     note = None
     if load_optim and "opt_param_scheduler" in loaded:
         # Before anything is applied: a refused schedule leaves the state untouched.

@@ -45,7 +45,7 @@ from megatron.training.checkpointing.contents import (
 )
 from megatron.training.checkpointing.manager import non_persistent_root_of_this_rank
 from megatron.training.checkpointing.verify import damage_hint, newest_intact
-from megatron.training.config import CkptFormat, RunConfig
+from megatron.training.config import LENIENT_STRICTNESS, STRICTNESS, CkptFormat, RunConfig
 from megatron.training.checkpointing.from_universal import load_universal
 from megatron.training.checkpointing.lazy import local_dir_of_this_rank, restore_peer_copies
 from megatron.training.log import print_rank_0, say
@@ -166,7 +166,12 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
     fmt = CkptFormat.TORCH if kind is paths.Format.TORCH else CkptFormat.TORCH_DIST
     unsafe = ckpt.allow_unsafe_pickle
     saved_json = _saved_config(directory, kind, unsafe, also)
-    check_model_shape(saved_json, config, directory)
+    strictness = ckpt.dist_ckpt_strictness if fmt is CkptFormat.TORCH_DIST else STRICTNESS[0]
+    bridged = check_model_shape(saved_json, config, directory,
+                                tensor_set_may_differ=strictness in LENIENT_STRICTNESS)
+    if bridged:
+        print_rank_0(f"--dist-ckpt-strictness {strictness}: the checkpoint's model differs in "
+                     f"tensors it holds ({'; '.join(bridged)}); the tensors both have are loaded")
     saved = json.loads(saved_json)
     saved_layout = _layout_of(saved)
     run_layout = parallel_layout(config)
@@ -225,10 +230,13 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
         assembled = node_local and is_assembled_memory(root)
         peers = (restore_peer_copies(config, directory, sd, assembled=True) if assembled
                  else None if node_local else restore_peer_copies(config, directory, sd))
-        loaded = _load_torch_dist(sd, directory, loader, unsafe,
-                                  None if node_local else local_dir_of_this_rank(config),
-                                  ckpt.ckpt_fully_parallel_load,
-                                  on_read=None if peers is None else peers.report, also=also)
+        loaded, lacking = _load_torch_dist(sd, directory, loader, unsafe,
+                                           None if node_local else local_dir_of_this_rank(config),
+                                           ckpt.ckpt_fully_parallel_load,
+                                           on_read=None if peers is None else peers.report,
+                                           also=also, strict=strictness)
+        if strictness in LENIENT_STRICTNESS:
+            _report_mismatch(strictness, lacking, load_optim, load_rng, directory)
         if assembled:  # read by every rank: its copies leave memory
             control_plane.barrier()
             _drop_assembled(root)
@@ -237,6 +245,7 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
     else:
         loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
                                  unsafe)
+        lacking = ((), ())
     count_loaded(loaded)
     if own_boxes:  # param groups, step, scaler here; the parameter state is in place already
         with torch.no_grad():  # except where the reader could not read in place (GPU tensors)
@@ -248,7 +257,7 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
     note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
                                    finetune=ckpt.finetune,
                                    schedule=config.optimizer.scheduler_on_resume, path=directory,
-                                   allow_unsafe_pickle=unsafe)
+                                   allow_unsafe_pickle=unsafe, partial=bool(lacking[0]))
     if own_boxes and distopt_shards.state_pointers(state.optimizer) != pointers:
         raise CheckpointError("megatron-core's DistributedOptimizer.load_state_dict replaced the "
                               "optimizer's state tensors that the load read into; this version "
@@ -556,14 +565,20 @@ def _fully_reshardable(common: Optional[dict]) -> bool:
 def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool = False,
                      local_dir: Optional[str] = None, fully_parallel: bool = False,
                      on_read: Optional[Callable[[dict], None]] = None,
-                     also: Optional[str] = None) -> dict:
+                     also: Optional[str] = None, strict: str = STRICTNESS[0]):
+    """(the loaded state dict, (the sharded keys this rank asked for and the checkpoint lacks,
+    the checkpoint's keys no rank asked for)); the keys are found only with a lenient `strict`
+    (--dist-ckpt-strictness), whose tensors left out keep their values."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.validation import StrictHandling
     from torch.distributed.checkpoint.api import CheckpointException as DcpException
 
+    if strict in LENIENT_STRICTNESS:  # the keys come back to be reported here, on rank 0
+        strict = "return_all" if strict.endswith("_all") else "return_unexpected"
     try:
         if loader is not None:
-            return loader(sd, directory)
+            return loader(sd, directory), ((), ())
         sharded, common = load_strategies(directory, allow_unsafe_pickle, local_dir)
         strategy = sharded
         if fully_parallel:  # --ckpt-fully-parallel-load (CUDA only, checked with the flags)
@@ -574,13 +589,17 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
             strategy = FullyParallelLoadStrategyWrapper(
                 sharded, ps.get_data_parallel_group(with_context_parallel=True))
         loaded = dist_checkpointing.load(sd, directory, sharded_strategy=strategy,
-                                         common_strategy=common)
+                                         common_strategy=common, strict=StrictHandling(strict))
+        lacking = ((), ())
+        if isinstance(loaded, tuple):  # return_*: (state dict, missing, unexpected)
+            loaded, missing, unexpected = loaded
+            lacking = (tuple(sorted(unexpected)), tuple(sorted(missing)))
         if getattr(sharded, "last_read", None) is not None:
             if local_dir is not None:
                 _report_sources(directory, sharded.last_read)
             if on_read is not None:
                 on_read(sharded.last_read)
-        return loaded
+        return loaded, lacking
     except UnsafePickleError:
         raise  # already names the file and the offending global
     except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
@@ -591,6 +610,37 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
         raise CheckpointError(f"could not load the checkpoint (torch_dist reader): "
                               f"{lines[-1] if lines else err}" + _backend_note(directory)
                               + _hint(directory, also), path=directory) from None
+
+
+def _report_mismatch(strictness: str, lacking: Tuple[tuple, tuple], load_optim: bool,
+                     load_rng: bool, directory: str) -> None:
+    """Every rank (collective), a lenient --dist-ckpt-strictness load: one line on rank 0 with
+    the tensors the model has and the checkpoint lacks ("unexpected" in megatron-core's words;
+    they keep their values) and, for the *_all values, those the checkpoint has and no rank
+    asked for ("missing"; not the optimizer or RNG states the run chose not to restore);
+    nothing for ignore_all. With the optimizer restored, lacking tensors are refused on every
+    rank: their optimizer state would be missing."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, lacking, group=control_plane.control_group())
+    unexpected = sorted({k for mine, _ in gathered for k in mine})
+    not_asked = (() if load_optim else ("optimizer.",)) + (() if load_rng else ("rng_state",))
+    missing = sorted({k for _, theirs in gathered for k in theirs if not k.startswith(not_asked)})
+    if unexpected and load_optim:
+        raise CheckpointError(
+            f"--dist-ckpt-strictness {strictness}: the checkpoint lacks {len(unexpected)} "
+            f"tensor(s) of this model ({', '.join(unexpected[:8])}"
+            f"{', ...' if len(unexpected) > 8 else ''}), whose optimizer state it cannot restore; "
+            "add --finetune (or --no-load-optim) to start the optimizer afresh", path=directory)
+    if strictness == "ignore_all" or not (unexpected or missing):
+        return
+    parts = []
+    if unexpected:
+        parts.append(f"the checkpoint lacks {len(unexpected)} tensor(s) of this model, which "
+                     f"keep their initial values (unexpected): {', '.join(unexpected)}")
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) of the checkpoint are not in this model, not "
+                     f"read (missing): {', '.join(missing)}")
+    print_rank_0(f"--dist-ckpt-strictness {strictness}: " + "; ".join(parts))
 
 
 def _report_sources(directory: str, read: dict) -> None:
