@@ -8,7 +8,7 @@ Megatron-LM's own training loop (`pretrain_gpt.py` from its repository, tag core
 
 Each fixture is one tiny model trained by Megatron-LM for SAVED iterations with a checkpoint at
 SAVED (`--save-interval SAVED`, `--train-iters SAVED+1`, or SAVED+2 where the learning rates
-are what is checked): `iter_000000S/` as Megatron-LM wrote it and a tracker naming it (its own
+are what is checked, or a --rampup-batch-size run of 7 iterations): `iter_000000S/` as Megatron-LM wrote it and a tracker naming it (its own
 run goes on to save the last iteration at the end of training; that one is not kept), plus
 `fixture.json` with the commit, the exact command, and the log line Megatron-LM printed for
 iteration SAVED+1 in that same uninterrupted run (and the `lm loss` of every later iteration).
@@ -66,6 +66,18 @@ def _two_later(flags: list) -> list:
     i = flags.index("--train-iters")
     return flags[:i + 1] + [str(SAVED + 2)] + flags[i + 2:]
 
+
+def _rampup(flags: list) -> list:
+    """Sample-based, with Megatron-LM's --rampup-batch-size: global batches of 2, 2, 4 (saved
+    after the third iteration), then 6 and 8, 8, 8 (iterations 4-7, 40 samples)."""
+    out = list(flags)
+    for flag in ("--train-iters", "--lr-warmup-iters"):
+        i = out.index(flag)
+        del out[i:i + 2]
+    out[out.index("--global-batch-size") + 1] = "8"
+    return out + ["--train-samples", "40", "--lr-warmup-samples", "4",
+                  "--rampup-batch-size", "2", "2", "12"]
+
 #: name -> (flags of both trainers, the distributed optimizer's sharding type or None)
 VARIANTS = {
     "gpt2_adam": (TINY, None),
@@ -74,6 +86,7 @@ VARIANTS = {
     "llama_distopt_fully_reshardable": (
         TINY + LLAMA + DISTOPT, "fully_reshardable"),
     "gpt2_distopt_decoupled_lr": (_two_later(TINY) + DISTOPT + DECOUPLED_LR, "dp_reshardable"),
+    "gpt2_rampup_batch_size": (_rampup(TINY), None),
 }
 _UPSTREAM_ONLY = {"fully_reshardable": ["--dist-ckpt-optim-fully-reshardable"]}
 _LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|")

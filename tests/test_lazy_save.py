@@ -5,6 +5,7 @@ checkpoints, so the reference losses and the checkpoint come from the same launc
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -232,6 +233,34 @@ def test_tracker_naming_an_uncommitted_checkpoint_is_refused(dp2, tmp_path):
               if line.startswith("pretrain_gpt.py: error:")]
     assert errors and all("not committed" in line and "iter_0000005" in line for line in errors), \
         resumed.describe()
+
+
+def test_rampup_batch_size_saves_where_the_batch_grows_and_resumes_on_the_ramp(tmp_path):
+    """Megatron-LM's --rampup-batch-size 2 2 12 to a batch of 8 over 48 samples: batches 2, 2,
+    4, 6, then 8 (8 iterations); a lazy save where the batch grows (iterations 2, 3, 4, as
+    Megatron-LM saves there) besides the end's. A resume from iteration 3 (on the ramp) prints
+    iterations 4-8 bit for bit: batch, samples and learning rate go on where they were.
+    (tests/test_megatron_lm_interop.py resumes a ramp Megatron-LM saved, against its own
+    losses.)"""
+    i = TINY_MODEL.index("--lr-warmup-iters")
+    flags = TINY_MODEL[:i] + TINY_MODEL[i + 2:] + [
+        "--train-samples", "48", "--lr-warmup-samples", "4", "--rampup-batch-size", "2", "2",
+        "12"]
+    root = tmp_path / "ramp"
+    run = launch(1, flags + ["--async-lazy-save", "--save", str(root), "--save-interval", "100"])
+    assert run.returncode == 0, run.describe()
+    batches = [int(x) for x in re.findall(r"global batch size:\s+(\d+) \|", run.stdout)]
+    assert batches == [2, 2, 4, 6, 8, 8, 8, 8], batches
+    for it, (old, new) in ((2, (2, 4)), (3, (4, 6)), (4, (6, 8))):
+        assert f"saving a checkpoint at iteration {it}: the global batch size grows from {old} " \
+               f"to {new} (--rampup-batch-size, as Megatron-LM saves)" in run.stdout
+    assert sorted(p.name for p in root.glob("iter_*")) == [
+        "iter_0000002", "iter_0000003", "iter_0000004", "iter_0000008"]
+    load = copy_checkpoints(root, [3], 3, tmp_path / "load")
+    resumed = launch(1, flags + ["--load", load])
+    assert resumed.returncode == 0, resumed.describe()
+    assert " consumed samples:           14 |" in resumed.stdout  # iteration 4: 8 + 6
+    assert resumed.losses() == after(run.losses(), 3)
 
 
 def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):

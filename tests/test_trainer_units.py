@@ -109,6 +109,26 @@ def test_contradictory_flags_get_a_clear_error(extra, world, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("ramp,world,message", [
+    ("3 2 16", 1, "--global-batch-size 8 must be START plus a whole number of INCREMENTs"),
+    ("2 4 16", 1, "--global-batch-size 8 must be START plus a whole number of INCREMENTs"),
+    ("2 2 16", 2, "START and INCREMENT must be multiples of 4 (micro-batch size 2 * "
+     "data-parallel size 2), so that every batch of the ramp is whole micro-batches"),
+    ("0 2 16", 1, "--rampup-batch-size needs START > 0, INCREMENT > 0 and SAMPLES >= 0"),
+])
+def test_rampup_batch_size_is_checked_and_sets_the_iterations(ramp, world, message):
+    sample_based = BASE.replace("--train-iters 4", "--train-samples 64")
+    with pytest.raises(ArgumentError) as err:
+        build_run_config(parse_args(f"{sample_based} --rampup-batch-size {ramp}".split()),
+                         world_size=world)
+    assert message in str(err.value)
+    with pytest.raises(ArgumentError, match="it needs --train-samples"):
+        config("--rampup-batch-size 2 2 16")
+    # Megatron-LM's count: batches 2, 2, 2, 4, 4, 6 through the ramp (20 samples), then 44 // 8.
+    ramped = build_run_config(parse_args(f"{sample_based} --rampup-batch-size 2 2 16".split()))
+    assert (ramped.training.train_iters, ramped.training.rampup_batch_size) == (11, (2, 2, 16))
+
+
 def test_sequence_parallel_without_tp_is_disabled_with_megatron_lms_warning(capsys):
     assert not config("--sequence-parallel").parallel.sequence_parallel
     assert "WARNING: Disabling sequence parallelism because tensor model parallelism is " \

@@ -182,6 +182,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-samples", type=int, default=None,
                    help="samples of the run, instead of --train-iters (Megatron-LM's sample-based "
                    "training: --train-samples // --global-batch-size iterations)")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="with --train-samples: start with a global batch of START samples and "
+                   "grow it by INCREMENT, evenly over the first SAMPLES samples, up to "
+                   "--global-batch-size (Megatron-LM's; a checkpoint is saved where it grows)")
     g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay")
     g.add_argument("--lr-decay-style", choices=[s.value for s in LrDecayStyle], default="linear",
@@ -1076,6 +1081,53 @@ def _check_length(a: argparse.Namespace, gbs: int) -> None:
     a.train_iters = a.train_samples // gbs
 
 
+def _check_rampup(a: argparse.Namespace, gbs: int, dp: int, vpp: Optional[int],
+                  pp: int) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES, as Megatron-LM takes it: sample-based training
+    only; every batch size of the ramp a whole number of micro-batches (times the pipeline size
+    with the interleaved schedule); `a.train_iters` set to the iterations the run then makes."""
+    if a.rampup_batch_size is None:
+        return
+    start, increment, samples = a.rampup_batch_size
+    _require(a.train_samples is not None, "--rampup-batch-size grows the batch over samples: "
+             "it needs --train-samples (sample-based training), not --train-iters (as in "
+             "Megatron-LM)")
+    _require(start > 0 and increment > 0 and samples >= 0, "--rampup-batch-size needs START > 0, "
+             f"INCREMENT > 0 and SAMPLES >= 0, got {start} {increment} {samples}")
+    _require(start <= gbs and (gbs - start) % increment == 0, f"--rampup-batch-size {start} "
+             f"{increment} {samples}: --global-batch-size {gbs} must be START plus a whole "
+             "number of INCREMENTs")
+    unit = a.micro_batch_size * dp * (pp if vpp is not None else 1)
+    _require(start % unit == 0 and increment % unit == 0, f"--rampup-batch-size {start} "
+             f"{increment} {samples}: START and INCREMENT must be multiples of {unit} (micro-batch "
+             f"size {a.micro_batch_size} * data-parallel size {dp}"
+             + (f" * PP {pp}, for the interleaved schedule)" if vpp is not None else ")")
+             + ", so that every batch of the ramp is whole micro-batches")
+    a.train_iters = rampup_iterations(a.train_samples, tuple(a.rampup_batch_size), gbs,
+                                      a.micro_batch_size, dp)
+
+
+def rampup_iterations(train_samples: int, rampup: tuple, gbs: int, micro_batch_size: int,
+                      dp: int) -> int:
+    """Megatron-LM's count of the iterations --train-samples makes with --rampup-batch-size
+    (`update_train_iters`): through the ramp (while the samples consumed are at most its
+    length), the batch each iteration has; after it, whole global batches (a partial last one
+    is dropped). With megatron-core's own calculator, so the batches are the ones it gives."""
+    from megatron.core.num_microbatches_calculator import \
+        RampupBatchsizeNumMicroBatchesCalculator
+
+    calc = RampupBatchsizeNumMicroBatchesCalculator(gbs, micro_batch_size, dp, False, 1,
+                                                    *rampup)
+    iterations = consumed = 0
+    while consumed <= rampup[2] and consumed <= train_samples:
+        calc.update(consumed, consistency_check=False)
+        consumed += calc.get_current_global_batch_size()
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // gbs
+    return iterations
+
+
 def _check_warmup(a: argparse.Namespace) -> None:
     samples = a.train_samples is not None
     unit, length = ("samples", a.train_samples) if samples else ("iters", a.train_iters)
@@ -1176,6 +1228,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     _check_checkpointing(a)
     _check_data(a)
     _check_length(a, gbs)
+    _check_rampup(a, gbs, dp, vpp, pp)
     _require(a.decoupled_min_lr is None or a.decoupled_lr is not None,
              "--decoupled-min-lr needs --decoupled-lr (it is the final learning rate of the "
              "parameter group --decoupled-lr makes)")
@@ -1235,6 +1288,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     training = TrainingConfig(
         micro_batch_size=a.micro_batch_size, global_batch_size=gbs, train_iters=a.train_iters,
         train_samples=a.train_samples,
+        rampup_batch_size=None if a.rampup_batch_size is None else tuple(a.rampup_batch_size),
         seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
         exit_interval=a.exit_interval, exit_duration_in_mins=a.exit_duration_in_mins or None,
         exit_signal_handler=a.exit_signal_handler, manual_gc=a.manual_gc,

@@ -10,7 +10,7 @@ import enum
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 #: Megatron-LM's default place of `global` non-persistent checkpoints under --save / --load.
 NON_PERSISTENT_SUBDIR = "non_persistent"
@@ -296,6 +296,10 @@ class TrainingConfig:
     train_samples: Optional[int] = None
     """Samples of the whole run for Megatron-LM's sample-based training (--train-samples): the
     learning-rate schedule then counts in the samples flags; None: iteration-based."""
+    rampup_batch_size: Optional[Tuple[int, int, int]] = None
+    """Megatron-LM's --rampup-batch-size (start, increment, samples): the global batch grows from
+    start by increment, evenly over the first `samples` samples, up to global_batch_size
+    (megatron-core's calculator gives each iteration's; sample-based training only)."""
     seed: int = 1234
     """Seed of python, numpy, torch and the tensor-parallel RNG tracker."""
     eval_interval: int = 1000

@@ -40,8 +40,10 @@ def build_datasets(data: DataConfig, model: ModelConfig, training: TrainingConfi
     tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_size)
     gbs = training.global_batch_size
     evals = (training.train_iters // training.eval_interval + 1) if training.eval_interval else 0
-    sizes = [training.train_iters * gbs, evals * training.eval_iters * gbs,
-             training.eval_iters * gbs]
+    # As Megatron-LM asks (get_train_valid_test_num_samples): the sizes decide how
+    # megatron-core's datasets shuffle, so the same ones give the same samples in the same order.
+    train = training.train_samples or training.train_iters * gbs
+    sizes = [train, evals * training.eval_iters * gbs, training.eval_iters * gbs]
     config = GPTDatasetConfig(
         random_seed=training.seed,
         sequence_length=model.seq_length,

@@ -136,8 +136,9 @@ def setup(config: RunConfig, started_at: Optional[float] = None) -> Trainer:
                                                 config.checkpoint.non_persistent_save_interval):
         results_queue_dies_with_rank()  # forked now, while the process is small
     t = config.training
-    init_num_microbatches_calculator(dist.get_rank(), None, t.global_batch_size,
-                                     t.micro_batch_size, config.parallel.data_parallel_size)
+    init_num_microbatches_calculator(
+        dist.get_rank(), None if t.rampup_batch_size is None else list(t.rampup_batch_size),
+        t.global_batch_size, t.micro_batch_size, config.parallel.data_parallel_size)
     set_random_seeds(t.seed)
     model_config = transformer_config(config.model, config.parallel, backend_name())
     chunks = build_model_chunks(config.model, config.parallel, model_config)
@@ -212,26 +213,48 @@ def _reduce_loss(losses: List[dict]) -> Optional[float]:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def _run_schedule(trainer: Trainer, iterators, forward_only: bool):
+def _run_schedule(trainer: Trainer, iterators, forward_only: bool, num_microbatches: int):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     t = trainer.config.training
     return get_forward_backward_func()(
         forward_step_func=partial(_forward_step, trainer.device), data_iterator=iterators,
-        model=trainer.state.model, num_microbatches=t.num_microbatches(
-            trainer.config.parallel.data_parallel_size),
+        model=trainer.state.model, num_microbatches=num_microbatches,
         seq_length=trainer.config.model.seq_length, micro_batch_size=t.micro_batch_size,
         decoder_seq_length=trainer.config.model.seq_length, forward_only=forward_only)
 
 
+def batch_size() -> int:
+    """This iteration's global batch: megatron-core's calculator (--global-batch-size, or where
+    the --rampup-batch-size ramp is at the samples consumed before the iteration)."""
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+    return get_current_global_batch_size()
+
+
+def _batch_grows(consumed_samples: int) -> Optional[Tuple[int, int]]:
+    """Every rank: megatron-core's calculator moved on to `consumed_samples` (the batch of the
+    iteration that starts there); (old, new) global batch where that changed it, else None."""
+    from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+    before = batch_size()
+    update_num_microbatches(consumed_samples, consistency_check=True)
+    return None if batch_size() == before else (before, batch_size())
+
+
 def train_step(trainer: Trainer, iterators):
-    """forward/backward, then the checkpoint hook, then the optimizer step."""
+    """forward/backward of this iteration's global batch (`batch_size`: megatron-core's
+    calculator, which --rampup-batch-size grows), then the checkpoint hook, then the optimizer
+    step."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
     state = trainer.state
     for chunk in state.model:
         chunk.train()
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
-    losses = _run_schedule(trainer, iterators, forward_only=False)
+    losses = _run_schedule(trainer, iterators, forward_only=False,
+                           num_microbatches=get_num_microbatches())
     level = trainer.config.training.empty_unused_memory_level
     _empty_cache(level >= 1)
     t0 = time.perf_counter()
@@ -239,7 +262,7 @@ def train_step(trainer: Trainer, iterators):
     trainer.checkpoint_wait_s += time.perf_counter() - t0
     ok, grad_norm, _ = state.optimizer.step()
     if ok:
-        state.scheduler.step(increment=trainer.config.training.global_batch_size)
+        state.scheduler.step(increment=batch_size())
     _empty_cache(level >= 2)
     return _reduce_loss(losses), grad_norm, ok
 
@@ -270,7 +293,8 @@ def evaluate(trainer: Trainer, prefix: str = "validation", final: bool = False,
     losses = []
     with params_gathered(state.model, trainer.config.parallel):
         for done in range(1, t.eval_iters + 1):
-            losses += _run_schedule(trainer, iterators, forward_only=True)
+            losses += _run_schedule(trainer, iterators, forward_only=True, num_microbatches=(
+                t.num_microbatches(trainer.config.parallel.data_parallel_size)))
             _empty_cache(t.empty_unused_memory_level >= 1)
             state.consumed_valid_samples += t.global_batch_size
             if time_up is not None and done < t.eval_iters and time_up():
@@ -424,12 +448,14 @@ class _StopConditions:
 
 class _Summary:
     """What the end-of-training line reports: iterations, wall time, tokens/s, checkpoints
-    started and how many of them became complete (a full disk: 1 started, 0 complete), and the time the loop spent blocked in checkpoint calls (save calls, the lazy
-    snapshot wait, commit polls, the final drain)."""
+    started and how many of them became complete (a full disk: 1 started, 0 complete), and the
+    time the loop spent blocked in checkpoint calls (save calls, the lazy snapshot wait, commit
+    polls, the final drain)."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self.start_iteration = trainer.state.iteration
+        self.start_samples = trainer.state.consumed_train_samples
         self.t0 = time.time()
         self.wait_at_start_s = trainer.checkpoint_wait_s
         self.blocked_s = 0.0  # in the loop's own checkpoint calls (train_step's waits apart)
@@ -450,9 +476,8 @@ class _Summary:
         from datastates.megatron_adapter import paths
 
         config, state = self.trainer.config, self.trainer.state
-        iterations = state.iteration - self.start_iteration
         wall = time.time() - self.t0
-        tokens = iterations * config.training.global_batch_size * config.model.seq_length
+        tokens = (state.consumed_train_samples - self.start_samples) * config.model.seq_length
         root = config.checkpoint.save
         newest = paths.tracked_iteration(root) if root else None
         newest_dir = "none" if newest is None else paths.checkpoint_dir(root, newest)
@@ -477,7 +502,7 @@ def _scalars(trainer: Trainer, loss: Optional[float], grad_norm) -> None:
     if metrics.writes_iteration(state.iteration):
         metrics.iteration(state.iteration, state.consumed_train_samples,
                           state.optimizer.param_groups[0]["lr"],
-                          trainer.config.training.global_batch_size, loss,
+                          batch_size(), loss,
                           float(state.optimizer.get_loss_scale()), grad_norm)
 
 
@@ -513,12 +538,12 @@ def _log_line(trainer: Trainer, elapsed_ms: float, loss: Optional[float], grad_n
     state, t, config = trainer.state, trainer.config.training, trainer.config
     throughput = None
     if config.logging.log_throughput:
-        flops = num_floating_point_operations(shape_of(config.model), t.global_batch_size)
+        flops = num_floating_point_operations(shape_of(config.model), batch_size())
         throughput = throughput_tflops_per_gpu(flops, elapsed_ms / 1000.0,
                                                config.parallel.world_size)
     print_rank_last(training_log_line(
         state.iteration, t.train_iters, state.consumed_train_samples, elapsed_ms,
-        state.optimizer.param_groups[0]["lr"], t.global_batch_size, loss, grad_norm, skipped, 0,
+        state.optimizer.param_groups[0]["lr"], batch_size(), loss, grad_norm, skipped, 0,
         loss_scale=float(state.optimizer.get_loss_scale()), throughput=throughput,
         decoupled_lr=next((g["lr"] for g in state.optimizer.param_groups
                            if g.get("is_decoupled_lr")), None)))
@@ -548,9 +573,8 @@ def _train_loop(trainer: Trainer) -> int:
     stop = _StopConditions(trainer)
     iterators = _data_iterators(trainer, trainer.datasets.train, state.consumed_train_samples)
     log_interval = trainer.config.logging.log_interval
-    # Megatron-LM's count (saved as num_floating_point_operations_so_far, which it resumes).
-    flops_per_iteration = num_floating_point_operations(shape_of(trainer.config.model),
-                                                        t.global_batch_size)
+    shape = shape_of(trainer.config.model)
+    _batch_grows(state.consumed_train_samples)  # the first iteration's (--rampup-batch-size)
     window_start, window = time.time(), LogWindow()
     saved_last = True  # nothing new to save unless an iteration runs
     print_rank_0(f"training from iteration {state.iteration} to {t.train_iters}")
@@ -564,8 +588,10 @@ def _train_loop(trainer: Trainer) -> int:
             profiler.before_iteration(state.iteration)
             loss, grad_norm, ok = train_step(trainer, iterators)
             state.iteration += 1
-            state.consumed_train_samples += t.global_batch_size
-            state.floating_point_operations_so_far += flops_per_iteration
+            state.consumed_train_samples += batch_size()
+            # Megatron-LM's count (saved as num_floating_point_operations_so_far, resumed).
+            state.floating_point_operations_so_far += num_floating_point_operations(
+                shape, batch_size())
             window.add(loss, ok)
             _scalars(trainer, loss, grad_norm)
             if state.iteration % log_interval == 0:
@@ -579,6 +605,13 @@ def _train_loop(trainer: Trainer) -> int:
             # After eval (as Megatron): the checkpoint then holds the consumed validation
             # samples too, so a resumed run validates on the same batches.
             saved_last = summary.saving(trainer.checkpoints.maybe_save, state)
+            grows = _batch_grows(state.consumed_train_samples)  # the next iteration's batch
+            if grows and trainer.config.checkpoint.save and state.iteration < t.train_iters:
+                print_rank_0(f"saving a checkpoint at iteration {state.iteration}: the global "
+                             f"batch size grows from {grows[0]} to {grows[1]} "
+                             "(--rampup-batch-size, as Megatron-LM saves)")
+                saved_last = summary.saving(trainer.checkpoints.maybe_save, state,
+                                            force=True) or saved_last
             summary.blocked(trainer.checkpoints.after_iteration, state.iteration)
             manual_gc.after_iteration(state.iteration)  # the save's garbage too
             profiler.after_iteration(state.iteration)
