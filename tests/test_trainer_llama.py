@@ -8,8 +8,12 @@ with the distributed optimizer, lazy saves and the background merge, then the me
 checkpoint of iteration 3 loaded at TP1 x PP1 with the plain optimizer.
 """
 import json
+import zlib
 
 import pytest
+import torch
+
+from megatron.training.checkpointing.contents import safe_torch_load
 
 from trainer_launch import NO_DROPOUT, TINY_MODEL, after, assert_close, copy_checkpoints, launch
 
@@ -90,6 +94,22 @@ def test_fp16_lazy_save_resumes_losses_and_loss_scale(tmp_path):
     assert _scales(resumed) == _scales(run)[3:]
     assert resumed.losses() == after(run.losses(), 3)
     assert resumed.grad_norms() == after(run.grad_norms(), 3)
+    # Loaded without its optimizer (--finetune, also --no-load-optim, a release or pretrained
+    # checkpoint), the fp32 main copies the optimizer steps are the loaded weights (Megatron-LM's
+    # reload_model_params); they were the initial weights, which the first step then wrote over
+    # the loaded ones. Saved as the run holds them (torch format: the main copies by name).
+    out = tmp_path / "finetuned"
+    converted = launch(1, flags[:-1] + ["--finetune", "--load", str(tmp_path / "l"),
+                                   "--ckpt-convert-format", "torch", "--ckpt-convert-save",
+                                   str(out)])
+    assert converted.returncode == 0, converted.describe()
+    saved = safe_torch_load(str(out / "torch" / "iter_0000000" / "mp_rank_00" /
+                                "model_optim_rng.pt"))
+    crc = lambda t: zlib.crc32(t.float().numpy().tobytes())  # noqa: E731
+    weights = sorted(crc(t) for t in saved["model"].values()
+                     if isinstance(t, torch.Tensor) and t.dtype == torch.float16)
+    mains = sorted(crc(t) for group in saved["optimizer"]["fp32_from_fp16_params"] for t in group)
+    assert len(weights) > 10 and mains == weights
 
 
 def test_tp2_pp2_matches_one_process_and_reshards_to_tp1_pp1_through_universal(reference,

@@ -426,6 +426,12 @@ def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool
         with torch.no_grad():  # fp32 main params are leaf tensors that require grad
             state.optimizer.load_state_dict(loaded["optimizer"])
         state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    else:
+        # As Megatron-LM: with --fp16/--bf16 the optimizer steps fp32 main copies of the
+        # parameters, made when it was built; without this, the first step would write them
+        # (the initial weights plus the update) over the weights just loaded.
+        with torch.no_grad():
+            state.optimizer.reload_model_params()
     rng = loaded.get(RNG_PER_RANK_KEY, loaded.get("rng_state"))
     if load_rng and rng is not None:
         set_rng_state(rng[0] if isinstance(rng, list) else rng)  # a list: Megatron-LM's layout
