@@ -102,6 +102,10 @@ def config(extra="", world_size=1):
      "--ckpt-convert-format converts the checkpoint it loads: add --load DIR"),
     ("--load /ckpt --ckpt-convert-update-legacy-dist-opt-format", 1,
      "format of before February 2024, which is not read here"),
+    ("--dist-ckpt-save-pre-mcore-014", 1, "--dist-ckpt-save-pre-mcore-014 writes the format of "
+     "megatron-core before 0.14, which this trainer does not write"),
+    ("--use-persistent-ckpt-worker", 1,
+     "--use-persistent-ckpt-worker is the writer of --async-save, which is not given"),
 ])
 def test_contradictory_flags_get_a_clear_error(extra, world, message):
     with pytest.raises(ArgumentError) as err:
@@ -180,6 +184,12 @@ def test_megatron_checkpoint_flags_map_onto_ours(capsys):
     assert not config("--no-ckpt-fully-parallel-save").checkpoint.ckpt_fully_parallel_save
     # Megatron-LM's no-ops here: the format of --load is always detected, the model is mcore's.
     assert config("--auto-detect-ckpt-format --use-mcore-models") == config("")
+    assert config("--dist-ckpt-optim-fully-reshardable "
+                  "--distrib-optim-fully-reshardable-mem-efficient") == config("")
+    capsys.readouterr()
+    assert config("--async-save --use-persistent-ckpt-worker") == config("--async-save")
+    assert "--use-persistent-ckpt-worker: the --async-save writer is forked at each save call " \
+        "instead" in capsys.readouterr().out
     local = config("--async-lazy-save --save /s --lazy-save-local-dir /nvme/{node}").checkpoint
     assert local.lazy_save_local_dir == "/nvme/{node}" and local.lazy_save_local_keep == 2
     constant = config("--async-lazy-save --save /s --ckpt-assume-constant-structure").checkpoint

@@ -323,6 +323,18 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "torch (one file per TP/PP rank)")
     g.add_argument("--async-save", action="store_true",
                    help="write torch_dist checkpoints in the background (megatron-core)")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="Megatron-LM's persistent writer process for --async-save: accepted; a "
+                   "writer forked at each save call is used (it holds the state as of the call)")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="Megatron-LM's: save the distributed optimizer reshardable over TP/PP/DP; "
+                   "this trainer always does")
+    g.add_argument("--distrib-optim-fully-reshardable-mem-efficient", action="store_true",
+                   help="Megatron-LM's lower-memory (gloo, one rank) variant of that save: "
+                   "accepted, no effect (each rank writes its own ranges here)")
+    g.add_argument("--dist-ckpt-save-pre-mcore-014", action="store_true",
+                   help="Megatron-LM's checkpoint format of before megatron-core 0.14: not "
+                   "supported (refused)")
     g.add_argument("--async-lazy-save", action="store_true",
                    help="DataStates lazy asynchronous checkpointing: copy the snapshot while the "
                         "next forward/backward runs, write it in the background")
@@ -724,6 +736,15 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
         _require(cuda_available(), "--ckpt-fully-parallel-load needs CUDA: megatron-core "
                  "exchanges the loaded shards between data-parallel ranks as CUDA tensors; drop "
                  "the flag on CPU")
+    _require(not a.dist_ckpt_save_pre_mcore_014, "--dist-ckpt-save-pre-mcore-014 writes the "
+             "format of megatron-core before 0.14, which this trainer does not write: drop it "
+             "(megatron-core 0.14 and later read these checkpoints)")
+    if a.use_persistent_ckpt_worker:
+        _require(a.async_save, "--use-persistent-ckpt-worker is the writer of --async-save, "
+                 "which is not given")
+        _warn("--use-persistent-ckpt-worker: the --async-save writer is forked at each save "
+              "call instead (on CPU megatron-core's persistent worker was seen writing values "
+              "the next optimizer step had already changed)")
     if a.use_mp_args_from_checkpoint_args and not a.use_checkpoint_args:
         _warn("--use-mp-args-from-checkpoint-args takes effect with --use-checkpoint-args only (as "
               "in Megatron-LM): the layout flags given are used")
