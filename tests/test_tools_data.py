@@ -132,8 +132,8 @@ def test_cli_prints_data_path_and_reports_errors(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc == 2 and "missing.jsonl: input file not found" in err and out == ""
     rc = preprocess_data.main(["--input", str(src), "--output-prefix", str(tmp_path / "d"),
-                               "--tokenizer-type", "GPT2BPETokenizer"])
-    assert rc == 2 and "unknown --tokenizer-type 'GPT2BPETokenizer'" in capsys.readouterr().err
+                               "--tokenizer-type", "SentencePieceTokenizer"])
+    assert rc == 2 and "unknown --tokenizer-type 'SentencePieceTokenizer'" in capsys.readouterr().err
 
 
 def test_gpt_dataset_builder_reads_the_output(tmp_path):

@@ -61,3 +61,41 @@ def test_training_on_indexed_data_with_byte_level_tokenizer(corpus):
     # Byte-level vocab is padded to 384: the first loss is near ln(384) = 5.95.
     assert 5.0 < float(losses[1]) < 6.5
     assert sorted(run.validation()) == [3]
+
+
+def test_training_on_gpt2_bpe_data_with_megatron_lms_gpt_flags(tmp_path):
+    """GPT-2 BPE data as Megatron-LM's GPT examples give it: tools/preprocess_data.py with
+    --tokenizer-type GPT2BPETokenizer --vocab-file --merge-file (2 workers), then a launch that
+    names the two files and no --tokenizer-type, which then means GPT2BPETokenizer (Megatron-LM's
+    pretrain_gpt.py default, which those examples rely on). Each document is its BPE ids and <|endoftext|>; the 371-id vocabulary
+    pads to 384 (the first loss is near ln 384 = 5.95), and the checkpoint records the files."""
+    import json
+
+    from bpe_files import write_bpe_files
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from tools import preprocess_data
+
+    vocab, merges = write_bpe_files(tmp_path / "gpt2")
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
+    files = ["--vocab-file", str(vocab), "--merge-file", str(merges)]
+    assert preprocess_data.main(["--input", str(src), "--output-prefix", str(tmp_path / "bpe"),
+                                 "--tokenizer-type", "GPT2BPETokenizer", "--append-eod",
+                                 "--workers", "2"] + files) == 0
+    prefix = str(tmp_path / "bpe_text_document")
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
+    stored = IndexedDataset(prefix)
+    assert [stored[i].tolist() for i in (0, 199)] == [tok.tokenize(DOCS[i]) + [tok.eod]
+                                                      for i in (0, 199)]
+    save = tmp_path / "ckpt"
+    run = launch(1, ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+                     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+                     "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1",
+                     "--eval-interval", "3", "--eval-iters", "1", "--data-path", prefix,
+                     "--split", "90,10,0", "--save", str(save), "--save-interval", "3"]
+                 + files + NO_DROPOUT)
+    assert run.returncode == 0, run.describe()
+    assert sorted(run.losses()) == [1, 2, 3] and 5.0 < float(run.losses()[1]) < 6.5
+    saved = json.loads((save / "run_config.json").read_text())
+    assert saved["data"]["tokenizer_type"] == "GPT2BPETokenizer"
+    assert saved["data"]["vocab_file"] == str(vocab) and saved["model"]["padded_vocab_size"] == 384

@@ -1,4 +1,6 @@
 """Unit tests of the offline tokenizers (no process group)."""
+import json
+
 import pytest
 
 from megatron.training.tokenizer import ByteLevelTokenizer, NullTokenizer, build_tokenizer
@@ -36,7 +38,7 @@ def test_byte_level_round_trips_utf8_and_keeps_eod_apart_from_bytes():
 
 def test_unknown_type_lists_the_choices():
     with pytest.raises(ValueError) as err:
-        build_tokenizer("GPT2BPETokenizer")
+        build_tokenizer("SentencePieceTokenizer")
     assert "NullTokenizer" in str(err.value) and "ByteLevelTokenizer" in str(err.value)
 
 
@@ -47,3 +49,56 @@ def test_pad_is_never_a_real_token_and_identifiers_are_hashable_for_the_dataset_
         assert tok.pad < 0
         assert tok.pad != tok.eod
         json.dumps(tok.unique_identifiers)
+
+
+GPT2_TEXTS = ["The quick brown fox jumps over the lazy dog.", "It's the dog's day, isn't it?  ",
+              "café naïve 東京 🙂 ½ ² Ⅻ", "Numbers 12345 and 3.14159", "tabs\tand   spaces\n\n end",
+              "they'll we've I'm you'd", "ABC xyz!!! ??? ...", "  leading and trailing  ", ""]
+
+
+def test_gpt2_bpe_encodes_as_transformers_gpt2_tokenizer_does(tmp_path):
+    """Megatron-LM's GPT2BPETokenizer (GPT-2's byte-level BPE) from a vocab.json and merges.txt:
+    every text (contractions, Unicode letters and numbers, emojis, whitespace runs) gets the ids
+    Hugging Face's GPT2Tokenizer gives on the same files, and decodes back to itself."""
+    from transformers import GPT2Tokenizer
+
+    from bpe_files import write_bpe_files
+    from megatron.training.tokenizer import build_tokenizer
+
+    vocab, merges = write_bpe_files(tmp_path)
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
+    theirs = GPT2Tokenizer(str(vocab), str(merges))
+    assert (ours.vocab_size, ours.eod) == (len(theirs), theirs.eos_token_id)
+    merged = 0
+    for text in GPT2_TEXTS:
+        ids = ours.tokenize(text)
+        assert ids == theirs.encode(text), text
+        assert ours.detokenize(ids) == text
+        merged += sum(i >= 256 for i in ids)
+    assert merged > 20  # the merges were used, not only byte symbols
+
+
+def test_gpt2_bpe_files_are_checked(tmp_path):
+    from bpe_files import write_bpe_files
+    from megatron.training.tokenizer import build_tokenizer
+
+    vocab, merges = write_bpe_files(tmp_path)
+    with pytest.raises(ValueError, match="GPT2BPETokenizer needs --vocab-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab))
+    with pytest.raises(ValueError, match="--vocab-size 100 does not apply"):
+        build_tokenizer("GPT2BPETokenizer", 100, vocab_file=str(vocab), merge_file=str(merges))
+    with pytest.raises(ValueError, match="--merge-file is read by GPT2BPETokenizer, not by "
+                                         "ByteLevelTokenizer"):
+        build_tokenizer("ByteLevelTokenizer", merge_file=str(merges))
+    with pytest.raises(ValueError, match="cannot read GPT-2's merges.txt"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(tmp_path / "x"))
+    no_end = tmp_path / "no_end.json"
+    no_end.write_text(json.dumps({"a": 0, "b": 1}))
+    with pytest.raises(ValueError, match="no <\\|endoftext\\|> entry"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(no_end), merge_file=str(merges))
+    short = tmp_path / "short.json"  # the merges make symbols this vocabulary lacks
+    short.write_text(json.dumps({**{chr(c): c - 33 for c in range(33, 127)},
+                                 "<|endoftext|>": 94}))
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=str(short), merge_file=str(merges))
+    with pytest.raises(ValueError, match="which --vocab-file .* lacks"):
+        tokenizer.tokenize("the dog")

@@ -39,6 +39,10 @@ class PreprocessConfig:
     """Passed to the tokenizer (NullTokenizer needs it)."""
     tokenizer_model: Optional[str] = None
     """Passed to the tokenizer (none of the offline tokenizers uses one)."""
+    vocab_file: Optional[str] = None
+    """GPT2BPETokenizer's vocab.json."""
+    merge_file: Optional[str] = None
+    """GPT2BPETokenizer's merges.txt."""
     append_eod: bool = False
     """Append the tokenizer's end-of-document id after every document."""
     workers: int = 1
@@ -88,7 +92,9 @@ class _LineEncoder:
         self.keys = config.json_keys
         self.append_eod = config.append_eod
         self.tokenizer = build_tokenizer(
-            config.tokenizer_type, vocab_size=config.vocab_size, tokenizer_model=config.tokenizer_model
+            config.tokenizer_type, vocab_size=config.vocab_size,
+            tokenizer_model=config.tokenizer_model, vocab_file=config.vocab_file,
+            merge_file=config.merge_file,
         )
 
     def encode(self, numbered_line: tuple[int, bytes]):

@@ -22,8 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize (default: text)")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, help="NullTokenizer or ByteLevelTokenizer")
+    group.add_argument("--tokenizer-type", required=True,
+                       help="NullTokenizer, ByteLevelTokenizer or GPT2BPETokenizer")
     group.add_argument("--vocab-size", type=int, default=None, help="ids in the text (NullTokenizer)")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
     group.add_argument("--tokenizer-model", default=None, help="unused by the offline tokenizers")
     group.add_argument("--append-eod", action="store_true", help="append end-of-document after each document")
     group = parser.add_argument_group("output data")
@@ -57,6 +60,8 @@ def main(argv=None) -> int:
         json_keys=tuple(args.json_keys),
         vocab_size=args.vocab_size,
         tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
         append_eod=args.append_eod,
         workers=args.workers,
         log_interval=args.log_interval,

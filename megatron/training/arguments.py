@@ -509,7 +509,13 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", type=str, default="969,30,1",
                    help="train,valid,test proportions of each dataset")
     g.add_argument("--tokenizer-type", choices=[t.value for t in TokenizerType],
-                   default="NullTokenizer", help="offline tokenizer")
+                   default=None, help="offline tokenizer (default: GPT2BPETokenizer with "
+                   "--vocab-file and --merge-file, Megatron-LM's pretrain_gpt.py default, else "
+                   "NullTokenizer)")
+    g.add_argument("--vocab-file", type=str, default=None,
+                   help="GPT2BPETokenizer: GPT-2's vocab.json (symbol -> id)")
+    g.add_argument("--merge-file", type=str, default=None,
+                   help="GPT2BPETokenizer: GPT-2's merges.txt")
     g.add_argument("--tokenizer-model", type=str, default=None,
                    help="tokenizer file (Megatron-LM's flag; the offline tokenizers here read "
                         "none, so giving it is an error)")
@@ -1271,9 +1277,13 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     _require(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
              f"--ddp-bucket-size must be > 0 elements, got {a.ddp_bucket_size}")
     _check_warmup(a)
+    if a.tokenizer_type is None:
+        bpe = a.vocab_file is not None and a.merge_file is not None
+        a.tokenizer_type = (TokenizerType.GPT2_BPE if bpe else TokenizerType.NULL).value
     if a.mock_data and a.vocab_size is None and a.tokenizer_type == "NullTokenizer":
         raise ArgumentError("--mock-data with NullTokenizer needs --vocab-size")
-    tokenizer = build_tokenizer(a.tokenizer_type, a.vocab_size, a.tokenizer_model)
+    tokenizer = build_tokenizer(a.tokenizer_type, a.vocab_size, a.tokenizer_model,
+                                a.vocab_file, a.merge_file)
     model = _model_config(a, tp, pp, tokenizer.vocab_size)
     parallel = ParallelConfig(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -1357,7 +1367,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         universal_merge_workers=a.universal_merge_workers)
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
-        tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size,
+        tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size, vocab_file=a.vocab_file,
+        merge_file=a.merge_file,
         make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
         data_cache_path=a.data_cache_path, mmap_bin_files=a.mmap_bin_files)
     return RunConfig(model=model, parallel=parallel, optimizer=optimizer, training=training,

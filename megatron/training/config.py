@@ -508,6 +508,10 @@ class DataConfig:
     """Offline tokenizer, see megatron.training.tokenizer."""
     vocab_size: Optional[int] = None
     """For NullTokenizer: number of ids in the text (eod gets id vocab_size)."""
+    vocab_file: Optional[str] = None
+    """For GPT2BPETokenizer: GPT-2's vocab.json."""
+    merge_file: Optional[str] = None
+    """For GPT2BPETokenizer: GPT-2's merges.txt."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times TP."""
     data_cache_path: Optional[str] = None

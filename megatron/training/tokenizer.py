@@ -1,14 +1,17 @@
 """Offline tokenizers usable by megatron-core's GPT datasets and by ``tools/preprocess_data.py``.
 
 megatron-core's ``GPTDataset`` reads ``vocab_size``, ``eod``, ``pad`` and ``unique_identifiers``
-from ``GPTDatasetConfig.tokenizer``; the preprocessing tool calls ``tokenize``. Both tokenizers here
-need no files and no network, so a fresh machine can build data and train without downloads.
+from ``GPTDatasetConfig.tokenizer``; the preprocessing tool calls ``tokenize``. None needs the
+network: NullTokenizer and ByteLevelTokenizer need no files, GPT2BPETokenizer reads the
+``--vocab-file`` and ``--merge-file`` it is given (GPT-2's byte-level BPE, as Megatron-LM's).
 """
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 from collections import OrderedDict
-from typing import Iterable, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 
 class TokenizerType(str, enum.Enum):
@@ -16,6 +19,7 @@ class TokenizerType(str, enum.Enum):
 
     NULL = "NullTokenizer"
     BYTE_LEVEL = "ByteLevelTokenizer"
+    GPT2_BPE = "GPT2BPETokenizer"
 
 
 # The dataset code fills padded label positions with ``pad`` and then masks them out of the loss.
@@ -119,16 +123,168 @@ class ByteLevelTokenizer(_OfflineTokenizer):
         return data.decode("utf-8", errors="replace")
 
 
+#: GPT-2's pre-tokenization (OpenAI's encoder, Megatron-LM's GPT2BPETokenizer): English
+#: contractions, a run of letters, of digits or of other symbols (each with one leading space),
+#: whitespace. \p{L}/\p{N} are Unicode classes: the `regex` package reads them, `re` does not.
+_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _byte_symbols() -> Dict[int, str]:
+    """GPT-2's byte -> symbol table: the printable Latin-1 bytes stand for themselves, the others
+    (control bytes, space, ...) for the characters from U+0100 on, in byte order; so every byte
+    string is a string of printable symbols that the vocabulary and merges spell."""
+    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(0x100 + shifted)
+            shifted += 1
+    return table
+
+
+class GPT2BPETokenizer(_OfflineTokenizer):
+    """Megatron-LM's GPT2BPETokenizer: GPT-2's byte-level BPE from a ``vocab.json`` (symbol ->
+    id) and a ``merges.txt`` (one merge per line, best first); end of document is
+    ``<|endoftext|>``, the vocabulary its ids (50257 for GPT-2's files). Training reads only the
+    vocabulary (size and end of document); `tokenize` (preprocessing) also the merges."""
+
+    END_OF_TEXT = "<|endoftext|>"
+
+    def __init__(self, vocab_file: Optional[str], merge_file: Optional[str]):
+        if vocab_file is None or merge_file is None:
+            raise ValueError("GPT2BPETokenizer needs --vocab-file (GPT-2's vocab.json) and "
+                             "--merge-file (its merges.txt); got "
+                             f"--vocab-file {vocab_file!r} --merge-file {merge_file!r}")
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        self.encoder = self._read_vocab(vocab_file)
+        if self.END_OF_TEXT not in self.encoder:
+            raise ValueError(f"--vocab-file {vocab_file}: no {self.END_OF_TEXT} entry, which "
+                             "GPT-2's vocabulary ends documents with")
+        self.decoder = {i: symbol for symbol, i in self.encoder.items()}
+        self.vocab_size = len(self.encoder)
+        self.eod = self.encoder[self.END_OF_TEXT]
+        try:  # read now: a wrong path fails at start, not in preprocessing's workers
+            with open(merge_file, "rb") as f:
+                self._merges_bytes = f.read()
+        except OSError as err:
+            raise ValueError(f"--merge-file {merge_file}: cannot read GPT-2's merges.txt: "
+                             f"{err}") from None
+        self._ranks: Optional[Dict[Tuple[str, str], int]] = None
+        self._symbols = _byte_symbols()
+        self._bytes_of = {symbol: byte for byte, symbol in self._symbols.items()}
+        self._words: Dict[str, List[int]] = {}
+        self._pattern = None
+
+    @staticmethod
+    def _read_vocab(path: str) -> Dict[str, int]:
+        try:
+            with open(path, encoding="utf-8") as f:
+                vocab = json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--vocab-file {path}: cannot read it as GPT-2's vocab.json (a JSON "
+                             f"object of symbol -> id): {err}") from None
+        if not isinstance(vocab, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) for k, v in vocab.items()):
+            raise ValueError(f"--vocab-file {path}: expected a JSON object of symbol -> integer "
+                             "id (GPT-2's vocab.json)")
+        if sorted(vocab.values()) != list(range(len(vocab))):
+            raise ValueError(f"--vocab-file {path}: its ids are not 0..{len(vocab) - 1}, each "
+                             "once")
+        return vocab
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """The dataset cache key part: the files' contents, not only their sizes."""
+        ids = super().unique_identifiers
+        digest = hashlib.sha256()
+        with open(self.vocab_file, "rb") as f:
+            digest.update(f.read())
+        digest.update(self._merges_bytes)
+        ids["files_sha256"] = digest.hexdigest()
+        return ids
+
+    def _merge_ranks(self) -> Dict[Tuple[str, str], int]:
+        if self._ranks is None:
+            ranks = {}
+            lines = self._merges_bytes.decode("utf-8").splitlines()
+            for number, line in enumerate(lines, 1):
+                if not line.strip() or (number == 1 and line.startswith("#version")):
+                    continue
+                pair = line.split()
+                if len(pair) != 2:
+                    raise ValueError(f"--merge-file {self.merge_file}, line {number}: expected "
+                                     f"two symbols separated by a space, found {line[:60]!r}")
+                ranks.setdefault((pair[0], pair[1]), len(ranks))
+            self._ranks = ranks
+        return self._ranks
+
+    def _bpe(self, word: str) -> List[str]:
+        """GPT-2's merging of one pre-token's symbols: the pair of best (lowest) rank is merged
+        wherever it occurs, left to right, until no pair of the merges remains."""
+        ranks = self._merge_ranks()
+        symbols = list(word)
+        while len(symbols) > 1:
+            ranked = [(ranks[pair], pair) for pair in zip(symbols, symbols[1:]) if pair in ranks]
+            if not ranked:
+                break
+            _, (first, second) = min(ranked)
+            merged, i = [], 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and symbols[i] == first and symbols[i + 1] == second:
+                    merged.append(first + second)
+                    i += 2
+                else:
+                    merged.append(symbols[i])
+                    i += 1
+            symbols = merged
+        return symbols
+
+    def tokenize(self, text: str) -> List[int]:
+        if self._pattern is None:
+            try:
+                import regex
+            except ImportError:
+                raise ValueError("GPT2BPETokenizer's tokenize needs the `regex` package (GPT-2's "
+                                 "pattern uses Unicode classes that `re` lacks): pip install "
+                                 "regex") from None
+            self._pattern = regex.compile(_GPT2_PATTERN)
+        ids = []
+        for piece in self._pattern.findall(text):
+            word = "".join(self._symbols[b] for b in piece.encode("utf-8"))
+            if word not in self._words:
+                try:
+                    self._words[word] = [self.encoder[s] for s in self._bpe(word)]
+                except KeyError as err:
+                    raise ValueError(f"GPT2BPETokenizer: the merges make {err.args[0]!r}, which "
+                                     f"--vocab-file {self.vocab_file} lacks (the files are not a "
+                                     "pair)") from None
+            ids.extend(self._words[word])
+        return ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        try:
+            symbols = "".join(self.decoder[int(i)] for i in ids)
+        except KeyError as err:
+            raise ValueError(f"GPT2BPETokenizer: id {err.args[0]} is outside "
+                             f"0..{self.vocab_size - 1}") from None
+        return bytes(self._bytes_of[c] for c in symbols).decode("utf-8", errors="replace")
+
+
 def build_tokenizer(
     tokenizer_type: str,
     vocab_size: Optional[int] = None,
     tokenizer_model: Optional[str] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
 ) -> _OfflineTokenizer:
-    """Build one of the offline tokenizers by its Megatron-LM ``--tokenizer-type`` name.
+    """Build a tokenizer by its Megatron-LM ``--tokenizer-type`` name.
 
     ``vocab_size`` is required by NullTokenizer (ids in the text, eod excluded) and must be left
-    unset or 256 for ByteLevelTokenizer; ``tokenizer_model`` is accepted for interface parity with
-    Megatron-LM but no offline tokenizer needs a model file.
+    unset or 256 for ByteLevelTokenizer; GPT2BPETokenizer reads ``vocab_file`` and
+    ``merge_file`` and takes its size from them. ``tokenizer_model`` is accepted for interface
+    parity with Megatron-LM but none of these needs a model file.
     """
     choices = [t.value for t in TokenizerType]
     try:
@@ -139,8 +295,18 @@ def build_tokenizer(
         ) from None
     if tokenizer_model is not None:
         raise ValueError(
-            f"--tokenizer-model is not used by {kind.value} (it needs no files); got {tokenizer_model!r}"
+            f"--tokenizer-model is not used by {kind.value} (it reads no model file); got "
+            f"{tokenizer_model!r}"
         )
+    if kind is TokenizerType.GPT2_BPE:
+        if vocab_size is not None:
+            raise ValueError(f"GPT2BPETokenizer's vocabulary is --vocab-file's; --vocab-size "
+                             f"{vocab_size} does not apply (leave it unset)")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if value is not None:
+            raise ValueError(f"{flag} is read by GPT2BPETokenizer, not by {kind.value}; got "
+                             f"{value!r}")
     if kind is TokenizerType.NULL:
         return NullTokenizer(vocab_size)
     if vocab_size not in (None, ByteLevelTokenizer.NUM_BYTES):
