@@ -67,8 +67,10 @@ def test_training_on_gpt2_bpe_data_with_megatron_lms_gpt_flags(tmp_path):
     """GPT-2 BPE data as Megatron-LM's GPT examples give it: tools/preprocess_data.py with
     --tokenizer-type GPT2BPETokenizer --vocab-file --merge-file (2 workers), then a launch that
     names the two files and no --tokenizer-type, which then means GPT2BPETokenizer (Megatron-LM's
-    pretrain_gpt.py default, which those examples rely on). Each document is its BPE ids and <|endoftext|>; the 371-id vocabulary
-    pads to 384 (the first loss is near ln 384 = 5.95), and the checkpoint records the files."""
+    pretrain_gpt.py default, which those examples rely on). Each document is its BPE ids and
+    <|endoftext|>; the 370-id vocabulary pads to 384 (the first loss is near ln 384 = 5.95), and
+    the checkpoint records the files. Megatron-LM's HuggingFaceTokenizer on a directory of the
+    same tokenizer trains the same."""
     import json
 
     from bpe_files import write_bpe_files
@@ -88,14 +90,22 @@ def test_training_on_gpt2_bpe_data_with_megatron_lms_gpt_flags(tmp_path):
     assert [stored[i].tolist() for i in (0, 199)] == [tok.tokenize(DOCS[i]) + [tok.eod]
                                                       for i in (0, 199)]
     save = tmp_path / "ckpt"
-    run = launch(1, ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
-                     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-                     "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1",
-                     "--eval-interval", "3", "--eval-iters", "1", "--data-path", prefix,
-                     "--split", "90,10,0", "--save", str(save), "--save-interval", "3"]
-                 + files + NO_DROPOUT)
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "3",
+             "--eval-iters", "1", "--data-path", prefix, "--split", "90,10,0"] + NO_DROPOUT
+    run = launch(1, flags + files + ["--save", str(save), "--save-interval", "3"])
     assert run.returncode == 0, run.describe()
     assert sorted(run.losses()) == [1, 2, 3] and 5.0 < float(run.losses()[1]) < 6.5
     saved = json.loads((save / "run_config.json").read_text())
     assert saved["data"]["tokenizer_type"] == "GPT2BPETokenizer"
     assert saved["data"]["vocab_file"] == str(vocab) and saved["model"]["padded_vocab_size"] == 384
+    # The same data through Megatron-LM's HuggingFaceTokenizer (a local directory of the same
+    # tokenizer, saved by transformers): the same vocabulary, so the same model and losses.
+    from transformers import GPT2Tokenizer
+
+    GPT2Tokenizer(str(vocab), str(merges)).save_pretrained(str(tmp_path / "hf"))
+    hf = launch(1, flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                            str(tmp_path / "hf")])
+    assert hf.returncode == 0, hf.describe()
+    assert hf.losses() == run.losses()

@@ -102,3 +102,47 @@ def test_gpt2_bpe_files_are_checked(tmp_path):
     tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=str(short), merge_file=str(merges))
     with pytest.raises(ValueError, match="which --vocab-file .* lacks"):
         tokenizer.tokenize("the dog")
+
+
+def test_hugging_face_tokenizer_loads_a_local_directory_offline(tmp_path):
+    """Megatron-LM's HuggingFaceTokenizer: transformers' AutoTokenizer from a local directory
+    (here GPT-2-format files saved by transformers), never the network: the same ids as
+    GPT2BPETokenizer on the files it was saved from; what it cannot load is one clear error."""
+    from transformers import GPT2Tokenizer
+
+    from bpe_files import write_bpe_files
+    from megatron.training.tokenizer import build_tokenizer
+
+    vocab, merges = write_bpe_files(tmp_path / "files")
+    GPT2Tokenizer(str(vocab), str(merges)).save_pretrained(str(tmp_path / "hf"))
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf"))
+    bpe = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
+    assert (hf.vocab_size, hf.eod) == (bpe.vocab_size, bpe.eod)
+    for text in GPT2_TEXTS:
+        assert hf.tokenize(text) == bpe.tokenize(text), text
+        assert hf.detokenize(hf.tokenize(text)) == text
+    assert hf.unique_identifiers["tokenizer_model"] == str(tmp_path / "hf")
+    with pytest.raises(ValueError, match="needs --tokenizer-model DIR"):
+        build_tokenizer("HuggingFaceTokenizer")
+    with pytest.raises(ValueError, match="transformers cannot load a tokenizer from it without "
+                                         "the network"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="--vocab-size 100 does not apply"):
+        build_tokenizer("HuggingFaceTokenizer", 100, str(tmp_path / "hf"))
+
+
+def test_vocab_and_merge_files_without_a_type_mean_gpt2_bpe(tmp_path):
+    """Megatron-LM's pretrain_gpt.py defaults to GPT2BPETokenizer; here the two files choose it
+    (without them NullTokenizer stays the default). Its vocabulary pads to TP * 128."""
+    from bpe_files import write_bpe_files
+    from megatron.training.arguments import build_run_config, parse_args
+
+    vocab, merges = write_bpe_files(tmp_path)
+    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 "
+            "--micro-batch-size 2 --train-iters 2 --mock-data").split()
+    config = build_run_config(parse_args(argv + ["--vocab-file", str(vocab), "--merge-file",
+                                                 str(merges)]))
+    assert config.data.tokenizer_type == "GPT2BPETokenizer"
+    assert (config.model.vocab_size, config.model.padded_vocab_size) == (370, 384)
+    assert build_run_config(parse_args(argv + ["--vocab-size", "50"])).data.tokenizer_type == \
+        "NullTokenizer"

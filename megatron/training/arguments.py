@@ -517,8 +517,9 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--merge-file", type=str, default=None,
                    help="GPT2BPETokenizer: GPT-2's merges.txt")
     g.add_argument("--tokenizer-model", type=str, default=None,
-                   help="tokenizer file (Megatron-LM's flag; the offline tokenizers here read "
-                        "none, so giving it is an error)")
+                   help="HuggingFaceTokenizer: a local directory with the tokenizer's files "
+                        "(read with transformers, never downloaded; the other tokenizers read "
+                        "none, so giving it to them is an error)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer: ids in the text (eod gets id vocab size)")
     g.add_argument("--tiktoken-pattern", type=str, default=None,
@@ -1368,7 +1369,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
         tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size, vocab_file=a.vocab_file,
-        merge_file=a.merge_file,
+        merge_file=a.merge_file, tokenizer_model=a.tokenizer_model,
         make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
         data_cache_path=a.data_cache_path, mmap_bin_files=a.mmap_bin_files)
     return RunConfig(model=model, parallel=parallel, optimizer=optimizer, training=training,

@@ -512,6 +512,8 @@ class DataConfig:
     """For GPT2BPETokenizer: GPT-2's vocab.json."""
     merge_file: Optional[str] = None
     """For GPT2BPETokenizer: GPT-2's merges.txt."""
+    tokenizer_model: Optional[str] = None
+    """For HuggingFaceTokenizer: the local directory of its files."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times TP."""
     data_cache_path: Optional[str] = None

@@ -37,7 +37,7 @@ def build_datasets(data: DataConfig, model: ModelConfig, training: TrainingConfi
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_size,
+    tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_size, data.tokenizer_model,
                                 vocab_file=data.vocab_file, merge_file=data.merge_file)
     gbs = training.global_batch_size
     evals = (training.train_iters // training.eval_interval + 1) if training.eval_interval else 0

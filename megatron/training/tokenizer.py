@@ -3,7 +3,9 @@
 megatron-core's ``GPTDataset`` reads ``vocab_size``, ``eod``, ``pad`` and ``unique_identifiers``
 from ``GPTDatasetConfig.tokenizer``; the preprocessing tool calls ``tokenize``. None needs the
 network: NullTokenizer and ByteLevelTokenizer need no files, GPT2BPETokenizer reads the
-``--vocab-file`` and ``--merge-file`` it is given (GPT-2's byte-level BPE, as Megatron-LM's).
+``--vocab-file`` and ``--merge-file`` it is given (GPT-2's byte-level BPE, as Megatron-LM's), and
+HuggingFaceTokenizer a local ``--tokenizer-model`` directory through Hugging Face transformers
+(an optional dependency, never a download).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class TokenizerType(str, enum.Enum):
     NULL = "NullTokenizer"
     BYTE_LEVEL = "ByteLevelTokenizer"
     GPT2_BPE = "GPT2BPETokenizer"
+    HUGGING_FACE = "HuggingFaceTokenizer"
 
 
 # The dataset code fills padded label positions with ``pad`` and then masks them out of the loss.
@@ -272,6 +275,49 @@ class GPT2BPETokenizer(_OfflineTokenizer):
         return bytes(self._bytes_of[c] for c in symbols).decode("utf-8", errors="replace")
 
 
+class HuggingFaceTokenizer(_OfflineTokenizer):
+    """Megatron-LM's HuggingFaceTokenizer: ``transformers.AutoTokenizer`` from a local directory
+    (``--tokenizer-model``, e.g. a Llama 3 model's tokenizer files), read without the network
+    and without running code from it (no ``trust_remote_code``). Vocabulary: every id it has
+    (``len(tokenizer)``); end of document: its end-of-sequence id; `tokenize` adds what the
+    tokenizer adds by default (Llama's begin-of-text), as Megatron-LM's does. Padding stays -1
+    (never a real id) rather than the tokenizer's pad id, which is often its end of sequence."""
+
+    def __init__(self, tokenizer_model: Optional[str]):
+        if tokenizer_model is None:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model DIR (a local directory "
+                             "with the tokenizer's files, e.g. tokenizer.json)")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ValueError("HuggingFaceTokenizer needs Hugging Face transformers: pip install "
+                             "transformers") from None
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True,
+                                                            trust_remote_code=False)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--tokenizer-model {tokenizer_model}: transformers cannot load a "
+                             f"tokenizer from it without the network: {str(err)[:300]}") from None
+        self.tokenizer_model = tokenizer_model
+        self.vocab_size = len(self._tokenizer)
+        if self._tokenizer.eos_token_id is None:
+            raise ValueError(f"--tokenizer-model {tokenizer_model}: the tokenizer names no "
+                             "end-of-sequence token, which ends documents")
+        self.eod = int(self._tokenizer.eos_token_id)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        ids = super().unique_identifiers
+        ids["tokenizer_model"] = self.tokenizer_model
+        return ids
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(self._tokenizer(text).input_ids)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids])
+
+
 def build_tokenizer(
     tokenizer_type: str,
     vocab_size: Optional[int] = None,
@@ -283,8 +329,8 @@ def build_tokenizer(
 
     ``vocab_size`` is required by NullTokenizer (ids in the text, eod excluded) and must be left
     unset or 256 for ByteLevelTokenizer; GPT2BPETokenizer reads ``vocab_file`` and
-    ``merge_file`` and takes its size from them. ``tokenizer_model`` is accepted for interface
-    parity with Megatron-LM but none of these needs a model file.
+    ``merge_file`` and takes its size from them; HuggingFaceTokenizer loads ``tokenizer_model``
+    (a local directory), which the others refuse.
     """
     choices = [t.value for t in TokenizerType]
     try:
@@ -293,6 +339,13 @@ def build_tokenizer(
         raise ValueError(
             f"unknown --tokenizer-type {tokenizer_type!r}; expected one of {', '.join(choices)}"
         ) from None
+    if kind is TokenizerType.HUGGING_FACE:
+        for flag, value in (("--vocab-size", vocab_size), ("--vocab-file", vocab_file),
+                            ("--merge-file", merge_file)):
+            if value is not None:
+                raise ValueError(f"HuggingFaceTokenizer's vocabulary is --tokenizer-model's; "
+                                 f"{flag} {value} does not apply (leave it unset)")
+        return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_model is not None:
         raise ValueError(
             f"--tokenizer-model is not used by {kind.value} (it reads no model file); got "
