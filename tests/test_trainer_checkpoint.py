@@ -130,18 +130,22 @@ def _without_model_flags(argv):
 
 
 def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(dropout_run, tmp_path):
-    """Megatron-LM's --use-checkpoint-args: a launch that gives no model flags, and an
+    """Megatron-LM's --use-checkpoint-args: a launch that gives no model flags and no
+    vocabulary (the tokenizer is the checkpoint's too, as in Megatron-LM 0.16), and an
     architecture flag the checkpoint overrides (--swiglu), resumes the dropout run's iteration 3
     (--ckpt-step) and prints its losses, bit for bit. Without a checkpoint in --load, the flags
     that are missing are named."""
     run, root = dropout_run
-    argv = _without_model_flags(TINY_MODEL) + SIX + ["--use-checkpoint-args", "--load",
-                                                     str(root), "--ckpt-step", "3", "--swiglu"]
+    no_vocab = _without_model_flags(TINY_MODEL)
+    del no_vocab[no_vocab.index("--vocab-size"):no_vocab.index("--vocab-size") + 2]
+    argv = no_vocab + SIX + ["--use-checkpoint-args", "--load", str(root), "--ckpt-step", "3",
+                             "--swiglu"]
     resumed = launch(1, argv)
     assert resumed.returncode == 0, resumed.describe()
     line = next(ln for ln in resumed.stdout.splitlines() if "--use-checkpoint-args" in ln)
     for part in (f"model flags from {root / 'iter_0000003'}: ", "--num-layers 4 ",
-                 "--seq-length 32 ", "--ffn-hidden-size 256 ", "--hidden-dropout 0.1 "):
+                 "--seq-length 32 ", "--ffn-hidden-size 256 ", "--hidden-dropout 0.1 ",
+                 "--tokenizer-type NullTokenizer --vocab-size 255"):
         assert part in line, line
     assert "--swiglu" not in line
     assert resumed.losses() == after(run.losses(), 3)

@@ -100,6 +100,19 @@ def test_training_on_gpt2_bpe_data_with_megatron_lms_gpt_flags(tmp_path):
     saved = json.loads((save / "run_config.json").read_text())
     assert saved["data"]["tokenizer_type"] == "GPT2BPETokenizer"
     assert saved["data"]["vocab_file"] == str(vocab) and saved["model"]["padded_vocab_size"] == 384
+    # --use-checkpoint-args takes the tokenizer and its files from the checkpoint, as Megatron-LM
+    # 0.16 takes its tokenizer (unless --no-use-tokenizer-model-from-checkpoint-args).
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing.checkpoint_args import apply_checkpoint_args
+
+    bare = ["--micro-batch-size", "2", "--train-iters", "3", "--mock-data"]
+    args = parse_args(bare + ["--use-checkpoint-args", "--load", str(save)])
+    (line,) = apply_checkpoint_args(args)
+    assert f"--tokenizer-type GPT2BPETokenizer --vocab-file {vocab} --merge-file {merges}" in line
+    kept = parse_args(bare + ["--use-checkpoint-args", "--load", str(save), "--vocab-size", "9",
+                              "--no-use-tokenizer-model-from-checkpoint-args"])
+    apply_checkpoint_args(kept)
+    assert (kept.tokenizer_type, kept.vocab_size, kept.vocab_file) == (None, 9, None)
     # The same data through Megatron-LM's HuggingFaceTokenizer (a local directory of the same
     # tokenizer, saved by transformers): the same vocabulary, so the same model and losses.
     from transformers import GPT2Tokenizer

@@ -278,6 +278,11 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model flags from the --load checkpoint (Megatron-LM's rule: "
                    "its sizes where none is given, its architecture whatever is given)")
+    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
+                   "--disable-use-tokenizer-model-from-checkpoint-args", action="store_false",
+                   dest="use_tokenizer_model_from_checkpoint_args",
+                   help="with --use-checkpoint-args: keep this launch's tokenizer flags instead of "
+                   "the checkpoint's (Megatron-LM's)")
     g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
                    help="with --use-checkpoint-args: also take the checkpoint's tensor, pipeline "
                    "and virtual pipeline sizes, whatever is given (Megatron-LM's)")

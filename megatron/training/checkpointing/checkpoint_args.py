@@ -5,9 +5,11 @@ flags, as Megatron-LM's `load_args_from_checkpoint` does: its sizes (layers, wid
 sequence length, position table, vocabulary) where the command line gives none, and its
 architecture (position embedding, rotary settings, norm, MLP, key/value groups, biases, tied
 embeddings, dropouts) whatever the command line says. So an evaluation, a conversion or a
-fine-tuning launch names the checkpoint instead of repeating the model. The tokenizer flags
-(--tokenizer-type, --vocab-size) stay the launch's, as Megatron-LM keeps them unless asked
-otherwise: the padded vocabulary the checkpoint holds is checked against them at load.
+fine-tuning launch names the checkpoint instead of repeating the model. Its tokenizer too, as
+Megatron-LM 0.16 takes it unless --no-use-tokenizer-model-from-checkpoint-args: the type and
+model whatever is given, the vocabulary size or files where none is given (the padded vocabulary
+the checkpoint holds is checked against them at load); with --use-mp-args-from-checkpoint-args
+its TP/PP/VPP.
 
 The checkpoint is the one a resume would load from --load: the tracker's iteration (or
 --ckpt-step's, or Megatron-LM's ``release``), or --load itself when it is a checkpoint directory;
@@ -90,10 +92,35 @@ def apply_checkpoint_args(a: argparse.Namespace) -> List[str]:
             taken.append(f"--group-query-attention --num-query-groups {groups}")
     if not rope:  # rotary settings mean nothing for it (and would be refused)
         a.rotary_base = a.rotary_percent = None
+    if a.use_tokenizer_model_from_checkpoint_args:
+        taken += _take_tokenizer(a, saved.get("data"))
     if a.use_mp_args_from_checkpoint_args:
         taken += _take_layout(a, saved.get("parallel"), directory)
     return [f"--use-checkpoint-args: model flags from {directory}: {' '.join(taken)}"
             + (f"; given on the command line, kept: {', '.join(kept)}" if kept else "")]
+
+
+def _take_tokenizer(a: argparse.Namespace, data: Optional[dict]) -> List[str]:
+    """The checkpoint's tokenizer, as Megatron-LM takes it unless
+    --no-use-tokenizer-model-from-checkpoint-args: its type and model whatever the command line
+    says, and its vocabulary size and files where the command line gives none; the flags taken.
+    (A path from another cluster that is not here fails at start, naming it.)"""
+    if not data or data.get("tokenizer_type") is None:
+        return []  # a universal checkpoint, or a Megatron-LM one without them
+    a.tokenizer_type, a.tokenizer_model = data["tokenizer_type"], data.get("tokenizer_model")
+    taken = [f"--tokenizer-type {a.tokenizer_type}"] + (
+        [f"--tokenizer-model {a.tokenizer_model}"] if a.tokenizer_model else [])
+    kind = a.tokenizer_type
+    wanted = {"NullTokenizer": ("vocab_size",),
+              "GPT2BPETokenizer": ("vocab_file", "merge_file")}.get(kind, ())
+    for field in wanted:
+        if getattr(a, field) is None and data.get(field) is not None:
+            setattr(a, field, data[field])
+            taken.append(f"--{field.replace('_', '-')} {data[field]}")
+    for field in ("vocab_size", "vocab_file", "merge_file"):  # what the type does not read
+        if field not in wanted:
+            setattr(a, field, None)
+    return taken
 
 
 def _take_layout(a: argparse.Namespace, parallel: Optional[dict], directory: str) -> List[str]:

@@ -199,7 +199,13 @@ def saved_config_from_args(common: dict, path: str) -> str:
         args, "virtual_pipeline_model_parallel_size", path, None, required=False)
     checkpoint = {"save_optim": not _arg(args, "no_save_optim", path, False, required=False),
                   "save_rng": not _arg(args, "no_save_rng", path, False, required=False)}
-    return json.dumps({"model": model, "parallel": parallel, "checkpoint": checkpoint})
+    data = {name: _arg(args, name, path, None, required=False) for name in _TOKENIZER_ARGS}
+    return json.dumps({"model": model, "parallel": parallel, "checkpoint": checkpoint,
+                       "data": data})
+
+
+#: The tokenizer's arguments (`checkpoint_args` takes them with --use-checkpoint-args).
+_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "vocab_file", "merge_file")
 
 
 def normalize_loaded(loaded: dict, path: str) -> dict:
