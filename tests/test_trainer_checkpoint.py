@@ -316,6 +316,29 @@ def test_sigterm_saves_then_exits_zero(tmp_path):
     assert (root / f"iter_{stopped:07d}" / "metadata.json").is_file()
 
 
+def test_exit_signal_sigusr1_saves_then_exits_zero(tmp_path):
+    """Megatron-LM's --exit-signal SIGUSR1 (what Slurm's --signal=USR1@SECONDS sends before the
+    time limit): the signal saves the iteration it ends and exits 0, as SIGTERM does."""
+    import os
+    import signal
+
+    root = tmp_path / "usr1"
+    sent = []
+
+    def on_line(line, proc):
+        if not sent and " iteration        2/" in line:
+            os.kill(proc.pid, signal.SIGUSR1)
+            sent.append(True)
+
+    run = launch(1, TINY_MODEL + NO_DROPOUT + ["--train-iters", "500", "--eval-interval", "0",
+                                               "--exit-signal-handler", "--exit-signal",
+                                               "SIGUSR1", "--save", str(root)], on_line=on_line)
+    assert sent and run.returncode == 0, run.describe()
+    stopped = max(run.losses())
+    assert 2 <= stopped < 500 and "exiting on SIGUSR1" in run.stdout
+    assert open(root / "latest_checkpointed_iteration.txt").read().strip() == str(stopped)
+
+
 def test_exit_duration_stops_validation_saves_and_exits_zero(tmp_path):
     """--exit-duration-in-mins (Megatron-LM's), 2 ranks with --async-lazy-save: a limit already
     past when the first iteration ends (start-up alone takes longer) cuts that iteration's

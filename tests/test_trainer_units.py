@@ -133,6 +133,15 @@ def test_rampup_batch_size_is_checked_and_sets_the_iterations(ramp, world, messa
     assert (ramped.training.train_iters, ramped.training.rampup_batch_size) == (11, (2, 2, 16))
 
 
+def test_exit_signal_names_a_catchable_signal(capsys):
+    assert config("--exit-signal-handler --exit-signal SIGUSR1").training.exit_signal == "SIGUSR1"
+    config("--exit-signal SIGUSR1")
+    assert "--exit-signal SIGUSR1 takes effect with --exit-signal-handler only" in \
+        capsys.readouterr().out
+    with pytest.raises(ArgumentError, match="invalid choice: 'SIGKILL'"):  # cannot be caught
+        config("--exit-signal-handler --exit-signal SIGKILL")
+
+
 def test_sequence_parallel_without_tp_is_disabled_with_megatron_lms_warning(capsys):
     assert not config("--sequence-parallel").parallel.sequence_parallel
     assert "WARNING: Disabling sequence parallelism because tensor model parallelism is " \

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 from typing import Optional, Sequence, Tuple
 
 from megatron.training.config import (
@@ -171,6 +172,11 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    "max(40M, 1M * data-parallel size))")
 
 
+#: The signals --exit-signal may name: every one a process can catch.
+_HANDLED_SIGNALS = sorted(s.name for s in signal.Signals
+                          if s not in (signal.SIGKILL, signal.SIGSTOP))
+
+
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True,
@@ -244,7 +250,14 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                         "ends more than this many minutes after the job started (0: no limit); "
                         "e.g. below a Slurm time limit, leaving room for the final save's drain")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, save at the end of the current iteration and exit 0")
+                   help="on SIGTERM (or --exit-signal), save at the end of the current iteration "
+                   "and exit 0")
+    g.add_argument("--exit-signal", choices=_HANDLED_SIGNALS, default="SIGTERM",
+                   help="the signal --exit-signal-handler acts on (Megatron-LM's), e.g. SIGUSR1 "
+                   "for Slurm's --signal=USR1@SECONDS warning before the time limit")
+    g.add_argument("--exit-signal-handler-for-dataloader", action="store_true",
+                   help="Megatron-LM's handler in data-loader workers: accepted, no effect (batches "
+                   "are read on the training thread here)")
     g.add_argument("--manual-gc", action="store_true",
                    help="turn Python's automatic garbage collection off while training and "
                         "collect at chosen points instead, the same ones on every rank (a full "
@@ -757,6 +770,9 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
         _warn("--use-persistent-ckpt-worker: the --async-save writer is forked at each save "
               "call instead (on CPU megatron-core's persistent worker was seen writing values "
               "the next optimizer step had already changed)")
+    if a.exit_signal != "SIGTERM" and not a.exit_signal_handler:
+        _warn(f"--exit-signal {a.exit_signal} takes effect with --exit-signal-handler only (as in "
+              "Megatron-LM): the signal is not handled")
     if a.use_mp_args_from_checkpoint_args and not a.use_checkpoint_args:
         _warn("--use-mp-args-from-checkpoint-args takes effect with --use-checkpoint-args only (as "
               "in Megatron-LM): the layout flags given are used")
@@ -1328,7 +1344,8 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         rampup_batch_size=None if a.rampup_batch_size is None else tuple(a.rampup_batch_size),
         seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
         exit_interval=a.exit_interval, exit_duration_in_mins=a.exit_duration_in_mins or None,
-        exit_signal_handler=a.exit_signal_handler, manual_gc=a.manual_gc,
+        exit_signal_handler=a.exit_signal_handler, exit_signal=a.exit_signal,
+        manual_gc=a.manual_gc,
         manual_gc_interval=a.manual_gc_interval, manual_gc_eval=a.manual_gc_eval,
         empty_unused_memory_level=a.empty_unused_memory_level)
     checkpoint = CheckpointConfig(

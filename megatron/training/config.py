@@ -312,7 +312,9 @@ class TrainingConfig:
     """Stop (after saving if --save is set) at the end of the first iteration that ends more than
     this many minutes after the job started (the earliest rank's start, as Megatron-LM counts)."""
     exit_signal_handler: bool = False
-    """On SIGTERM: save a checkpoint at the end of the current iteration and exit 0."""
+    """On `exit_signal`: save a checkpoint at the end of the current iteration and exit 0."""
+    exit_signal: str = "SIGTERM"
+    """The signal's name (Megatron-LM's --exit-signal), e.g. SIGUSR1 for Slurm's --signal."""
     manual_gc: bool = False
     """Python's automatic garbage collection is off while training; it runs at the points below,
     the same iterations on every rank (Megatron-LM's --manual-gc)."""

@@ -406,13 +406,14 @@ class _ManualGC:
 
 class _StopConditions:
     """The conditions that end training early, agreed on by every rank at the end of each
-    iteration (one all-reduce, only where one is set) so they stop at the same one: SIGTERM with
-    --exit-signal-handler, and --exit-duration-in-mins counted from the earliest rank's start
+    iteration (one all-reduce, only where one is set) so they stop at the same one: SIGTERM (or
+    --exit-signal) with --exit-signal-handler, and --exit-duration-in-mins counted from the earliest rank's start
     (`Trainer.started_at`), as Megatron-LM counts it."""
 
     def __init__(self, trainer: Trainer):
         t = trainer.config.training
         self.on_sigterm, self.received = t.exit_signal_handler, False
+        self.signal_name = t.exit_signal
         self.limit_min = t.exit_duration_in_mins
         self.started_at = trainer.started_at
         if self.limit_min:
@@ -420,7 +421,7 @@ class _StopConditions:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
             self.started_at = float(first.item())
         if self.on_sigterm:
-            signal.signal(signal.SIGTERM, self._handle)
+            signal.signal(signal.Signals[t.exit_signal], self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
@@ -429,7 +430,7 @@ class _StopConditions:
         return (time.time() - self.started_at) / 60.0
 
     def agreed(self) -> Tuple[bool, bool]:
-        """(SIGTERM received on some rank, time up on some rank)."""
+        """(the exit signal received on some rank, time up on some rank)."""
         if not (self.on_sigterm or self.limit_min):
             return False, False
         flags = torch.tensor([int(self.received), int(self.time_up_here())], dtype=torch.int32,
@@ -617,7 +618,7 @@ def _train_loop(trainer: Trainer) -> int:
             profiler.after_iteration(state.iteration)
             sigterm, time_up = stop.agreed()
             if sigterm:
-                print_rank_0(f"exiting on SIGTERM at iteration {state.iteration}")
+                print_rank_0(f"exiting on {stop.signal_name} at iteration {state.iteration}")
                 if not saved_last:
                     summary.saving(trainer.checkpoints.maybe_save, state, force=True)
                 return state.iteration
