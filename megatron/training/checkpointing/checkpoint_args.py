@@ -126,7 +126,7 @@ def _take_tokenizer(a: argparse.Namespace, data: Optional[dict]) -> List[str]:
 def _take_layout(a: argparse.Namespace, parallel: Optional[dict], directory: str) -> List[str]:
     """--use-mp-args-from-checkpoint-args: the checkpoint's TP, PP and virtual pipeline (and an
     uneven first/last stage), whatever the command line says, as Megatron-LM forces them; the
-    flags taken. A universal checkpoint has no layout: the flags given stay."""
+    flags taken. A universal checkpoint has no layout to take: refused, with what to do."""
     if parallel is None:
         raise CheckpointError(f"--use-mp-args-from-checkpoint-args: {directory} is a universal "
                               "checkpoint, which has no parallel layout to take; give the "

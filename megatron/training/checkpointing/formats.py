@@ -70,10 +70,10 @@ def save_converted(state: TrainState, config: RunConfig,
     manager.begin_training(state.iteration, loaded=state.loaded)
     manager.maybe_save(state, force=True)
     manager.finalize()
-    source = os.path.basename(os.path.normpath(state.loaded))
+    source = os.path.normpath(state.loaded)
     print_rank_0(f"> converted checkpoint: {paths.detect_format(state.loaded).value} -> "
-                 f"{ckpt.ckpt_convert_format.value}. ({source} of {ckpt.load} saved under "
-                 f"{target})")
+                 f"{ckpt.ckpt_convert_format.value}. ({os.path.basename(source)} of "
+                 f"{os.path.dirname(source)} saved under {target})")
     return target
 
 
