@@ -263,6 +263,39 @@ def test_rampup_batch_size_saves_where_the_batch_grows_and_resumes_on_the_ramp(t
     assert resumed.losses() == after(run.losses(), 3)
 
 
+def test_log_progress_records_jobs_saves_and_deletions_in_megatron_lms_format(tmp_path):
+    """Megatron-LM's --log-progress across two jobs into one --save: a lazy-save job (saves at
+    2 and 4, keeping one) and a synchronous torch_dist job resuming it to 6. progress.txt holds
+    Megatron-LM's lines: each job's start, an asynchronous save's call and its completion (after
+    it), the deletion retention made, the synchronous save with the job's and the cumulative
+    throughput, FLOPs and tokens in Megatron-LM's field order."""
+    root = tmp_path / "progress"
+    flags = TINY_MODEL + NO_DROPOUT + ["--log-progress", "--save", str(root), "--save-interval",
+                                       "2", "--eval-interval", "0", "--train-iters", "6"]
+    first = launch(1, flags + ["--exit-interval", "4", "--async-lazy-save",
+                               "--keep-last-n-checkpoints", "1"])
+    assert first.returncode == 0, first.describe()
+    second = launch(1, flags + ["--load", str(root)])
+    assert second.returncode == 0, second.describe()
+    lines = [line.split("\t") for line in (root / "progress.txt").read_text().splitlines()]
+    assert all(len(f) >= 4 and f[1].startswith("Job ID: ") and f[2] == "# GPUs: 1"
+               for f in lines), lines
+    events = [f[3] + (" " + f[4] if len(f) > 4 else "") for f in lines]
+    assert events.count("Starting job") == 2 and events[0] == "Starting job"
+    second_job = events.index("Starting job", 1)
+    for it in (2, 4):  # the lazy job: each save's call, then (from the commit) its completion
+        call = events.index(f"Saving async checkpoint Iteration: {it}")
+        assert call < events.index(f"Saved async checkpoint Iteration: {it}") < second_job
+    assert "Deleted checkpoint Iteration: 2" in events[:second_job]
+    assert events[second_job + 1:] == ["Saved checkpoint Iteration: 6"], events
+    saved = lines[-1]
+    assert [x.split(": ")[0] for x in saved[4:]] == [
+        "Iteration", "Job throughput", "Cumulative throughput", "Floating-point operations",
+        "Tokens (in billions)"]
+    assert saved[5].endswith(" TFLOP/s/GPU") and float(saved[7].split(": ")[1]) > 0
+    assert saved[8] == f"Tokens (in billions): {6 * 8 * 32 / 1e9:.2f}"
+
+
 def test_stock_dist_checkpointing_load_matches_torch_dist(tmp_path):
     """One process: the same training saved with torch_dist and with --async-lazy-save; stock
     megatron-core load (after `import datastates`) gives bit-identical tensors. The copy of the

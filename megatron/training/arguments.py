@@ -561,6 +561,9 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-throughput", action="store_true",
                    help="add Megatron-LM's `throughput per GPU (TFLOP/s/GPU)` to the training line")
+    g.add_argument("--log-progress", action="store_true",
+                   help="append job starts, --save checkpoints (with throughput, FLOPs and tokens "
+                   "so far) and their deletions to <save>/progress.txt (Megatron-LM's)")
     g.add_argument("--tensorboard-dir", type=str, default=None,
                    help="write TensorBoard event files to this directory (needs the tensorboard "
                         "package)")
@@ -991,6 +994,7 @@ def _logging_config(a: argparse.Namespace) -> LoggingConfig:
         _require_package("wandb", "--wandb-project")
     return LoggingConfig(
         log_interval=a.log_interval, log_throughput=a.log_throughput,
+        log_progress=a.log_progress,
         tensorboard_dir=a.tensorboard_dir, tensorboard_log_interval=a.tensorboard_log_interval,
         tensorboard_queue_size=a.tensorboard_queue_size,
         log_timers_to_tensorboard=a.log_timers_to_tensorboard,

@@ -534,6 +534,9 @@ class LoggingConfig:
     """Print a training line every this many iterations."""
     log_throughput: bool = False
     """Add `throughput per GPU (TFLOP/s/GPU)` to the training line (Megatron-LM's FLOP count)."""
+    log_progress: bool = False
+    """Megatron-LM's --log-progress: append job starts, persistent saves and deletions to
+    <save>/progress.txt (`checkpointing.progress`)."""
     tensorboard_dir: Optional[str] = None
     """Write TensorBoard event files here (None: no TensorBoard)."""
     tensorboard_log_interval: int = 1

@@ -581,6 +581,7 @@ def _train_loop(trainer: Trainer) -> int:
     print_rank_0(f"training from iteration {state.iteration} to {t.train_iters}")
     summary = _Summary(trainer)
     trainer.checkpoints.begin_training(state.iteration, loaded=state.loaded)
+    trainer.checkpoints.progress.start_job(state.floating_point_operations_so_far)
     manual_gc = _ManualGC(t)
     manual_gc.start()
     profiler = _Profiler(trainer.config)

@@ -50,6 +50,7 @@ from megatron.training.config import RunConfig
 from megatron.training.log import print_rank_0
 from megatron.training.metrics import CheckpointRecord, Metrics
 from megatron.training.model import params_gathered
+from megatron.training.checkpointing.progress import ProgressLog
 from megatron.training.checkpointing.retention import apply_retention, remove_now
 from megatron.training.checkpointing.save_interval import AutoInterval, Decision
 from megatron.training.timers import report_times, report_times_across_ranks
@@ -112,6 +113,9 @@ class CheckpointManager:
         self.saves_refused = 0
         #: The oldest such iteration not yet followed by a persistent save (None: none).
         self.deferred_since: Optional[int] = None
+        #: --log-progress: <save>/progress.txt, written by rank 0 (a no-op elsewhere).
+        self.progress = ProgressLog(self.ckpt.save, config.parallel.world_size,
+                                    config.logging.log_progress and dist.get_rank() == 0)
 
     def begin_training(self, start_iteration: int, loaded: Optional[str] = None) -> None:
         """Every rank, once the resumed iteration is known (before the first iteration);
@@ -309,6 +313,10 @@ class CheckpointManager:
         with params_gathered(state.model, self.config.parallel):  # --overlap-param-gather
             self._save(state, root)
         seconds = time.time() - start
+        if persistent:
+            self.progress.saved(iteration, state.floating_point_operations_so_far,
+                                state.consumed_train_samples * self.config.model.seq_length,
+                                asynchronous=self._asynchronous)
         if self.log_save_calls:
             print_rank_0(f"saved {'' if persistent else 'non-persistent '}checkpoint at iteration "
                          f"{iteration:7d} to {root} in {seconds * 1000:.1f} ms (format "
@@ -476,9 +484,19 @@ class CheckpointManager:
                                in_flight=self._in_use() if persistent else [],
                                remove=remove_now if at_once else self._remove,
                                retain_every=self.ckpt.save_retain_interval if persistent else None)
+        if persistent:
+            if self._asynchronous:
+                self.progress.committed(iteration)
+            for removed in done.removed:
+                self.progress.deleted(removed)
         if done.kept_in_use and not at_once:  # in memory: held while a peer replica is sent
             print_rank_0(f"retention: keeping iteration(s) {done.kept_in_use} under "
                          f"{root} for now: a merge or a converter is reading them")
+
+    @property
+    def _asynchronous(self) -> bool:
+        """Whether a save call returns before its checkpoint is complete."""
+        return self.ckpt.async_save or self.ckpt.async_lazy_save
 
     def _in_use(self) -> List[int]:
         """Rank 0: iterations under --save that retention must keep for now although they are
