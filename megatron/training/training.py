@@ -560,6 +560,7 @@ def train(trainer: Trainer) -> int:
     try:
         if trainer.config.checkpoint.ckpt_convert_format is not None:  # Megatron-LM's: no training
             save_converted(trainer.state, trainer.config, trainer.metrics)
+            trainer.checkpoints.finalize()  # the run's own manager (e.g. lazy writers): unused
             iteration = trainer.state.iteration
         else:
             iteration = _train_loop(trainer)
