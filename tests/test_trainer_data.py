@@ -49,6 +49,29 @@ def test_gpt_dataset_serves_corpus_tokens_in_dp_independent_order(corpus):
     assert torch.equal(one, torch.cat([dp0, dp1]))
 
 
+def test_per_split_data_paths_give_each_split_its_own_data(corpus, tmp_path):
+    """Megatron-LM's --train-data-path/--valid-data-path/--test-data-path: each split reads its
+    own blend whole (no --split); a split without data is absent; the other splits' paths without
+    a train path, or a prefix without its files, are refused naming the flag."""
+    from megatron.training.arguments import ArgumentError, build_run_config, parse_args
+
+    base = ("--num-layers 1 --hidden-size 8 --num-attention-heads 1 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --eval-interval 3 "
+            "--eval-iters 1 --tokenizer-type ByteLevelTokenizer").split()
+    config = build_run_config(parse_args(base + ["--train-data-path", corpus,
+                                                 "--valid-data-path", "1", corpus]))
+    assert (config.data.train_data_path, config.data.valid_data_path) == ((corpus,), ("1", corpus))
+    ds = build_datasets(config.data, config.model, config.training)
+    assert ds.train is not None and ds.valid is not None and ds.test is None
+    assert torch.equal(ds.train[0]["tokens"], ds.valid[0]["tokens"])  # one corpus, read whole
+    with pytest.raises(ArgumentError, match="--valid-data-path name the other splits' data; add "
+                                            "--train-data-path"):
+        build_run_config(parse_args(base + ["--valid-data-path", corpus]))
+    with pytest.raises(ArgumentError, match="--test-data-path '/none': expected /none.bin"):
+        build_run_config(parse_args(base + ["--train-data-path", corpus, "--test-data-path",
+                                            "/none"]))
+
+
 def test_training_on_indexed_data_with_byte_level_tokenizer(corpus):
     run = launch(1, ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
                      "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",

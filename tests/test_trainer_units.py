@@ -53,7 +53,11 @@ def config(extra="", world_size=1):
      "--save-retain-interval must be >= 1, got 0"),
     ("--exit-duration-in-mins -5", 1,
      "--exit-duration-in-mins must be >= 0 minutes (0: no limit), got -5.0"),
-    ("--data-path /nonexistent/corpus", 1, "exactly one of --mock-data or --data-path"),
+    ("--data-path /nonexistent/corpus", 1, "give exactly one of --mock-data, --data-path PREFIX "
+     "[PREFIX ...], or --train-data-path (with --valid-data-path, --test-data-path: each split "
+     "its own); got --mock-data, --data-path"),
+    ("--train-data-path /x --valid-data-path /y", 1, "; got --mock-data, --train-data-path, "
+     "--valid-data-path"),
     ("--lazy-save-local-keep 3", 1, "--lazy-save-local-keep configure --async-lazy-save"),
     ("--async-lazy-save --lazy-save-local-keep 3", 1,
      "--lazy-save-local-keep counts copies under --lazy-save-local-dir, which is not given"),

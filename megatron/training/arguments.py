@@ -524,6 +524,10 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    help="megatron-core's synthetic dataset (instead of --data-path)")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="PREFIX [PREFIX ...] of .bin/.idx files, or a blend W1 P1 W2 P2 ...")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"the {split} split's own PREFIX [PREFIX ...] or blend (Megatron-LM's; "
+                       "instead of --data-path and --split)")
     g.add_argument("--split", type=str, default="969,30,1",
                    help="train,valid,test proportions of each dataset")
     g.add_argument("--tokenizer-type", choices=[t.value for t in TokenizerType],
@@ -1251,17 +1255,25 @@ def _check_data(a: argparse.Namespace) -> None:
         _warn(f"--num-workers {a.num_workers}: this trainer has no data-loader workers; each "
               "micro-batch is read on the training thread (from the memory-mapped .bin files, "
               "or made by the mock dataset)")
-    _require(a.mock_data != bool(a.data_path),
-             "give exactly one of --mock-data or --data-path PREFIX [PREFIX ...]")
-    if a.data_path:
-        for item in a.data_path:
+    per_split = [(f"--{name}-data-path", getattr(a, f"{name}_data_path"))
+                 for name in ("train", "valid", "test")]
+    given = [flag for flag, value in per_split if value]
+    named = (["--mock-data"] if a.mock_data else []) + (["--data-path"] if a.data_path else [])
+    sources = len(named) + int(bool(given))
+    _require(sources == 1, "give exactly one of --mock-data, --data-path PREFIX [PREFIX ...], or "
+             "--train-data-path (with --valid-data-path, --test-data-path: each split its own)"
+             + (f"; got {', '.join(named + given)}" if sources > 1 else ""))
+    _require(not given or per_split[0][1], f"{', '.join(given)} name the other splits' data; "
+             "add --train-data-path")
+    for flag, value in [("--data-path", a.data_path)] + per_split:
+        for item in value or ():
             try:
                 float(item)
                 continue  # a blend weight
             except ValueError:
                 pass
             _require(os.path.isfile(item + ".bin") and os.path.isfile(item + ".idx"),
-                     f"--data-path {item!r}: expected {item}.bin and {item}.idx "
+                     f"{flag} {item!r}: expected {item}.bin and {item}.idx "
                      f"(made by tools/preprocess_data.py)")
 
 
@@ -1394,6 +1406,9 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         universal_merge_workers=a.universal_merge_workers)
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()), split=a.split,
+        train_data_path=tuple(a.train_data_path or ()),
+        valid_data_path=tuple(a.valid_data_path or ()),
+        test_data_path=tuple(a.test_data_path or ()),
         tokenizer_type=a.tokenizer_type, vocab_size=a.vocab_size, vocab_file=a.vocab_file,
         merge_file=a.merge_file, tokenizer_model=a.tokenizer_model,
         make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,

@@ -506,6 +506,12 @@ class DataConfig:
     """Megatron blend: either prefixes, or alternating weight and prefix."""
     split: str = "969,30,1"
     """Train/valid/test proportions of each dataset."""
+    train_data_path: tuple = ()
+    """Megatron-LM's per-split data: the train split's own blend (then `data_path` is empty)."""
+    valid_data_path: tuple = ()
+    """The validation split's own blend (empty: no validation data)."""
+    test_data_path: tuple = ()
+    """The test split's own blend (empty: none)."""
     tokenizer_type: str = "NullTokenizer"
     """Offline tokenizer, see megatron.training.tokenizer."""
     vocab_size: Optional[int] = None

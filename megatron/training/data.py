@@ -49,6 +49,8 @@ def build_datasets(data: DataConfig, model: ModelConfig, training: TrainingConfi
         random_seed=training.seed,
         sequence_length=model.seq_length,
         blend=_blend(data.data_path),
+        blend_per_split=([_blend(data.train_data_path), _blend(data.valid_data_path),
+                          _blend(data.test_data_path)] if data.train_data_path else None),
         split=data.split if data.data_path else None,
         tokenizer=tokenizer,
         reset_position_ids=False,
