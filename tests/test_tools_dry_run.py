@@ -76,6 +76,10 @@ def test_bytes_per_rank_follow_precision_and_data_parallel_sharding():
     fp32 = dry_run(dataclasses.replace(model, bf16=False), parallel)
     assert fp32.rank_bytes(fp32.ranks[0]).main_params == 0  # fp32 weights are the main params
     assert fp32.rank_bytes(fp32.ranks[0]).weights == 4 * fp32.ranks[0].params
+    # --fp16 keeps 16-bit weights and fp32 main params, as --bf16 does (it counted as fp32).
+    fp16 = dry_run(dataclasses.replace(model, bf16=False, fp16=True), parallel)
+    assert (fp16.precision, report.precision, fp32.precision) == ("fp16", "bf16", "fp32")
+    assert fp16.rank_bytes(fp16.ranks[1]) == held
 
 
 @pytest.mark.parametrize("tp,pp,groups,first_last", [(1, 1, 4, None), (2, 3, 4, None), (4, 2, 4, None),

@@ -58,7 +58,7 @@ def rank_memory(report, config) -> list:
     shape = activation_shape(config)
     microbatches = config.training.num_microbatches(report.dp)
     pp = len(report.stage_layers)
-    return [gpu_memory(c.params, report.bf16, report.dp, shape, c.layers, c.stage, pp, microbatches)
+    return [gpu_memory(c.params, report.precision != "fp32", report.dp, shape, c.layers, c.stage, pp, microbatches)
             for c in report.ranks]
 
 
@@ -80,7 +80,8 @@ def print_report(report, memory: list, name: str = "") -> None:
     from tools.scale.memory import A100_40GB_BYTES, RESERVE_FRACTION
 
     print(f"{name} layer split per stage: {list(report.stage_layers)}  (TP={report.tp}, DP={report.dp}, "
-          f"{'bf16 + fp32 main params' if report.bf16 else 'fp32'} + Adam)")
+          f"{'fp32' if report.precision == 'fp32' else report.precision + ' + fp32 main params'}"
+          " + Adam)")
     print(f"{'stage':>5} {'tp':>5} {'layers':>6} {'params':>14} {'replicated':>11} {'emb copy':>11} "
           f"{'weights GB':>10} {'main GB':>8} {'adam GB':>8} {'rank GB':>8} {'GPU: state':>10} {'act':>6} "
           f"{'GB':>6}")

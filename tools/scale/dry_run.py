@@ -6,8 +6,8 @@ process-group collection that reports the rank's TP size and rank, so every laye
 shard that rank really holds. Which parameters are TP-replicated is read off the built models
 (a tensor whose shape does not change between TP=1 and TP=n is replicated), not from a table.
 
-Checkpoint bytes per rank (mixed precision + Adam): weights (bf16 after ``Float16Module``, or
-fp32), fp32 main params (bf16 only: in fp32 the weights are the main params), Adam moments
+Checkpoint bytes per rank (mixed precision + Adam): weights (bf16 or fp16 after ``Float16Module``,
+or fp32), fp32 main params (bf16 only: in fp32 the weights are the main params), Adam moments
 (2 x fp32), with optimizer state divided over data-parallel ranks by the distributed optimizer.
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ class DryRunReport:
     stage_layers: tuple
     tp: int
     dp: int
-    bf16: bool
+    precision: str
+    """"bf16" or "fp16" (16-bit weights, fp32 main params) or "fp32"."""
     ranks: tuple
     """RankCount per (stage, tp_rank), stage-major."""
 
@@ -69,10 +70,10 @@ class DryRunReport:
         n = count.params
         if unique_only:
             n -= count.embedding_copy + (count.tp_replicated if count.tp_rank else 0)
-        weight_bytes = 2 if self.bf16 else 4
+        weight_bytes = 4 if self.precision == "fp32" else 2
         shard = self.dp if use_distributed_optimizer else 1
         weights = n * weight_bytes if (dp_rank == 0 or not unique_only) else 0
-        main = (n * 4 // shard) if self.bf16 else 0
+        main = 0 if self.precision == "fp32" else n * 4 // shard
         return RankBytes(weights=weights, main_params=main, adam_moments=n * 8 // shard)
 
     def total_bytes(self, unique_only: bool) -> int:
@@ -169,7 +170,8 @@ def dry_run(model_cfg, parallel_cfg, stage_layers: Optional[list] = None) -> Dry
             # With PP > 1 the last stage holds its own copy of the tied word embeddings.
             copy = numel.get("output_layer.weight", 0) if (tied and last and not first) else 0
             counts.append(RankCount(stage, tp_rank, layers, sum(numel.values()), replicated, copy))
-    return DryRunReport(tuple(stage_layers), tp, parallel_cfg.data_parallel_size, model_cfg.bf16, tuple(counts))
+    precision = "bf16" if model_cfg.bf16 else "fp16" if model_cfg.fp16 else "fp32"
+    return DryRunReport(tuple(stage_layers), tp, parallel_cfg.data_parallel_size, precision, tuple(counts))
 
 
 def _numel(shape) -> int:
