@@ -443,7 +443,7 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         tmp_path):
     """--non-persistent-ckpt-type in_memory with --lazy-save-peer-replica on two nodes: every
     in-memory version that the network keeps up with is copied to the other node. Rank 1's copy
-    of in-memory iteration 5 stalls (the job cannot go past it) and rank 0's receiving end of
+    of in-memory iteration 6 stalls (the job cannot go past it) and rank 0's receiving end of
     node 1's iteration 4 stops before the files are moved into place, both nodes are killed and
     node 1's memory is deleted (a lost node): the restart brings rank 1's shards of the newest
     version node 0 received whole (3, or an older one where latest wins skipped 3 on a busy
@@ -483,12 +483,14 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
     try:
         # Rank 0 also stops receiving node 1's version 4 once every byte arrived, before the
         # files are moved into place: the kill lands in the middle of that transfer.
-        first = nodes("first", env={"DATASTATES_FAULT_DELAY_COPY": "120@5:1",
+        first = nodes("first", env={"DATASTATES_FAULT_DELAY_COPY": "120@6:1",
                                     "DATASTATES_FAULT_DELAY_REPLICA": "120@4:0"})
         deadline = time.time() + 240
-        # Version 4 is always sent (5 never commits), and rounds go one at a time: once its
-        # receipt stalls, every older version that was sent has arrived whole.
-        while not (printed("phase=copy step=5 rank=1") and printed("phase=replica step=4 rank=0")):
+        # Version 4 is always sent: it is handed off at the end of iteration 5 or 6, when every
+        # rank's replica thread is idle, before rank 1's copy of 6 holds both ranks (6 never
+        # commits). Rounds go one at a time: once its receipt stalls, every older version that
+        # was sent has arrived whole.
+        while not (printed("phase=copy step=6 rank=1") and printed("phase=replica step=4 rank=0")):
             assert time.time() < deadline and first[0].proc.poll() is None, \
                 first[0].result().describe() + first[1].result().describe()
             time.sleep(0.2)
