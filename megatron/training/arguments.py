@@ -1372,8 +1372,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         save_optim=not a.no_save_optim, load_optim=not a.no_load_optim,
         save_rng=not a.no_save_rng, load_rng=not a.no_load_rng, finetune=a.finetune,
         pretrained_checkpoint=a.pretrained_checkpoint, ckpt_step=a.ckpt_step,
-        exit_on_missing_checkpoint=(a.exit_on_missing_checkpoint  # implied, as Megatron-LM
-                                    or a.ckpt_convert_format is not None),
+        exit_on_missing_checkpoint=a.exit_on_missing_checkpoint,
         ckpt_convert_format=a.ckpt_convert_format and CkptFormat(a.ckpt_convert_format),
         ckpt_convert_save=a.ckpt_convert_save,
         async_lazy_save=a.async_lazy_save, lazy_save_cache_mb=a.lazy_save_cache_mb,

@@ -57,7 +57,7 @@ def save_converted(state: TrainState, config: RunConfig,
     iteration, tracker and run config as any save of this trainer); the line Megatron-LM prints.
     Returns that root."""
     ckpt = config.checkpoint
-    if state.loaded is None:  # --exit-on-missing-checkpoint is implied: not reached
+    if state.loaded is None:  # not reached: the loader refuses a conversion with nothing
         raise CheckpointError("--ckpt-convert-format: nothing was loaded to convert",
                               path=ckpt.load)
     target = os.path.join(ckpt.ckpt_convert_save, ckpt.ckpt_convert_format.value)

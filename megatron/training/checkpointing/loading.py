@@ -353,7 +353,8 @@ def _nothing_to_load(config: RunConfig, why: str, root: str, warn: bool = False,
     """--load names nothing to resume: training starts from scratch, as in Megatron-LM, unless
     --exit-on-missing-checkpoint (then the error says why, and the job exits 2 where
     Megatron-LM's exits 0: a scheduler sees it fail). With --pretrained-checkpoint, the run
-    fine-tunes from it instead; when that holds nothing either, the error says so."""
+    fine-tunes from it instead; when that holds nothing either, the error says so. A conversion
+    (--ckpt-convert-format) with nothing to convert is an error too, as in Megatron-LM."""
     ckpt = config.checkpoint
     if pretrained:
         raise CheckpointError(f"{why}, and --load holds no checkpoint to resume either",
