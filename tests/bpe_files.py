@@ -14,7 +14,7 @@ def write_bpe_files(directory: Path, merges: int = 120, corpus: str = CORPUS):
     """(vocab.json, merges.txt) under `directory`."""
     import regex
 
-    from megatron.training.tokenizer import _GPT2_PATTERN, _byte_symbols
+    from megatron.training.tokenizer import _GPT2_PATTERN, _byte_symbols, merge_pair
 
     symbols = _byte_symbols()
     words = collections.Counter("".join(symbols[b] for b in piece.encode("utf-8"))
@@ -33,15 +33,7 @@ def write_bpe_files(directory: Path, merges: int = 120, corpus: str = CORPUS):
         learned.append(best)
         vocab[best[0] + best[1]] = len(vocab)
         for word, parts in split.items():
-            out, i = [], 0
-            while i < len(parts):
-                if i + 1 < len(parts) and (parts[i], parts[i + 1]) == best:
-                    out.append(parts[i] + parts[i + 1])
-                    i += 2
-                else:
-                    out.append(parts[i])
-                    i += 1
-            split[word] = out
+            split[word] = merge_pair(parts, best)
     vocab["<|endoftext|>"] = len(vocab)
     directory.mkdir(parents=True, exist_ok=True)
     vocab_file, merge_file = directory / "vocab.json", directory / "merges.txt"

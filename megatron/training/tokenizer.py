@@ -147,6 +147,20 @@ def _byte_symbols() -> Dict[int, str]:
     return table
 
 
+def merge_pair(symbols: List[str], pair: Tuple[str, str]) -> List[str]:
+    """`symbols` with each adjacent occurrence of `pair` merged into one symbol, left to right
+    (one step of byte-level BPE, in encoding and in learning merges alike)."""
+    merged, i = [], 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+            merged.append(symbols[i] + symbols[i + 1])
+            i += 2
+        else:
+            merged.append(symbols[i])
+            i += 1
+    return merged
+
+
 class GPT2BPETokenizer(_OfflineTokenizer):
     """Megatron-LM's GPT2BPETokenizer: GPT-2's byte-level BPE from a ``vocab.json`` (symbol ->
     id) and a ``merges.txt`` (one merge per line, best first); end of document is
@@ -232,16 +246,7 @@ class GPT2BPETokenizer(_OfflineTokenizer):
             ranked = [(ranks[pair], pair) for pair in zip(symbols, symbols[1:]) if pair in ranks]
             if not ranked:
                 break
-            _, (first, second) = min(ranked)
-            merged, i = [], 0
-            while i < len(symbols):
-                if i + 1 < len(symbols) and symbols[i] == first and symbols[i + 1] == second:
-                    merged.append(first + second)
-                    i += 2
-                else:
-                    merged.append(symbols[i])
-                    i += 1
-            symbols = merged
+            symbols = merge_pair(symbols, min(ranked)[1])
         return symbols
 
     def tokenize(self, text: str) -> List[int]:
