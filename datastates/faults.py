@@ -5,10 +5,11 @@ a random kill happens to land there. Each phase calls `fault_point(phase, step, 
 save (never per byte). Without the environment variables below it returns at once; nothing else
 in the engine depends on them.
 
-    DATASTATES_FAULT_DELAY_<PHASE>="<seconds>[@<step>][:<rank>]"
+    DATASTATES_FAULT_DELAY_<PHASE>="<seconds>[@<step>|#<n>][:<rank>]"
 
-pauses that phase for `seconds` (only at `step`, only on `rank`, when given) after printing one
-line to stderr that a harness can wait for before it kills the process:
+pauses that phase for `seconds` (only at `step`, or only the `n`-th time this process reaches
+the phase, counting from 1; only on `rank`, when given) after printing one line to stderr that
+a harness can wait for before it kills the process:
 
     DATASTATES_FAULT phase=<phase> step=<step> rank=<rank> delay=<seconds>
 
@@ -27,11 +28,14 @@ Phases (in the order a save goes through them):
            first safetensors file, before its index, manifest and commit marker; its stderr goes
            to <universal root>/merge_logs/worker-K.log (K: the worker)
 
-A pause of many seconds models a hung writer (see the drain timeout of the trainer).
+A pause of many seconds models a hung writer (see the drain timeout of the trainer). `#<n>`
+picks an occurrence where the step that reaches a phase depends on timing: the peer replica
+sends the newest version whenever the network frees up (latest wins), so "the second version
+received" is certain to come where "version 4" may be skipped.
 
 Failures, for the fault-matrix tests: one step of a save fails on one rank while the others go on.
 
-    DATASTATES_FAULT_FAIL_<STEP>="<kind>[@<step>][:<rank>]"
+    DATASTATES_FAULT_FAIL_<STEP>="<kind>[@<step>|#<n>][:<rank>]"
 
 makes `fail_point(step_name, step, rank)` print ``DATASTATES_FAULT fail=<step_name> kind=<kind>
 step=<step> rank=<rank>`` on stderr and then, by kind: ``error`` raises RuntimeError, ``enospc``,
@@ -53,7 +57,8 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 from .errors import CheckpointError
@@ -67,52 +72,75 @@ _ERRNO = {"enospc": errno.ENOSPC, "erofs": errno.EROFS, "eacces": errno.EACCES}
 
 
 def _split(text: str):
-    """'<what>[@<step>][:<rank>]' -> (what, step or None, rank or None); ints not yet parsed."""
-    what, step, rank = text, None, None
+    """'<what>[@<step>|#<n>][:<rank>]' -> (what, step, n, rank), each None where not given;
+    ints parsed (ValueError otherwise)."""
+    what, step, nth, rank = text, None, None, None
     if ":" in what:
         what, rank = what.rsplit(":", 1)
     if "@" in what:
         what, step = what.split("@", 1)
-    return what, step, rank
+    elif "#" in what:
+        what, nth = what.split("#", 1)
+        if int(nth) < 1:
+            raise ValueError(nth)
+    return what, *(None if v is None else int(v) for v in (step, nth, rank))
 
 
 class _Where:
-    """Mixin: a spec restricted to one step and one rank when they are given."""
+    """Mixin: a spec restricted to one step (or to its n-th occurrence) and one rank when they
+    are given. The count is per spec, so per process (and per phase or step name)."""
 
     step: Optional[int]
     rank: Optional[int]
+    nth: Optional[int]
+    _seen: list
 
     def matches(self, step: int, rank: int) -> bool:
-        return (self.step is None or self.step == step) and (self.rank is None or self.rank == rank)
+        if not ((self.step is None or self.step == step) and
+                (self.rank is None or self.rank == rank)):
+            return False
+        if self.nth is None:
+            return True
+        with _COUNT_LOCK:  # the phases run on several threads
+            self._seen.append(step)
+            return len(self._seen) == self.nth
+
+
+_COUNT_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
 class FaultSpec(_Where):
-    """A pause at one phase: `seconds`, optionally restricted to one step and one rank."""
+    """A pause at one phase: `seconds`, optionally restricted to one step (or occurrence) and
+    one rank."""
 
     seconds: float
     step: Optional[int] = None
     rank: Optional[int] = None
+    nth: Optional[int] = None
+    _seen: list = field(default_factory=list, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
 class FailSpec(_Where):
-    """A failure of one step: `kind` (FAIL_KINDS), optionally at one step and on one rank."""
+    """A failure of one step: `kind` (FAIL_KINDS), optionally at one step (or occurrence) and on
+    one rank."""
 
     kind: str
     step: Optional[int] = None
     rank: Optional[int] = None
+    nth: Optional[int] = None
+    _seen: list = field(default_factory=list, compare=False, repr=False)
 
 
 def parse_spec(name: str, text: str) -> FaultSpec:
-    """'2.5', '2.5@7', '2.5@7:1' or '2.5:1' -> FaultSpec; a clear error otherwise."""
-    seconds, step, rank = _split(text)
+    """'2.5', '2.5@7', '2.5#2', '2.5@7:1' or '2.5:1' -> FaultSpec; a clear error otherwise."""
     try:
-        spec = FaultSpec(float(seconds), None if step is None else int(step),
-                         None if rank is None else int(rank))
+        seconds, step, nth, rank = _split(text)
+        spec = FaultSpec(float(seconds), step, rank, nth)
     except ValueError:
-        raise CheckpointError(f"{name}={text!r}: expected <seconds>[@<step>][:<rank>], e.g. "
-                              "'2.0@5:1'") from None
+        raise CheckpointError(f"{name}={text!r}: expected <seconds>[@<step>|#<n>][:<rank>] "
+                              "(n >= 1), e.g. '2.0@5:1' or '2.0#2'") from None
     if spec.seconds < 0:
         raise CheckpointError(f"{name}={text!r}: seconds must be >= 0")
     return spec
@@ -127,17 +155,17 @@ def _read_env() -> Dict[str, FaultSpec]:
 
 
 def parse_fail(name: str, text: str) -> FailSpec:
-    """'enospc', 'kill@3', 'erofs@3:1' or 'error:0' -> FailSpec; a clear error otherwise."""
-    kind, step, rank = _split(text)
-    if kind not in FAIL_KINDS:
-        raise CheckpointError(f"{name}={text!r}: expected <kind>[@<step>][:<rank>] with kind one "
-                              f"of {', '.join(FAIL_KINDS)}, found {kind!r}")
+    """'enospc', 'kill@3', 'kill#2', 'erofs@3:1' or 'error:0' -> FailSpec; a clear error
+    otherwise."""
     try:
-        return FailSpec(kind, None if step is None else int(step),
-                        None if rank is None else int(rank))
+        kind, step, nth, rank = _split(text)
     except ValueError:
-        raise CheckpointError(f"{name}={text!r}: expected <kind>[@<step>][:<rank>], e.g. "
-                              "'enospc@3:1'") from None
+        raise CheckpointError(f"{name}={text!r}: expected <kind>[@<step>|#<n>][:<rank>] (n >= 1), "
+                              "e.g. 'enospc@3:1'") from None
+    if kind not in FAIL_KINDS:
+        raise CheckpointError(f"{name}={text!r}: expected <kind>[@<step>|#<n>][:<rank>] with kind "
+                              f"one of {', '.join(FAIL_KINDS)}, found {kind!r}")
+    return FailSpec(kind, step, rank, nth)
 
 
 def _read_fail_env() -> Dict[str, FailSpec]:

@@ -10,13 +10,14 @@ from datastates.faults import FaultSpec, parse_spec
 
 @pytest.mark.parametrize("text,spec", [
     ("2", FaultSpec(2.0)), ("0.5@7", FaultSpec(0.5, 7)), ("1@3:1", FaultSpec(1.0, 3, 1)),
-    ("4:0", FaultSpec(4.0, None, 0)),
+    ("4:0", FaultSpec(4.0, None, 0)), ("3#2", FaultSpec(3.0, nth=2)),
+    ("3#1:0", FaultSpec(3.0, None, 0, 1)),
 ])
 def test_fault_spec_parses(text, spec):
     assert parse_spec("X", text) == spec
 
 
-@pytest.mark.parametrize("text", ["", "abc", "1@x", "1@2:y", "-1"])
+@pytest.mark.parametrize("text", ["", "abc", "1@x", "1@2:y", "-1", "1#0", "1#y"])
 def test_bad_fault_spec_names_the_variable_and_the_expected_form(text):
     with pytest.raises(CheckpointError, match=r"DATASTATES_FAULT_DELAY_FLUSH=.*expected|>= 0"):
         parse_spec("DATASTATES_FAULT_DELAY_FLUSH", text)
@@ -34,6 +35,31 @@ def test_fault_point_pauses_only_the_named_step_and_rank(monkeypatch, capfd):
         assert capfd.readouterr().err == "DATASTATES_FAULT phase=flush step=3 rank=1 delay=0\n"
     finally:
         monkeypatch.delenv("DATASTATES_FAULT_DELAY_FLUSH")
+        faults.reload_from_env()
+
+
+def test_an_occurrence_counts_the_calls_of_its_rank_whatever_their_step(monkeypatch, capfd):
+    """'#2': the second time the phase is reached on the rank, whichever version that is (where
+    latest wins decides which versions reach it), and only that time."""
+    monkeypatch.setenv("DATASTATES_FAULT_DELAY_REPLICA", "0#2:0")
+    monkeypatch.setenv("DATASTATES_FAULT_FAIL_WRITE", "error#3")
+    faults.reload_from_env()
+    try:
+        for step, rank in [(1, 1), (1, 0), (3, 1), (5, 1)]:
+            faults.fault_point("replica", step, rank)
+        assert capfd.readouterr().err == ""
+        faults.fault_point("replica", 4, 0)
+        assert capfd.readouterr().err == "DATASTATES_FAULT phase=replica step=4 rank=0 delay=0\n"
+        faults.fault_point("replica", 6, 0)
+        assert capfd.readouterr().err == ""
+        faults.fail_point("write", 1, 0)
+        faults.fail_point("write", 1, 1)
+        with pytest.raises(RuntimeError, match="injected failure of step 'write'"):
+            faults.fail_point("write", 2, 0)
+        faults.fail_point("write", 3, 0)
+    finally:
+        monkeypatch.delenv("DATASTATES_FAULT_DELAY_REPLICA")
+        monkeypatch.delenv("DATASTATES_FAULT_FAIL_WRITE")
         faults.reload_from_env()
 
 

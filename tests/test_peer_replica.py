@@ -443,13 +443,13 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         tmp_path):
     """--non-persistent-ckpt-type in_memory with --lazy-save-peer-replica on two nodes: every
     in-memory version that the network keeps up with is copied to the other node. Rank 1's copy
-    of in-memory iteration 6 stalls (the job cannot go past it) and rank 0's receiving end of
-    node 1's iteration 4 stops before the files are moved into place, both nodes are killed and
-    node 1's memory is deleted (a lost node): the restart brings rank 1's shards of the newest
-    version node 0 received whole (3, or an older one where latest wins skipped 3 on a busy
-    machine), not of the half-received 4, back from node 0, resumes from memory (not from --save, which
-    holds nothing) and prints the losses of an uninterrupted run (the third run's, from
-    scratch). Then node 1's memory as the kill left it,
+    of in-memory iteration 6 stalls (the job cannot go past it) and rank 0's receiving end of the
+    second version node 1 sends it stops before the files are moved into place (which versions
+    are sent depends on the machine's pace: latest wins), both nodes are killed and node 1's
+    memory is deleted (a lost node): the restart brings rank 1's shards of the version node 0
+    received whole, not of the half-received one, back from node 0, resumes from memory (not
+    from --save, which holds nothing) and prints the losses of an uninterrupted run (the third
+    run's, from scratch). Then node 1's memory as the kill left it,
     without its replica of node 0's, under a fresh --save: no version every rank has, so the run
     starts from scratch, and node 1's versions it would save again are removed first (one line),
     not rewritten. Then node 0's memory alone, at DP1; and node 0's memory under node 1's index
@@ -481,16 +481,19 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         return any(text in n.err_path.read_text() for n in first)
 
     try:
-        # Rank 0 also stops receiving node 1's version 4 once every byte arrived, before the
-        # files are moved into place: the kill lands in the middle of that transfer.
+        # Rank 0 also stops receiving the second version node 1 sends once every byte arrived,
+        # before the files are moved into place: the kill lands in the middle of that transfer.
         first = nodes("first", env={"DATASTATES_FAULT_DELAY_COPY": "120@6:1",
-                                    "DATASTATES_FAULT_DELAY_REPLICA": "120@4:0"})
+                                    "DATASTATES_FAULT_DELAY_REPLICA": "120#2:0"})
         deadline = time.time() + 240
-        # Version 4 is always sent: it is handed off at the end of iteration 5 or 6, when every
-        # rank's replica thread is idle, before rank 1's copy of 6 holds both ranks (6 never
-        # commits). Rounds go one at a time: once its receipt stalls, every older version that
-        # was sent has arrived whole.
-        while not (printed("phase=copy step=6 rank=1") and printed("phase=replica step=4 rank=0")):
+        # A second version is always sent: each of versions 1-5 is handed off when it commits
+        # (in the next iteration's save) if every rank's replica thread is idle then, and the
+        # first one sent (at the latest 2, as nothing is in flight before it) has four
+        # iterations to arrive before rank 1's copy of 6 holds both ranks (6 never commits).
+        # Rounds go one at a time: once the second receipt stalls, the first arrived whole.
+        stalled = re.compile(r"phase=replica step=(\d+) rank=0")
+        while not (printed("phase=copy step=6 rank=1") and
+                   stalled.search(first[0].err_path.read_text())):
             assert time.time() < deadline and first[0].proc.poll() is None, \
                 first[0].result().describe() + first[1].result().describe()
             time.sleep(0.2)
@@ -500,8 +503,9 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         assert "DataStates peer replicas: the newest complete in-memory checkpoint" in out, out
         assert "and 2 of the previous node's (peer replicas)" in out, out
         held = replicated()
-        partial = os.listdir(os.path.join(memory, "node0", "peer", "iter_0000004"))
-        assert held in (1, 2, 3), held
+        cut = int(stalled.search(first[0].err_path.read_text()).group(1))
+        partial = os.listdir(os.path.join(memory, "node0", "peer", f"iter_{cut:07d}"))
+        assert held is not None and 1 <= held < cut <= 5, (held, cut)
         assert partial and all(n.endswith(".peer.tmp") for n in partial), partial
         assert not (save / "latest_checkpointed_iteration.txt").exists()
         shutil.copytree(os.path.join(memory, "node1"), tmp_path / "node1_memory")
@@ -513,7 +517,7 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         m = re.search(r"loading the in-memory checkpoint of iteration (\d+) from ", second[0].stdout)
         assert m, second[0].describe()
         resumed = int(m.group(1))
-        assert resumed == held, (resumed, held)  # never the half-received replica of 4
+        assert resumed == held, (resumed, held)  # never the half-received replica
         assert re.search(rf"\[rank 1\] received its in-memory shards of iteration {resumed} from "
                          r"peer rank 0: \d", second[1].stdout), second[1].describe()
         assert f"in-memory checkpoint of iteration {resumed}: rank(s) 1 (from rank 0) restored " \

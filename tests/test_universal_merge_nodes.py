@@ -56,21 +56,29 @@ def test_a_worker_killed_on_node_0_commits_nothing_and_node_1_never_recreates(so
     root = str(tmp_path / "universal")
     previous = os.path.join(root, "iter_0000004")  # committed before, must stay
     write_universal(open_source(d), previous, max_file_bytes=4096)
-    # Every part pauses after its first file: long enough to be killed there, short enough
-    # that node 1 resumes into the directory node 0 removed (and must not recreate it).
-    monkeypatch.setenv("DATASTATES_FAULT_DELAY_MERGE", "3")
+    # Every part pauses after its first file, long enough to be stopped or killed there. Node
+    # 1's worker is stopped (SIGSTOP) until node 0's worker is killed and node 0 has removed
+    # the merge's directory: it then resumes into a directory that is gone (and must not
+    # recreate it), however slowly each process reached its pause.
+    monkeypatch.setenv("DATASTATES_FAULT_DELAY_MERGE", "5")
     lines = []
     mergers = _mergers(root, lines)
     coord, follower = mergers
     _commit(mergers, 5, d)
-    _until(mergers, lambda: (_log_has(root, "worker-0", "DATASTATES_FAULT")
-                             and _log_has(root, "node-1-worker-0", "DATASTATES_FAULT")),
-           "both nodes' workers to write their first file")
+    _until(mergers, lambda: _log_has(root, "node-1-worker-0", "DATASTATES_FAULT"),
+           "node 1's worker to write its first file")
+    follower.workers[0].proc.send_signal(signal.SIGSTOP)
+    _until(mergers, lambda: _log_has(root, "worker-0", "DATASTATES_FAULT"),
+           "node 0's worker to write its first file")
     tmp = job_tmp(os.path.join(root, "iter_0000005"), "r1")
     assert os.path.isdir(tmp)
     coord.workers[0].proc.send_signal(signal.SIGKILL)
-    _until(mergers, lambda: coord.running is None and follower.running is None,
-           "both nodes to give up the merge")
+    try:
+        _until(mergers, lambda: coord.running is None and not os.path.exists(tmp),
+               "node 0 to give up the merge")
+    finally:
+        follower.workers[0].proc.send_signal(signal.SIGCONT)
+    _until(mergers, lambda: follower.running is None, "node 1 to give up the merge")
     failed = [l for l in lines if "FAILED" in l]
     assert failed and failed[0].startswith("node0:") and "exited" in failed[0], lines
     assert any(l.startswith("node1:") and "No such file" in l for l in failed), lines
