@@ -137,6 +137,59 @@ def _holds(tmp_path, node, saved):
                                       layout.rank_marker_file(saved)), _files(saved)))
 
 
+class _Replicas:
+    """Stands in for the in-memory level's PeerReplicator on one rank: the checkpointer's side
+    (when it hands a version over) is under test, not the transfer."""
+
+    def __init__(self):
+        self.idle, self.handed = False, []
+
+    def hand_off(self, iteration):
+        self.handed.append(iteration)
+
+    def close(self, timeout):
+        pass
+
+
+def test_a_version_committed_while_the_replicas_were_busy_is_sent_when_they_free_up(
+        one_rank_megatron, tmp_path):
+    """--non-persistent-save-interval 4: version 4 commits while the replica thread is busy;
+    the first poll after it frees up hands 4 over (latest wins at the network's pace), not the
+    commit of 8, four iterations later; only once, and none while it is busy."""
+    from test_save_offload import _Run
+
+    run = _Run(tmp_path)
+    ckpt, replicas = run.ckpt, _Replicas()
+    ckpt.memory_replicator = replicas
+
+    def poll(step):
+        ckpt.poll(step)
+        ckpt._join()  # a poll queued behind a steady save's job (on the save worker)
+
+    def settle(step):  # the polls of `step` until the commit started before it settled
+        deadline = time.time() + 60
+        while True:
+            poll(step)
+            if ckpt.node_lane.publishing is None:
+                return
+            assert time.time() < deadline, "the commit thread never finished"
+            time.sleep(0.05)
+
+    run.iteration(4)  # saved, then the next step's hook starts its commit
+    settle(5)  # 4 committed: the replicas are busy
+    ckpt.before_optimizer_step()
+    poll(6)
+    assert replicas.handed == []
+    replicas.idle = True
+    ckpt.before_optimizer_step()
+    poll(7)  # the network freed up: 4 goes now
+    assert replicas.handed == [4]
+    run.iteration(8)
+    settle(9)  # 8's commit, idle: handed over there
+    assert replicas.handed == [4, 8]
+    ckpt.finish()
+
+
 def test_restore_plan_refills_both_holders_and_never_trusts_a_mismatch(tmp_path):
     from datastates.megatron_adapter.levels.peer_replica import _write_files
 

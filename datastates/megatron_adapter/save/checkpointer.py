@@ -349,6 +349,10 @@ class LazyCheckpointer:
         self.engine = self._new_engine(config.local_dir)
         self.replicator = None  # --save's node-local copies (local_dir)
         self.memory_replicator = None  # the in-memory level's versions
+        #: The newest committed in-memory version not yet handed to the replicator (every
+        #: rank's was busy when it settled), and the last iteration the level saved: see `_poll`.
+        self._owed_replica: Optional[int] = None
+        self._memory_saved_at: Optional[int] = None
         self._last_committed: Optional[int] = None
         if config.peer_replica_bytes is not None and not config.non_persistent_in_memory:
             from ..levels.peer_replica import PeerReplicator, Ring
@@ -638,6 +642,8 @@ class LazyCheckpointer:
             raise ValueError(f"save root {root} is neither the root {self.config.root} nor the "
                              f"non-persistent root {self.config.non_persistent_root}")
         lane = self._lane_of(root)
+        if lane is self.node_lane:
+            self._memory_saved_at = iteration
         settling = self._before_save(lane, root, iteration)
         if self.disabled:
             return
@@ -946,6 +952,9 @@ class LazyCheckpointer:
             self._event({"event": "iteration", "iteration": iteration, "time": now})
         if self._uncommitted():
             self._apply_policy(lambda: self._commit_ready(blocking=False, iteration=iteration))
+        if self._owed_replica is not None and self._memory_saved_at != iteration and \
+                self.node_lane.publishing is None and not self.disabled and self._failed is None:
+            self._hand_off_owed()
         for merger in (self.universal, self._merge_follower):
             if merger is not None:
                 merger.poll()
@@ -1437,10 +1446,28 @@ class LazyCheckpointer:
         if agreed == 0:
             return False
         self._after_publish_first(lane, pub, len(pub.items))
-        if lane is self.node_lane and self.memory_replicator is not None and idle and \
+        if lane is self.node_lane and self.memory_replicator is not None and \
                 pub.pending.node_local:  # after retention: the newest one is held
-            self.memory_replicator.hand_off(pub.pending.iteration)
+            self._owed_replica = pub.pending.iteration
+            if idle:
+                self._hand_off_owed(idle=True)
         return True
+
+    def _hand_off_owed(self, idle: Optional[bool] = None) -> None:
+        """All ranks: the newest committed in-memory version goes to the peer replicas if every
+        rank's replica thread is `idle` (agreed here when not given). Besides the commit that
+        made it (which says whether they are idle), a poll where the level did not save tries
+        again: with --non-persistent-save-interval N > 1 a version that committed while the
+        network was busy is sent when it frees up, not N iterations later with the next one
+        (latest wins either way). Not while a newer version's commit is in flight (its
+        retention may have removed this one), nor where the level saved at that iteration (its
+        commit comes first: where it saves every iteration, no collective is added to polls)."""
+        if idle is None:
+            idle = bool(control_plane.all_reduce([int(self.memory_replicator.idle)],
+                                                 op=dist.ReduceOp.MIN)[0])
+        if idle:
+            self.memory_replicator.hand_off(self._owed_replica)
+            self._owed_replica = None
 
     def _retain(self, p: _Pending) -> None:
         """The commit thread of a publishing rank, once `p` is committed: retention
