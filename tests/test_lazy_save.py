@@ -263,6 +263,43 @@ def test_rampup_batch_size_saves_where_the_batch_grows_and_resumes_on_the_ramp(t
     assert resumed.losses() == after(run.losses(), 3)
 
 
+def test_decrease_batch_size_if_needed_trains_the_batch_that_divides_and_counts_the_rest(
+        tmp_path):
+    """Megatron-LM's --decrease-batch-size-if-needed: --global-batch-size 5 in micro-batches of
+    2 runs batches of 4 (one line says so), prints Megatron-LM's `skipped samples` field, and
+    trains exactly as a run with --global-batch-size 4 (a constant learning rate: the schedule
+    counts in the nominal batch, as in Megatron-LM, so no warm-up either). Saved at 2 with the samples skipped so far
+    and resumed on 2 ranks (DP2: still batches of 4), iterations 3 and 4 are bit for bit the
+    same, and the count goes on. Without the flag: one error line that names it."""
+    i = TINY_MODEL.index("--lr-warmup-iters")
+    assert TINY_MODEL[i + 2:i + 6] == ["--min-lr", "1e-4", "--lr-decay-style", "cosine"]
+    flags = TINY_MODEL[:i] + TINY_MODEL[i + 2:i + 5] + ["constant"] + TINY_MODEL[i + 6:] + \
+        NO_DROPOUT + ["--train-iters", "4", "--eval-interval", "0"]
+    root = tmp_path / "ckpt"
+    run = launch(1, flags + ["--global-batch-size", "5", "--decrease-batch-size-if-needed",
+                             "--async-lazy-save", "--save", str(root), "--save-interval", "2"])
+    assert run.returncode == 0, run.describe()
+    assert "decreasing the global batch size from 5 to 4 to keep it divisible by " \
+           "--micro-batch-size 2 * data-parallel size 1 (--decrease-batch-size-if-needed): 1 " \
+           "sample(s) per iteration are skipped" in run.stdout, run.describe()
+    assert re.findall(r"consumed samples:\s+(\d+) \| skipped samples:\s+(\d+) \|", run.stdout) \
+        == [("4", "1"), ("8", "2"), ("12", "3"), ("16", "4")], run.stdout
+    assert re.findall(r"global batch size:\s+(\d+) \|", run.stdout) == ["4"] * 4
+    reference = launch(1, flags + ["--global-batch-size", "4"])
+    assert reference.returncode == 0, reference.describe()
+    assert "skipped samples" not in reference.stdout
+    assert run.losses() == reference.losses() and len(run.losses()) == 4
+    load = copy_checkpoints(root, [2], 2, tmp_path / "load")
+    resumed = launch(2, flags + ["--global-batch-size", "5", "--decrease-batch-size-if-needed",
+                                 "--load", load])
+    assert resumed.returncode == 0, resumed.describe()
+    assert " consumed samples:           12 | skipped samples:            3 |" in resumed.stdout
+    assert resumed.losses() == after(run.losses(), 2)
+    refused = launch(1, flags + ["--global-batch-size", "5", "--load", load])
+    assert refused.returncode != 0 and "--decrease-batch-size-if-needed runs each iteration " \
+        "with 4 samples instead" in refused.stderr, refused.describe()
+
+
 def test_log_progress_records_jobs_saves_and_deletions_in_megatron_lms_format(tmp_path):
     """Megatron-LM's --log-progress across two jobs into one --save: a lazy-save job (saves at
     2 and 4, keeping one) and a synchronous torch_dist job resuming it to 6. progress.txt holds

@@ -110,6 +110,12 @@ def config(extra="", world_size=1):
      "megatron-core before 0.14, which this trainer does not write"),
     ("--use-persistent-ckpt-worker", 1,
      "--use-persistent-ckpt-worker is the writer of --async-save, which is not given"),
+    ("--global-batch-size 6", 2, "--global-batch-size 6 is not divisible by --micro-batch-size "
+     "2 * data-parallel size 2 (--decrease-batch-size-if-needed runs each iteration with 4 "
+     "samples instead)"),
+    ("--global-batch-size 3 --decrease-batch-size-if-needed", 2, "--global-batch-size 3 is below "
+     "one micro-batch per data-parallel rank (--micro-batch-size 2 * data-parallel size 2 = 4): "
+     "--decrease-batch-size-if-needed can only decrease it"),
 ])
 def test_contradictory_flags_get_a_clear_error(extra, world, message):
     with pytest.raises(ArgumentError) as err:

@@ -193,6 +193,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="with --train-samples: start with a global batch of START samples and "
                    "grow it by INCREMENT, evenly over the first SAMPLES samples, up to "
                    "--global-batch-size (Megatron-LM's; a checkpoint is saved where it grows)")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="where --global-batch-size is not divisible by --micro-batch-size * "
+                   "data-parallel size (e.g. a restart on fewer nodes), run each iteration "
+                   "with the largest batch below it that is, counting the samples left out as "
+                   "skipped (Megatron-LM's)")
     g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay")
     g.add_argument("--lr-decay-style", choices=[s.value for s in LrDecayStyle], default="linear",
@@ -703,9 +708,16 @@ def _check_parallel(a: argparse.Namespace, world_size: int) -> Optional[int]:
 def _check_batch(a: argparse.Namespace, dp: int, vpp: Optional[int], pp: int) -> int:
     gbs = a.global_batch_size if a.global_batch_size is not None else a.micro_batch_size * dp
     _require(a.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {a.micro_batch_size}")
-    _require(gbs % (a.micro_batch_size * dp) == 0,
+    unit = a.micro_batch_size * dp
+    if a.decrease_batch_size_if_needed:
+        _require(gbs >= unit, f"--global-batch-size {gbs} is below one micro-batch per "
+                 f"data-parallel rank (--micro-batch-size {a.micro_batch_size} * data-parallel "
+                 f"size {dp} = {unit}): --decrease-batch-size-if-needed can only decrease it")
+    _require(gbs % unit == 0 or a.decrease_batch_size_if_needed,
              f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-             f"{a.micro_batch_size} * data-parallel size {dp}")
+             f"{a.micro_batch_size} * data-parallel size {dp}"
+             + (f" (--decrease-batch-size-if-needed runs each iteration with "
+                f"{gbs // unit * unit} samples instead)" if gbs > unit else ""))
     if vpp is not None:
         microbatches = gbs // (a.micro_batch_size * dp)
         _require(microbatches % pp == 0,
@@ -1358,7 +1370,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         micro_batch_size=a.micro_batch_size, global_batch_size=gbs, train_iters=a.train_iters,
         train_samples=a.train_samples,
         rampup_batch_size=None if a.rampup_batch_size is None else tuple(a.rampup_batch_size),
-        seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
+        decrease_batch_size_if_needed=a.decrease_batch_size_if_needed, seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
         exit_interval=a.exit_interval, exit_duration_in_mins=a.exit_duration_in_mins or None,
         exit_signal_handler=a.exit_signal_handler, exit_signal=a.exit_signal,
         manual_gc=a.manual_gc,

@@ -300,6 +300,10 @@ class TrainingConfig:
     """Megatron-LM's --rampup-batch-size (start, increment, samples): the global batch grows from
     start by increment, evenly over the first `samples` samples, up to global_batch_size
     (megatron-core's calculator gives each iteration's; sample-based training only)."""
+    decrease_batch_size_if_needed: bool = False
+    """Megatron-LM's: where global_batch_size is not a multiple of micro_batch_size times the
+    data-parallel size, each iteration runs the largest multiple below it (megatron-core's
+    calculator's running batch) and the rest counts as skipped samples."""
     seed: int = 1234
     """Seed of python, numpy, torch and the tensor-parallel RNG tracker."""
     eval_interval: int = 1000

@@ -43,14 +43,18 @@ def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
                       lm_loss: Optional[float],
                       grad_norm, skipped: int, nans: int, loss_scale: float = 1.0,
                       throughput: Optional[float] = None,
-                      decoupled_lr: Optional[float] = None) -> str:
+                      decoupled_lr: Optional[float] = None,
+                      skipped_samples: int = 0) -> str:
     """Megatron-LM's iteration line. `throughput` (TFLOP/s per rank, `--log-throughput`) goes
     where Megatron puts it, right after the iteration time, with its wording ("per GPU");
     `loss_scale` is the optimizer's (1.0 unless fp16 or --loss-scale), printed, as Megatron-LM
     does, between the losses and the grad norm; `decoupled_lr`, with --decoupled-lr, the
-    embeddings' and output layer's learning rate, after the learning rate as there."""
+    embeddings' and output layer's learning rate, after the learning rate as there;
+    `skipped_samples` (--decrease-batch-size-if-needed), after the consumed ones where any."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
+    if skipped_samples > 0:
+        line += f" skipped samples: {skipped_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
     if throughput is not None:
         line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"

@@ -1,7 +1,7 @@
 """Scalars for TensorBoard (`--tensorboard-dir`) and Weights & Biases (`--wandb-project`).
 
 Tags are Megatron-LM's where it has the scalar (`lm loss`, `learning-rate`, `batch-size`,
-`loss-scale`, `grad-norm`, `iteration-time` in seconds, `throughput`, `lm loss validation`,
+`loss-scale`, `grad-norm`, `skipped-train-samples`, `iteration-time` in seconds, `throughput`, `lm loss validation`,
 `lm loss validation ppl`, `mem-*`, `<timer>-time`), each also against consumed samples
 (`<tag> vs samples`) in TensorBoard as Megatron writes them. Ours: `checkpoint/*` per committed
 checkpoint (bytes, stall-ms, copy-ms, durable-s, GB-per-s, local-durable-s) and
@@ -167,11 +167,14 @@ class Metrics:
         return bool(self._training) and iteration % self.log.tensorboard_log_interval == 0
 
     def iteration(self, iteration: int, consumed_samples: int, lr: float, batch_size: int,
-                  lm_loss: Optional[float], loss_scale: float, grad_norm: Optional[float]) -> None:
+                  lm_loss: Optional[float], loss_scale: float, grad_norm: Optional[float],
+                  skipped_samples: int = 0) -> None:
         """After each iteration; writes every --tensorboard-log-interval iterations."""
         if not self.writes_iteration(iteration):
             return
         values = {"learning-rate": lr, "batch-size": batch_size}
+        if skipped_samples > 0:  # --decrease-batch-size-if-needed (Megatron-LM's name)
+            values["skipped-train-samples"] = skipped_samples
         if lm_loss is not None:
             values["lm loss"] = lm_loss
         if self.log.log_loss_scale_to_tensorboard:

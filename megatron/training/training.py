@@ -138,7 +138,14 @@ def setup(config: RunConfig, started_at: Optional[float] = None) -> Trainer:
     t = config.training
     init_num_microbatches_calculator(
         dist.get_rank(), None if t.rampup_batch_size is None else list(t.rampup_batch_size),
-        t.global_batch_size, t.micro_batch_size, config.parallel.data_parallel_size)
+        t.global_batch_size, t.micro_batch_size, config.parallel.data_parallel_size,
+        t.decrease_batch_size_if_needed)
+    if batch_size() != t.global_batch_size and t.rampup_batch_size is None:
+        print_rank_0(f"decreasing the global batch size from {t.global_batch_size} to "
+                     f"{batch_size()} to keep it divisible by --micro-batch-size "
+                     f"{t.micro_batch_size} * data-parallel size "
+                     f"{config.parallel.data_parallel_size} (--decrease-batch-size-if-needed): "
+                     f"{t.global_batch_size - batch_size()} sample(s) per iteration are skipped")
     set_random_seeds(t.seed)
     model_config = transformer_config(config.model, config.parallel, backend_name())
     chunks = build_model_chunks(config.model, config.parallel, model_config)
@@ -226,10 +233,19 @@ def _run_schedule(trainer: Trainer, iterators, forward_only: bool, num_microbatc
 
 def batch_size() -> int:
     """This iteration's global batch: megatron-core's calculator (--global-batch-size, or where
-    the --rampup-batch-size ramp is at the samples consumed before the iteration)."""
+    the --rampup-batch-size ramp is at the samples consumed before the iteration), less what
+    --decrease-batch-size-if-needed leaves out (the running batch: the samples it trains on)."""
+    from megatron.core.num_microbatches_calculator import get_current_running_global_batch_size
+
+    return get_current_running_global_batch_size()
+
+
+def skipped_in_batch() -> int:
+    """Samples of this iteration's global batch that --decrease-batch-size-if-needed leaves out
+    (Megatron-LM counts them in skipped_train_samples)."""
     from megatron.core.num_microbatches_calculator import get_current_global_batch_size
 
-    return get_current_global_batch_size()
+    return get_current_global_batch_size() - batch_size()
 
 
 def _batch_grows(consumed_samples: int) -> Optional[Tuple[int, int]]:
@@ -504,7 +520,8 @@ def _scalars(trainer: Trainer, loss: Optional[float], grad_norm) -> None:
         metrics.iteration(state.iteration, state.consumed_train_samples,
                           state.optimizer.param_groups[0]["lr"],
                           batch_size(), loss,
-                          float(state.optimizer.get_loss_scale()), grad_norm)
+                          float(state.optimizer.get_loss_scale()), grad_norm,
+                          skipped_samples=state.skipped_train_samples)
 
 
 class LogWindow:
@@ -547,7 +564,8 @@ def _log_line(trainer: Trainer, elapsed_ms: float, loss: Optional[float], grad_n
         state.optimizer.param_groups[0]["lr"], batch_size(), loss, grad_norm, skipped, 0,
         loss_scale=float(state.optimizer.get_loss_scale()), throughput=throughput,
         decoupled_lr=next((g["lr"] for g in state.optimizer.param_groups
-                           if g.get("is_decoupled_lr")), None)))
+                           if g.get("is_decoupled_lr")), None),
+        skipped_samples=state.skipped_train_samples))
     trainer.metrics.timing(state.iteration, elapsed_ms / 1000.0, throughput)
 
 
@@ -592,6 +610,7 @@ def _train_loop(trainer: Trainer) -> int:
             loss, grad_norm, ok = train_step(trainer, iterators)
             state.iteration += 1
             state.consumed_train_samples += batch_size()
+            state.skipped_train_samples += skipped_in_batch()
             # Megatron-LM's count (saved as num_floating_point_operations_so_far, resumed).
             state.floating_point_operations_so_far += num_floating_point_operations(
                 shape, batch_size())

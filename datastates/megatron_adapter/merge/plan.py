@@ -111,6 +111,8 @@ def manifest_fields(source, common: dict, flavor: str) -> dict:
         "iteration": int(common.get("iteration", 0)),
         "consumed_train_samples": int(common.get("consumed_train_samples", 0)),
         "consumed_valid_samples": int(common.get("consumed_valid_samples", 0)),
+        "skipped_train_samples": int(common.get("skipped_train_samples", getattr(
+            common.get("args"), "skipped_train_samples", 0)) or 0),
         "checkpoint_version": common.get("checkpoint_version"),
         "scheduler": common.get("opt_param_scheduler"),
         "optimizer": optimizer_manifest(common, flavor, source.directory),

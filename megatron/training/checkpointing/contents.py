@@ -63,6 +63,9 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    #: Samples --decrease-batch-size-if-needed left out of the global batches (Megatron-LM's
+    #: skipped_train_samples; not counted in consumed_train_samples).
+    skipped_train_samples: int = 0
     #: Megatron-LM's running FLOP count (saved as num_floating_point_operations_so_far).
     floating_point_operations_so_far: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -274,6 +277,7 @@ def common_state(state: TrainState, config: RunConfig) -> dict:
     return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
             "consumed_valid_samples": state.consumed_valid_samples,
+            "skipped_train_samples": state.skipped_train_samples,
             "num_floating_point_operations_so_far": state.floating_point_operations_so_far,
             "run_config": config.to_json(),
             "args": upstream_compat.megatron_lm_args(state, config)}
@@ -439,6 +443,7 @@ def apply_loaded_state_dict(state: TrainState, loaded: dict, *, load_optim: bool
         state.iteration = int(loaded["iteration"])
         state.consumed_train_samples = int(loaded["consumed_train_samples"])
         state.consumed_valid_samples = int(loaded["consumed_valid_samples"])
+        state.skipped_train_samples = int(loaded.get("skipped_train_samples", 0))
         state.floating_point_operations_so_far = float(
             loaded.get("num_floating_point_operations_so_far", 0.0))
     return note

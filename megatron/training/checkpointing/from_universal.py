@@ -111,6 +111,7 @@ def _apply_common(loaded: dict, m: dict, load_optim: bool, distributed: bool,
                   saved_common: Callable[[], dict]) -> None:
     for k in ("iteration", "consumed_train_samples", "consumed_valid_samples"):
         loaded[k] = m[k]
+    loaded["skipped_train_samples"] = m.get("skipped_train_samples", 0)  # older manifests: none
     if not load_optim:
         return
     _restore_grad_scaler(loaded["optimizer"], saved_common)

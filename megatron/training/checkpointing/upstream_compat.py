@@ -96,7 +96,9 @@ def megatron_lm_args(state, config) -> argparse.Namespace:
         dist_ckpt_optim_fully_reshardable=True,  # contents.OPTIMIZER_METADATA
         no_save_optim=not c.save_optim, no_save_rng=not c.save_rng,
         iteration=state.iteration, consumed_train_samples=state.consumed_train_samples,
-        skipped_train_samples=0, consumed_valid_samples=state.consumed_valid_samples,
+        skipped_train_samples=state.skipped_train_samples,
+        decrease_batch_size_if_needed=config.training.decrease_batch_size_if_needed,
+        consumed_valid_samples=state.consumed_valid_samples,
     )
 
 
