@@ -110,6 +110,8 @@ def config(extra="", world_size=1):
      "megatron-core before 0.14, which this trainer does not write"),
     ("--use-persistent-ckpt-worker", 1,
      "--use-persistent-ckpt-worker is the writer of --async-save, which is not given"),
+    ("--dataloader-type cyclic", 1, "--dataloader-type cyclic (Megatron-LM's random sampler, "
+     "reshuffled every epoch) is not supported: the trainer reads each split once, in order"),
     ("--global-batch-size 6", 2, "--global-batch-size 6 is not divisible by --micro-batch-size "
      "2 * data-parallel size 2 (--decrease-batch-size-if-needed runs each iteration with 4 "
      "samples instead)"),
@@ -194,12 +196,15 @@ def test_non_persistent_roots_follow_megatron_lm():
 
 
 def test_megatron_checkpoint_flags_map_onto_ours(capsys):
-    cfg = config("--use-dist-ckpt --ckpt-fully-parallel-save")
+    cfg = config("--use-dist-ckpt --ckpt-fully-parallel-save --dist-ckpt-format zarr")
     assert cfg.checkpoint.ckpt_format.value == "torch_dist"
     assert cfg.checkpoint.ckpt_fully_parallel_save and not cfg.checkpoint.ckpt_fully_parallel_load
     out = capsys.readouterr().out
     assert "WARNING: --use-dist-ckpt is deprecated" in out
     assert "WARNING: --ckpt-fully-parallel-save is deprecated and has no effect" in out
+    assert "WARNING: --dist-ckpt-format is deprecated and has no effect (as in Megatron-LM): " \
+           "--ckpt-format selects the format (torch_dist here)" in out
+    assert config("--dataloader-type single") == config("")
     assert not config("--no-ckpt-fully-parallel-save").checkpoint.ckpt_fully_parallel_save
     # Megatron-LM's no-ops here: the format of --load is always detected, the model is mcore's.
     assert config("--auto-detect-ckpt-format --use-mcore-models") == config("")

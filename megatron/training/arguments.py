@@ -355,6 +355,8 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distrib-optim-fully-reshardable-mem-efficient", action="store_true",
                    help="Megatron-LM's lower-memory (gloo, one rank) variant of that save: "
                    "accepted, no effect (each rank writes its own ranges here)")
+    g.add_argument("--dist-ckpt-format", dest="dist_ckpt_format_deprecated", default=None,
+                   help="deprecated in Megatron-LM, no effect there nor here: see --ckpt-format")
     g.add_argument("--dist-ckpt-save-pre-mcore-014", action="store_true",
                    help="Megatron-LM's checkpoint format of before megatron-core 0.14: not "
                    "supported (refused)")
@@ -552,6 +554,9 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tiktoken-pattern", type=str, default=None,
                    help="accepted: read by Megatron-LM's TikTokenizer only, not built here (the "
                         "tokenizers here ignore it, as Megatron-LM's other tokenizers do)")
+    g.add_argument("--dataloader-type", choices=["single", "cyclic", "external"], default=None,
+                   help="Megatron-LM's: 'single' (one pass in order from the samples consumed) "
+                   "is what this trainer does; the others are refused")
     g.add_argument("--num-workers", type=int, default=None,
                    help="Megatron-LM's data-loader workers: batches are read on the training "
                         "thread here (one line says so)")
@@ -769,6 +774,9 @@ def _check_megatron_ckpt_flags(a: argparse.Namespace) -> None:
         _require(a.ckpt_format == "torch_dist", "--use-dist-ckpt means --ckpt-format torch_dist, "
                  f"but --ckpt-format {a.ckpt_format} was given")
         _warn("--use-dist-ckpt is deprecated; --ckpt-format torch_dist (the default) is used")
+    if a.dist_ckpt_format_deprecated:
+        _warn("--dist-ckpt-format is deprecated and has no effect (as in Megatron-LM): "
+              f"--ckpt-format selects the format ({a.ckpt_format} here)")
     if a.ckpt_fully_parallel_save_deprecated:
         _require(a.ckpt_fully_parallel_save, "--ckpt-fully-parallel-save and "
                  "--no-ckpt-fully-parallel-save contradict each other; pass one")
@@ -1262,6 +1270,11 @@ def _model_config(a: argparse.Namespace, tp: int, pp: int, vocab_size: int) -> M
 
 
 def _check_data(a: argparse.Namespace) -> None:
+    _require(a.dataloader_type in (None, "single"), f"--dataloader-type {a.dataloader_type} "
+             "(Megatron-LM's " + ("random sampler, reshuffled every epoch" if a.dataloader_type
+                                  == "cyclic" else "data loader built by the caller") +
+             ") is not supported: the trainer reads each split once, in order, from the samples "
+             "consumed (Megatron-LM's 'single'); drop the flag or pass --dataloader-type single")
     if a.num_workers is not None:
         _require(a.num_workers >= 0, f"--num-workers must be >= 0, got {a.num_workers}")
         _warn(f"--num-workers {a.num_workers}: this trainer has no data-loader workers; each "
