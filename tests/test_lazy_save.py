@@ -300,6 +300,36 @@ def test_decrease_batch_size_if_needed_trains_the_batch_that_divides_and_counts_
         "with 4 samples instead" in refused.stderr, refused.describe()
 
 
+def test_iterations_to_skip_reads_past_a_batch_on_the_restart_before_it(tmp_path):
+    """Megatron-LM's --iterations-to-skip 2, on the restart from the checkpoint of iteration 2
+    (as after a loss spike at 3): iteration 3's batch is read past (one line), 4 trains on the
+    samples after it with the schedule where 3 would have started (no step for 3), and the
+    samples are counted as consumed and skipped; the count is saved and goes on after a resume.
+    Megatron-LM's count: N skips the iteration after N are done."""
+    flags = TINY_MODEL + NO_DROPOUT + ["--train-iters", "5", "--eval-interval", "0"]
+    root = tmp_path / "ckpt"
+    run = launch(1, flags + ["--async-lazy-save", "--save", str(root), "--save-interval", "2"])
+    assert run.returncode == 0, run.describe()
+    skip = tmp_path / "skip"
+    skipped = launch(1, flags + ["--iterations-to-skip", "2", "--load",
+                                 copy_checkpoints(root, [2], 2, tmp_path / "load"),
+                                 "--async-lazy-save", "--save", str(skip), "--save-interval",
+                                 "2"])
+    assert skipped.returncode == 0, skipped.describe()
+    assert "skipping iteration 3 (--iterations-to-skip 2): its 8 samples are counted as " \
+           "consumed and skipped" in skipped.stdout, skipped.describe()
+    assert sorted(skipped.losses()) == [4, 5]
+    assert re.findall(r"consumed samples:\s+(\d+) \| skipped samples:\s+(\d+) \|",
+                      skipped.stdout) == [("32", "8"), ("40", "8")]
+    lr = re.compile(r" iteration\s+(\d+)/.*? learning rate: (\S+) \|")
+    assert dict(lr.findall(skipped.stdout))["4"] == dict(lr.findall(run.stdout))["3"]
+    assert skipped.losses()[4] != run.losses()[4]
+    resumed = launch(1, flags + ["--load", copy_checkpoints(skip, [4], 4, tmp_path / "load4")])
+    assert resumed.returncode == 0, resumed.describe()
+    assert " consumed samples:           40 | skipped samples:            8 |" in resumed.stdout
+    assert resumed.losses() == after(skipped.losses(), 4)
+
+
 def test_log_progress_records_jobs_saves_and_deletions_in_megatron_lms_format(tmp_path):
     """Megatron-LM's --log-progress across two jobs into one --save: a lazy-save job (saves at
     2 and 4, keeping one) and a synchronous torch_dist job resuming it to 6. progress.txt holds

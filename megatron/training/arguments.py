@@ -193,6 +193,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="with --train-samples: start with a global batch of START samples and "
                    "grow it by INCREMENT, evenly over the first SAMPLES samples, up to "
                    "--global-batch-size (Megatron-LM's; a checkpoint is saved where it grows)")
+    g.add_argument("--iterations-to-skip", type=int, nargs="+", default=[], metavar="N",
+                   help="Megatron-LM's: where N iterations are done, read past the next one's "
+                   "batch without training on it (e.g. the batches of a loss spike, skipped on "
+                   "the restart from the checkpoint before it); counted as consumed and skipped "
+                   "samples")
     g.add_argument("--decrease-batch-size-if-needed", action="store_true",
                    help="where --global-batch-size is not divisible by --micro-batch-size * "
                    "data-parallel size (e.g. a restart on fewer nodes), run each iteration "
@@ -1379,11 +1384,14 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
     _require(a.exit_duration_in_mins is None or a.exit_duration_in_mins >= 0,
              f"--exit-duration-in-mins must be >= 0 minutes (0: no limit), got "
              f"{a.exit_duration_in_mins}")
+    _require(all(n >= 0 for n in a.iterations_to_skip), "--iterations-to-skip takes iteration "
+             f"counts >= 0, got {' '.join(map(str, a.iterations_to_skip))}")
     training = TrainingConfig(
         micro_batch_size=a.micro_batch_size, global_batch_size=gbs, train_iters=a.train_iters,
         train_samples=a.train_samples,
         rampup_batch_size=None if a.rampup_batch_size is None else tuple(a.rampup_batch_size),
-        decrease_batch_size_if_needed=a.decrease_batch_size_if_needed, seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
+        decrease_batch_size_if_needed=a.decrease_batch_size_if_needed,
+        iterations_to_skip=tuple(sorted(set(a.iterations_to_skip))), seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
         exit_interval=a.exit_interval, exit_duration_in_mins=a.exit_duration_in_mins or None,
         exit_signal_handler=a.exit_signal_handler, exit_signal=a.exit_signal,
         manual_gc=a.manual_gc,

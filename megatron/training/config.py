@@ -304,6 +304,10 @@ class TrainingConfig:
     """Megatron-LM's: where global_batch_size is not a multiple of micro_batch_size times the
     data-parallel size, each iteration runs the largest multiple below it (megatron-core's
     calculator's running batch) and the rest counts as skipped samples."""
+    iterations_to_skip: Tuple[int, ...] = ()
+    """Megatron-LM's --iterations-to-skip: where this many iterations are done, the next one's
+    batch is read past without a forward/backward or an optimizer step (no log line, save or
+    validation for it), counted as consumed and skipped samples."""
     seed: int = 1234
     """Seed of python, numpy, torch and the tensor-parallel RNG tracker."""
     eval_interval: int = 1000

@@ -86,6 +86,11 @@ class MicroBatchIterator:
     def __iter__(self) -> Iterator[dict]:
         return self
 
+    def skip(self, samples: int) -> None:
+        """Read past `samples` samples of the global order (whole micro-batches of every
+        data-parallel rank), as if their micro-batches had been taken."""
+        self.next_sample += samples
+
     def __next__(self) -> dict:
         stride = self.mbs * self.dp
         if self.next_sample + stride > len(self.dataset):

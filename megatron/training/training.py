@@ -258,6 +258,23 @@ def _batch_grows(consumed_samples: int) -> Optional[Tuple[int, int]]:
     return None if batch_size() == before else (before, batch_size())
 
 
+def _skip_iteration(trainer: Trainer, iterators) -> None:
+    """Megatron-LM's --iterations-to-skip: the next iteration's batch is read past (each model
+    chunk's iterator), counted as consumed and skipped samples; no forward/backward, optimizer or
+    scheduler step, FLOPs, log line, validation or save for it."""
+    state = trainer.state
+    samples = batch_size()
+    for it in iterators if isinstance(iterators, list) else [iterators]:
+        it.skip(samples)
+    state.iteration += 1
+    state.consumed_train_samples += samples
+    state.skipped_train_samples += samples
+    print_rank_0(f"skipping iteration {state.iteration} (--iterations-to-skip "
+                 f"{state.iteration - 1}): its {samples} samples are counted as consumed and "
+                 "skipped, the model and the schedule are left as they were")
+    _batch_grows(state.consumed_train_samples)
+
+
 def train_step(trainer: Trainer, iterators):
     """forward/backward of this iteration's global batch (`batch_size`: megatron-core's
     calculator, which --rampup-batch-size grows), then the checkpoint hook, then the optimizer
@@ -606,6 +623,9 @@ def _train_loop(trainer: Trainer) -> int:
     profiler = _Profiler(trainer.config)
     try:
         while state.iteration < t.train_iters:
+            if state.iteration in t.iterations_to_skip:
+                _skip_iteration(trainer, iterators)
+                continue
             profiler.before_iteration(state.iteration)
             loss, grad_norm, ok = train_step(trainer, iterators)
             state.iteration += 1
