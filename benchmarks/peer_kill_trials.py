@@ -2,11 +2,13 @@
 across in-memory, persistent and replica saves).
 
     python benchmarks/peer_kill_trials.py --trials 20 --seed 0 [--workdir DIR] [--renumber]
-                                          [--in-transfer]
+                                          [--in-transfer] [--memory-interval N]
 
 Each trial runs the tiny GPT as two torchrun agents on this machine (two "nodes", one rank each,
-DP2 with the distributed optimizer) with an in-memory version every iteration, its peer replica
-(`--lazy-save-peer-replica`) and `--save` every 4. At a seeded point (after a seeded iteration's
+DP2 with the distributed optimizer) with an in-memory version every iteration (every N with
+--memory-interval N: then a version that commits while a transfer runs is handed over at the
+first iteration's end after the transfer), its peer replica (`--lazy-save-peer-replica`) and
+`--save` every 4. At a seeded point (after a seeded iteration's
 loss line, plus a seeded fraction of an iteration) both agents are SIGKILLed; in half the trials
 (seeded) one node's memory is then deleted as well, as if the node were lost. With --renumber,
 in half of those (seeded) the replacement is numbered before the survivor, as torchrun or Slurm
@@ -101,22 +103,24 @@ _FAULT_LINE = "DATASTATES_FAULT phase=replica step={step} rank={rank}"
 
 
 def run_trial(k: int, rng: random.Random, workdir: str, memory_of, reference, log,
-              renumber: bool = False, in_transfer: bool = False) -> dict:
+              renumber: bool = False, in_transfer: bool = False, memory_every: int = 1) -> dict:
 
     save = os.path.join(workdir, f"trial{k}", "save")
     memory = memory_of(save)
     flags = ARGS + ["--async-lazy-save", "--lazy-save-peer-replica", "--save", save,
                     "--load", save, "--save-interval", str(PERSISTENT_EVERY),
                     "--non-persistent-ckpt-type", "in_memory",
-                    "--non-persistent-save-interval", "1"]
+                    "--non-persistent-save-interval", str(memory_every)]
     kill_after, frac = rng.randint(2, ITERS - 2), rng.random()
     lost = rng.choice([None, 0, 1])
     renumbered = renumber and lost is not None and rng.random() < 0.5
     paused = rng.choice([0, 1]) if in_transfer and rng.random() < 1 / 3 else None
     if paused is not None:
         kill_after = min(kill_after, ITERS - 4)  # room for the iterations run during the pause
-        if kill_after % PERSISTENT_EVERY == 0:
-            kill_after -= 1  # that iteration is --save's (Megatron-LM's rule): no in-memory one
+        # The newest in-memory version by then: not one of --save's iterations (Megatron-LM's
+        # rule: no in-memory save there).
+        kill_after = max([i for i in range(memory_every, kill_after + 1, memory_every)
+                          if i % PERSISTENT_EVERY], default=kill_after)
     env = {} if paused is None else {
         "DATASTATES_FAULT_DELAY_REPLICA": f"{TRANSFER_PAUSE}@{kill_after}:{paused}"}
 
@@ -200,6 +204,8 @@ def main(argv=None) -> int:
     p.add_argument("--in-transfer", action="store_true",
                    help="a third of the kills land inside a peer transfer (the replica fault "
                         "point pauses one rank's receiving end)")
+    p.add_argument("--memory-interval", type=int, default=1,
+                   help="--non-persistent-save-interval of the trials (default 1)")
     a = p.parse_args(argv)
     from megatron.training.config import shared_memory_dir
 
@@ -214,7 +220,7 @@ def main(argv=None) -> int:
     rng = random.Random(a.seed)
     results = [run_trial(k, rng, workdir, lambda s: shared_memory_dir(s, "in_memory"),
                          reference, lambda m: print(m, flush=True), a.renumber,
-                         a.in_transfer)
+                         a.in_transfer, a.memory_interval)
                for k in range(a.trials)]
     lost = [r["lost_iterations"] for r in results]
     levels = {lv: sum(r["level"] == lv for r in results) for lv in ("memory", "--save", "scratch")}
