@@ -71,7 +71,7 @@ FAIL_KINDS = ("error", "enospc", "erofs", "eacces", "kill")
 _ERRNO = {"enospc": errno.ENOSPC, "erofs": errno.EROFS, "eacces": errno.EACCES}
 
 
-def _split(text: str):
+def split_spec(text: str):
     """'<what>[@<step>|#<n>][:<rank>]' -> (what, step, n, rank), each None where not given;
     ints parsed (ValueError otherwise)."""
     what, step, nth, rank = text, None, None, None
@@ -136,7 +136,7 @@ class FailSpec(_Where):
 def parse_spec(name: str, text: str) -> FaultSpec:
     """'2.5', '2.5@7', '2.5#2', '2.5@7:1' or '2.5:1' -> FaultSpec; a clear error otherwise."""
     try:
-        seconds, step, nth, rank = _split(text)
+        seconds, step, nth, rank = split_spec(text)
         spec = FaultSpec(float(seconds), step, rank, nth)
     except ValueError:
         raise CheckpointError(f"{name}={text!r}: expected <seconds>[@<step>|#<n>][:<rank>] "
@@ -158,7 +158,7 @@ def parse_fail(name: str, text: str) -> FailSpec:
     """'enospc', 'kill@3', 'kill#2', 'erofs@3:1' or 'error:0' -> FailSpec; a clear error
     otherwise."""
     try:
-        kind, step, nth, rank = _split(text)
+        kind, step, nth, rank = split_spec(text)
     except ValueError:
         raise CheckpointError(f"{name}={text!r}: expected <kind>[@<step>|#<n>][:<rank>] (n >= 1), "
                               "e.g. 'enospc@3:1'") from None

@@ -90,10 +90,12 @@ def flip_point(boxes: Sequence[Tuple[Box, torch.Tensor]], step: int, rank: int) 
     spec = os.environ.get(FLIP_ENV)
     if not spec:
         return None
-    from ...faults import _split
+    from ...faults import split_spec
 
-    what, at, on = _split(spec)
-    if (at is not None and int(at) != step) or (on is not None and int(on) != rank):
+    what, at, nth, on = split_spec(spec)
+    if nth is not None:
+        raise CheckpointError(f"{FLIP_ENV}={spec!r}: expected <key>[@<step>][:<rank>] (no #<n>)")
+    if (at is not None and at != step) or (on is not None and on != rank):
         return None
     for (key, _, nbytes), t in boxes:
         if nbytes and (what == "any" or what in key):
