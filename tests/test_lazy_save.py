@@ -301,33 +301,36 @@ def test_decrease_batch_size_if_needed_trains_the_batch_that_divides_and_counts_
 
 
 def test_iterations_to_skip_reads_past_a_batch_on_the_restart_before_it(tmp_path):
-    """Megatron-LM's --iterations-to-skip 2, on the restart from the checkpoint of iteration 2
+    """Megatron-LM's --iterations-to-skip 2 5, on the restart from the checkpoint of iteration 2
     (as after a loss spike at 3): iteration 3's batch is read past (one line), 4 trains on the
     samples after it with the schedule where 3 would have started (no step for 3), and the
-    samples are counted as consumed and skipped; the count is saved and goes on after a resume.
-    Megatron-LM's count: N skips the iteration after N are done."""
-    flags = TINY_MODEL + NO_DROPOUT + ["--train-iters", "5", "--eval-interval", "0"]
+    samples are counted as consumed and skipped; the last iteration, 6, skipped too, is still
+    saved at the end (the data position moved). The count is saved and goes on after a resume,
+    bit for bit. Megatron-LM's count: N skips the iteration after N are done."""
+    flags = TINY_MODEL + NO_DROPOUT + ["--train-iters", "6", "--eval-interval", "0"]
     root = tmp_path / "ckpt"
     run = launch(1, flags + ["--async-lazy-save", "--save", str(root), "--save-interval", "2"])
     assert run.returncode == 0, run.describe()
     skip = tmp_path / "skip"
-    skipped = launch(1, flags + ["--iterations-to-skip", "2", "--load",
+    skipped = launch(1, flags + ["--iterations-to-skip", "2", "5", "--load",
                                  copy_checkpoints(root, [2], 2, tmp_path / "load"),
                                  "--async-lazy-save", "--save", str(skip), "--save-interval",
                                  "2"])
     assert skipped.returncode == 0, skipped.describe()
     assert "skipping iteration 3 (--iterations-to-skip 2): its 8 samples are counted as " \
            "consumed and skipped" in skipped.stdout, skipped.describe()
+    assert "skipping iteration 6 (--iterations-to-skip 5)" in skipped.stdout
     assert sorted(skipped.losses()) == [4, 5]
     assert re.findall(r"consumed samples:\s+(\d+) \| skipped samples:\s+(\d+) \|",
                       skipped.stdout) == [("32", "8"), ("40", "8")]
     lr = re.compile(r" iteration\s+(\d+)/.*? learning rate: (\S+) \|")
     assert dict(lr.findall(skipped.stdout))["4"] == dict(lr.findall(run.stdout))["3"]
     assert skipped.losses()[4] != run.losses()[4]
+    assert (skip / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     resumed = launch(1, flags + ["--load", copy_checkpoints(skip, [4], 4, tmp_path / "load4")])
     assert resumed.returncode == 0, resumed.describe()
     assert " consumed samples:           40 | skipped samples:            8 |" in resumed.stdout
-    assert resumed.losses() == after(skipped.losses(), 4)
+    assert resumed.losses()[5] == skipped.losses()[5] and sorted(resumed.losses()) == [5, 6]
 
 
 def test_log_progress_records_jobs_saves_and_deletions_in_megatron_lms_format(tmp_path):

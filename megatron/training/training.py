@@ -625,6 +625,7 @@ def _train_loop(trainer: Trainer) -> int:
         while state.iteration < t.train_iters:
             if state.iteration in t.iterations_to_skip:
                 _skip_iteration(trainer, iterators)
+                saved_last = False  # the data position moved: the end saves it
                 continue
             profiler.before_iteration(state.iteration)
             loss, grad_norm, ok = train_step(trainer, iterators)
