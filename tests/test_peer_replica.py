@@ -153,9 +153,10 @@ class _Replicas:
 
 def test_a_version_committed_while_the_replicas_were_busy_is_sent_when_they_free_up(
         one_rank_megatron, tmp_path):
-    """--non-persistent-save-interval 4: version 4 commits while the replica thread is busy;
-    the first poll after it frees up hands 4 over (latest wins at the network's pace), not the
-    commit of 8, four iterations later; only once, and none while it is busy."""
+    """--non-persistent-save-interval 4: version 4 commits while the replica thread is busy,
+    and 8 too: 4 is skipped (one line, counted); the first poll after the thread frees up hands
+    8 over (latest wins at the network's pace), not the commit of 12, four iterations later;
+    only once, and none while it is busy."""
     from test_save_offload import _Run
 
     run = _Run(tmp_path)
@@ -179,14 +180,21 @@ def test_a_version_committed_while_the_replicas_were_busy_is_sent_when_they_free
     settle(5)  # 4 committed: the replicas are busy
     ckpt.before_optimizer_step()
     poll(6)
-    assert replicas.handed == []
+    run.iteration(8)
+    settle(9)  # 8 committed, still busy: 4 will never be sent
+    assert replicas.handed == [] and (ckpt.replicas_sent, ckpt.replicas_skipped) == (0, 1)
+    said = [m for _, m in run.lines if "peer replicas" in m]
+    assert said == ["in-memory peer replicas: iteration 4 is not sent to the next node, the "
+                    "transfer of the previous version is still running; the newest complete "
+                    "version goes when it is done (latest wins; the versions skipped are "
+                    "counted in the training summary)"], run.lines
     replicas.idle = True
     ckpt.before_optimizer_step()
-    poll(7)  # the network freed up: 4 goes now
-    assert replicas.handed == [4]
-    run.iteration(8)
-    settle(9)  # 8's commit, idle: handed over there
-    assert replicas.handed == [4, 8]
+    poll(10)  # the network freed up: 8 goes now
+    assert replicas.handed == [8]
+    run.iteration(12)
+    settle(13)  # 12's commit, idle: handed over there
+    assert replicas.handed == [8, 12] and (ckpt.replicas_sent, ckpt.replicas_skipped) == (2, 1)
     ckpt.finish()
 
 
@@ -575,6 +583,8 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
                          r"peer rank 0: \d", second[1].stdout), second[1].describe()
         assert f"in-memory checkpoint of iteration {resumed}: rank(s) 1 (from rank 0) restored " \
                "from their peer replicas" in second[0].stdout, second[0].describe()
+        assert re.search(r"; in-memory versions sent to the next node: [1-9]\d*, skipped there: "
+                         r"\d+\) \|", second[0].stdout), second[0].describe()
         first_losses = {**first[0].result().losses(), **first[1].result().losses()}
 
         # Node 0 lost, and node 1 holds no replica of it: from scratch, node 1's stale versions

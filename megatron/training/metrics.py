@@ -1,11 +1,13 @@
 """Scalars for TensorBoard (`--tensorboard-dir`) and Weights & Biases (`--wandb-project`).
 
 Tags are Megatron-LM's where it has the scalar (`lm loss`, `learning-rate`, `batch-size`,
-`loss-scale`, `grad-norm`, `skipped-train-samples`, `iteration-time` in seconds, `throughput`, `lm loss validation`,
-`lm loss validation ppl`, `mem-*`, `<timer>-time`), each also against consumed samples
-(`<tag> vs samples`) in TensorBoard as Megatron writes them. Ours: `checkpoint/*` per committed
-checkpoint (bytes, stall-ms, copy-ms, durable-s, GB-per-s, local-durable-s) and
-`load-checkpoint/*` per resume (seconds, bytes, GB-per-s).
+`loss-scale`, `grad-norm`, `skipped-train-samples`, `iteration-time` in seconds, `throughput`,
+`lm loss validation`, `lm loss validation ppl`, `mem-*`, `<timer>-time`), each also against
+consumed samples (`<tag> vs samples`) in TensorBoard as Megatron writes them. Ours:
+`checkpoint/*` per committed checkpoint (bytes, stall-ms, copy-ms, durable-s, GB-per-s,
+local-durable-s), the running counts `checkpoint/persistent-deferred`,
+`checkpoint/replica-skipped` and `checkpoint/replica-mismatches`, and `load-checkpoint/*` per
+resume (seconds, bytes, GB-per-s).
 
 Who writes what (every rank holds a `Metrics`; ranks without a role get none of its sinks):
   - the last rank, as in Megatron-LM: it prints the training line and holds the loss under
@@ -241,6 +243,13 @@ class Metrics:
         latest wins); `deferred_total`: how many so far in this run."""
         if self._checkpoints:
             self._write(self._checkpoints, {"checkpoint/persistent-deferred": deferred_total},
+                        iteration, None)
+
+    def checkpoint_replica_skipped(self, iteration: int, skipped_total: int) -> None:
+        """The in-memory version of `iteration` was not sent to the peer replicas (a newer one
+        committed while the previous transfer ran: latest wins); `skipped_total`: so far."""
+        if self._checkpoints:
+            self._write(self._checkpoints, {"checkpoint/replica-skipped": skipped_total},
                         iteration, None)
 
     def checkpoint_refused(self, iteration: int, refused_total: int) -> None:

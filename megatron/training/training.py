@@ -520,12 +520,15 @@ class _Summary:
         started = ckpts.saves_started - self.saves_at_start
         complete = ckpts.saves_committed - self.committed_at_start
         deferred, refused = ckpts.saves_deferred, ckpts.saves_refused
+        replicas = ckpts.replica_counts()
         print_rank_0(f" training summary | iterations: {self.start_iteration} -> "
                      f"{state.iteration} | time (s): {wall:.1f} | tokens/s: "
                      f"{tokens / wall if wall > 0 else 0.0:.1f} | checkpoints: {started} "
                      f"(complete: {complete}" + (f"; persistent deferred: {deferred}"
                                                  if deferred else "")
-                     + (f"; refused, replicas disagreed: {refused}" if refused else "") + ") | "
+                     + (f"; refused, replicas disagreed: {refused}" if refused else "")
+                     + ("" if replicas is None else f"; in-memory versions sent to the next "
+                        f"node: {replicas[0]}, skipped there: {replicas[1]}") + ") | "
                      f"blocked by checkpointing (s): {blocked:.3f} | newest complete "
                      f"checkpoint: {newest_dir}")
 

@@ -311,7 +311,8 @@ class LazyCheckpointer:
                  after_commit: Optional[Callable[[int, str], None]] = None,
                  on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
                  on_refused: Optional[Callable[[int, str], None]] = None,
-                 on_call_times: Optional[Callable[[int, str, float, float], None]] = None):
+                 on_call_times: Optional[Callable[[int, str, float, float], None]] = None,
+                 on_replica_skipped: Optional[Callable[[int, int], None]] = None):
         self.config = config
         # Steady saves run on it (`save_built`); what they say (log lines, records)
         # is said on the training thread when it joins them.
@@ -327,6 +328,10 @@ class LazyCheckpointer:
         self.on_record = None if on_record is None else spoken(on_record)
         #: Every rank: (iteration, root) of a version refused.
         self.on_refused = None if on_refused is None else spoken(on_refused)
+        #: Every rank: (iteration, skipped so far) of an in-memory version its peer replicas
+        #: skipped (a newer one committed before the previous transfer was done: latest wins).
+        self.on_replica_skipped = (None if on_replica_skipped is None
+                                   else spoken(on_replica_skipped))
         #: Per lane (its name): its last plan check found the structure unchanged on every rank,
         #: so its next save runs on the worker (`_offloads`). Set from agreed values only.
         self._steady: Dict[str, bool] = {}
@@ -353,6 +358,10 @@ class LazyCheckpointer:
         #: rank's was busy when it settled), and the last iteration the level saved: see `_poll`.
         self._owed_replica: Optional[int] = None
         self._memory_saved_at: Optional[int] = None
+        #: In-memory versions handed to the peer replicas and skipped by them (latest wins); the
+        #: newest handed over. Agreed values: the same on every rank.
+        self.replicas_sent, self.replicas_skipped = 0, 0
+        self._replica_newest: Optional[int] = None
         self._last_committed: Optional[int] = None
         if config.peer_replica_bytes is not None and not config.non_persistent_in_memory:
             from ..levels.peer_replica import PeerReplicator, Ring
@@ -1448,10 +1457,26 @@ class LazyCheckpointer:
         self._after_publish_first(lane, pub, len(pub.items))
         if lane is self.node_lane and self.memory_replicator is not None and \
                 pub.pending.node_local:  # after retention: the newest one is held
+            if self._owed_replica is not None:
+                self._replica_skipped(self._owed_replica)
             self._owed_replica = pub.pending.iteration
             if idle:
                 self._hand_off_owed(idle=True)
         return True
+
+    def _replica_skipped(self, iteration: int) -> None:
+        """All ranks: in-memory version `iteration` will never be sent (a newer one committed
+        while the previous transfer ran): counted, said once per run, reported."""
+        self.replicas_skipped += 1
+        if self.replicas_skipped == 1:
+            self.log(f"in-memory peer replicas: iteration {iteration} is not sent to the next "
+                     f"node, the transfer of "
+                     + ("the previous version" if self._replica_newest is None
+                        else f"iteration {self._replica_newest}") + " is still running; "
+                     "the newest complete version goes when it is done (latest wins; the "
+                     "versions skipped are counted in the training summary)")
+        if self.on_replica_skipped is not None:
+            self.on_replica_skipped(iteration, self.replicas_skipped)
 
     def _hand_off_owed(self, idle: Optional[bool] = None) -> None:
         """All ranks: the newest committed in-memory version goes to the peer replicas if every
@@ -1467,7 +1492,8 @@ class LazyCheckpointer:
                                                  op=dist.ReduceOp.MIN)[0])
         if idle:
             self.memory_replicator.hand_off(self._owed_replica)
-            self._owed_replica = None
+            self.replicas_sent += 1
+            self._replica_newest, self._owed_replica = self._owed_replica, None
 
     def _retain(self, p: _Pending) -> None:
         """The commit thread of a publishing rank, once `p` is committed: retention

@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -290,7 +290,8 @@ class LazyCheckpointManager(CheckpointManager):
             on_call_times=self._report_save_times,
             on_record=lambda r: self._record(CheckpointRecord.from_telemetry(
                 r, "persistent" if r.get("persistent", True)
-                else self.ckpt.non_persistent_ckpt_type)), on_refused=self._refused)
+                else self.ckpt.non_persistent_ckpt_type)), on_refused=self._refused,
+            on_replica_skipped=self._replica_skipped)
 
     def start(self) -> None:
         # The checkpointer prepared and probed its roots when it was built.
@@ -304,6 +305,16 @@ class LazyCheckpointManager(CheckpointManager):
         self.saves_refused += 1
         if dist.get_rank() == 0:
             self.metrics.checkpoint_refused(iteration, self.saves_refused)
+
+    def _replica_skipped(self, iteration: int, skipped_total: int) -> None:
+        """Every rank: the in-memory peer replicas skipped the version of `iteration` (latest
+        wins); rank 0 writes the count to TensorBoard."""
+        if dist.get_rank() == 0:
+            self.metrics.checkpoint_replica_skipped(iteration, skipped_total)
+
+    def replica_counts(self) -> Optional[Tuple[int, int]]:
+        c = self.checkpointer
+        return None if c.memory_replicator is None else (c.replicas_sent, c.replicas_skipped)
 
     def begin_training(self, start_iteration: int, loaded: Optional[str] = None) -> None:
         """Every rank (collective with a node-local level): node-local versions newer than the

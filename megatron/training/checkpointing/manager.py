@@ -344,6 +344,11 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             self.metrics.checkpoint_deferred(iteration, self.saves_deferred)
 
+    def replica_counts(self) -> Optional[Tuple[int, int]]:
+        """(versions sent, versions skipped) by the in-memory level's peer replicas in this run,
+        or None without them."""
+        return None
+
     def _skip_complete(self, iteration: int, root: str) -> None:
         """Every rank: `iteration` is already a complete checkpoint under `root` that
         `set_aside_newer` kept (the one this run loaded, e.g. with --finetune): it stays as it
