@@ -8,8 +8,5 @@ cd "$ROOT"
 # The 20 slowest tests are listed at the end: the suite's time budget is 20 minutes. Its files
 # run on TEST_WORKERS processes (pytest-xdist; default 2, one per core of our machines; 0 runs
 # them in this process): most tests wait on launched ranks, so two files side by side take ~30%
-# less time than one after the other. A file's tests stay together, in order, on one worker,
-# and the files are taken in the order tests/conftest.py gives (heaviest first:
-# --no-loadscope-reorder keeps pytest-xdist from sorting them by their number of tests).
-exec python -m pytest -q --durations=20 -n "${TEST_WORKERS:-2}" --dist loadfile \
-    --no-loadscope-reorder "$@" tests
+# less time than one after the other. A file's tests stay together, in order, on one worker.
+exec python -m pytest -q --durations=20 -n "${TEST_WORKERS:-2}" --dist loadfile "$@" tests
