@@ -56,8 +56,8 @@ import errno
 import os
 import signal
 import sys
-import time
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 

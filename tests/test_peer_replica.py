@@ -184,9 +184,10 @@ def test_a_version_committed_while_the_replicas_were_busy_is_sent_when_they_free
     settle(9)  # 8 committed, still busy: 4 will never be sent
     assert replicas.handed == [] and (ckpt.replicas_sent, ckpt.replicas_skipped) == (0, 1)
     said = [m for _, m in run.lines if "peer replicas" in m]
-    assert said == ["in-memory peer replicas: iteration 4 is not sent to the next node, the "
-                    "transfer of the previous version is still running; the newest complete "
-                    "version goes when it is done (latest wins; the versions skipped are "
+    assert said == ["in-memory peer replicas: iteration 4 is skipped (not sent to the next "
+                    "node): the previous transfer was still running when it committed, and "
+                    "iteration 8 has committed since (latest wins: the newest complete version "
+                    "goes whenever the previous transfer is done; the versions skipped are "
                     "counted in the training summary)"], run.lines
     replicas.idle = True
     ckpt.before_optimizer_step()

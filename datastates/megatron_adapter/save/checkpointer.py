@@ -1458,23 +1458,25 @@ class LazyCheckpointer:
         if lane is self.node_lane and self.memory_replicator is not None and \
                 pub.pending.node_local:  # after retention: the newest one is held
             if self._owed_replica is not None:
-                self._replica_skipped(self._owed_replica)
+                self._replica_skipped(self._owed_replica, pub.pending.iteration)
             self._owed_replica = pub.pending.iteration
             if idle:
                 self._hand_off_owed(idle=True)
         return True
 
-    def _replica_skipped(self, iteration: int) -> None:
-        """All ranks: in-memory version `iteration` will never be sent (a newer one committed
-        while the previous transfer ran): counted, said once per run, reported."""
+    def _replica_skipped(self, iteration: int, newer: int) -> None:
+        """All ranks: in-memory version `iteration` will never be sent (the previous transfer
+        still ran when it committed, and `newer` has committed since): counted, said once per
+        run, reported."""
         self.replicas_skipped += 1
         if self.replicas_skipped == 1:
-            self.log(f"in-memory peer replicas: iteration {iteration} is not sent to the next "
-                     f"node, the transfer of "
-                     + ("the previous version" if self._replica_newest is None
-                        else f"iteration {self._replica_newest}") + " is still running; "
-                     "the newest complete version goes when it is done (latest wins; the "
-                     "versions skipped are counted in the training summary)")
+            running = ("the previous transfer" if self._replica_newest is None
+                       else f"the transfer of iteration {self._replica_newest}")
+            self.log(f"in-memory peer replicas: iteration {iteration} is skipped (not sent to "
+                     f"the next node): {running} was still running when it committed, and "
+                     f"iteration {newer} has committed since (latest wins: the newest complete "
+                     "version goes whenever the previous transfer is done; the versions skipped "
+                     "are counted in the training summary)")
         if self.on_replica_skipped is not None:
             self.on_replica_skipped(iteration, self.replicas_skipped)
 
