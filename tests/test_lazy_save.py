@@ -268,9 +268,9 @@ def test_decrease_batch_size_if_needed_trains_the_batch_that_divides_and_counts_
     """Megatron-LM's --decrease-batch-size-if-needed: --global-batch-size 5 in micro-batches of
     2 runs batches of 4 (one line says so), prints Megatron-LM's `skipped samples` field, and
     trains exactly as a run with --global-batch-size 4 (a constant learning rate: the schedule
-    counts in the nominal batch, as in Megatron-LM, so no warm-up either). Saved at 2 with the samples skipped so far
-    and resumed on 2 ranks (DP2: still batches of 4), iterations 3 and 4 are bit for bit the
-    same, and the count goes on."""
+    counts in the nominal batch, as in Megatron-LM, so no warm-up either). Saved at 2 with the
+    samples skipped so far and resumed on 2 ranks (DP2: still batches of 4), iterations 3 and 4
+    are bit for bit the same, and the count goes on."""
     i = TINY_MODEL.index("--lr-warmup-iters")
     assert TINY_MODEL[i + 2:i + 6] == ["--min-lr", "1e-4", "--lr-decay-style", "cosine"]
     flags = TINY_MODEL[:i] + TINY_MODEL[i + 2:i + 5] + ["constant"] + TINY_MODEL[i + 6:] + \
@@ -303,8 +303,9 @@ def test_iterations_to_skip_reads_past_a_batch_on_the_restart_before_it(tmp_path
     (as after a loss spike at 3): iteration 3's batch is read past (one line), 4 trains on the
     samples after it with the schedule where 3 would have started (no step for 3), and the
     samples are counted as consumed and skipped; the last iteration, 6, skipped too, is still
-    saved at the end (the data position moved), although 5 was saved just before. The count is saved and goes on after a resume,
-    bit for bit. Megatron-LM's count: N skips the iteration after N are done."""
+    saved at the end (the data position moved), although 5 was saved just before. The count is
+    saved and goes on after a resume, bit for bit. Megatron-LM's count: N skips the iteration
+    after N are done."""
     flags = TINY_MODEL + NO_DROPOUT + ["--train-iters", "6", "--eval-interval", "0"]
     root = tmp_path / "ckpt"
     run = launch(1, flags + ["--async-lazy-save", "--save", str(root), "--save-interval", "2"])

@@ -50,7 +50,8 @@ def training_log_line(iteration: int, train_iters: int, consumed_samples: int,
     `loss_scale` is the optimizer's (1.0 unless fp16 or --loss-scale), printed, as Megatron-LM
     does, between the losses and the grad norm; `decoupled_lr`, with --decoupled-lr, the
     embeddings' and output layer's learning rate, after the learning rate as there;
-    `skipped_samples` (--decrease-batch-size-if-needed), after the consumed ones where any."""
+    `skipped_samples` (--decrease-batch-size-if-needed, --iterations-to-skip), after the consumed
+    ones where any."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     if skipped_samples > 0:

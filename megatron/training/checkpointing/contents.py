@@ -63,8 +63,9 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
-    #: Samples --decrease-batch-size-if-needed left out of the global batches (Megatron-LM's
-    #: skipped_train_samples; not counted in consumed_train_samples).
+    #: Megatron-LM's skipped_train_samples: what --decrease-batch-size-if-needed left out of the
+    #: global batches (not in consumed_train_samples) and the batches --iterations-to-skip read
+    #: past (in consumed_train_samples too).
     skipped_train_samples: int = 0
     #: Megatron-LM's running FLOP count (saved as num_floating_point_operations_so_far).
     floating_point_operations_so_far: float = 0.0
