@@ -44,7 +44,7 @@ def main(argv=None) -> int:
             time.sleep(RANK0_REPORTS_WITHIN_S)
         _error_line(f"{'' if rank == '0' else f'[rank {rank}] '}{err}")
         return 2
-    from megatron.training.initialize import destroy_distributed
+    from megatron.training.initialize import destroy_distributed, shutdown_after_error
     from megatron.training.training import setup, train
 
     try:
@@ -52,9 +52,11 @@ def main(argv=None) -> int:
         train(trainer)
     except CheckpointError as err:
         _report(err)
+        shutdown_after_error()
         return 2
     except Exception as err:  # noqa: BLE001 - the entry point reports, the library raises
         _report(err)
+        shutdown_after_error()
         return 1
     destroy_distributed()
     return 0

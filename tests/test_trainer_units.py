@@ -431,3 +431,37 @@ def test_zero_centered_norms_scale_by_one_plus_their_weight(normalization):
         norm.weight.copy_(torch.linspace(-0.5, 0.5, 64))
         plain.weight.copy_(norm.weight + 1)
     assert torch.allclose(norm(x), plain(x))
+
+
+def test_an_exit_after_an_error_shuts_the_process_groups_down_within_its_bound(tmp_path,
+                                                                                 monkeypatch):
+    """pretrain_gpt.py's error exits shut the process groups down as a normal end does (left to
+    the interpreter's teardown, gloo's threads once aborted a rank: status -6, not 2), and a
+    shut-down that hangs (a peer gone) or fails holds the exit up at most the bound, silently."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+    from megatron.training import initialize
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    parallel_state.initialize_model_parallel()
+    assert initialize.shutdown_after_error() is True
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    assert initialize.shutdown_after_error() is True  # nothing up: nothing to do
+
+    release = threading.Event()
+    monkeypatch.setattr(initialize, "destroy_distributed", lambda: release.wait(60))
+    started = time.monotonic()
+    assert initialize.shutdown_after_error(wait_s=0.5) is False
+    assert time.monotonic() - started < 30  # a bound, not a timing: the hang lasts 60 s
+    release.set()
+
+    def fails():
+        raise RuntimeError("connection reset by peer")
+
+    monkeypatch.setattr(initialize, "destroy_distributed", fails)
+    assert initialize.shutdown_after_error() is True
