@@ -35,20 +35,22 @@ def pytest_unconfigure(config):
         shutil.rmtree(_CHILDREN_TMP, ignore_errors=True)
 
 
-#: The files that take longest, heaviest first (seconds of a full run, `--junitxml` of
-#: 2026-12-07: 164 ... 42 s; the rest take 40 s or less). pytest-xdist (loadfile) then sorts the
-#: files by their number of tests, so this order only breaks its ties. Taking the files in this
-#: order instead (--no-loadscope-reorder) was measured once and did not make the suite faster
-#: (1190 s against 1140 and 1177 s with xdist's order: two heavy multi-process files side by side
-#: slow each other down), so xdist's order stays.
+#: The files that take 30 s or more, heaviest first (mean of three full runs' `--junitxml`,
+#: 2026-12-07: 180 ... 32 s). scripts/test.sh hands them to its two workers in this order
+#: (--no-loadscope-reorder; pytest-xdist's own order puts the files with the most tests first, so
+#: the heavy files of one or a few tests came last). The gain is the idle tail: pytest's wall time
+#: minus half the tests' summed time was 63, 63 and 73 s in three runs with xdist's order and 19 s
+#: in this one. Wall times alone cannot show it: the same code took 1069 to 1314 s on this
+#: machine the same day (its CPU time varied as much).
 HEAVY_FIRST = ("test_peer_replica.py", "test_trainer_checkpoint.py", "test_lazy_save.py",
-               "test_universal_resume.py", "test_faults_matrix.py", "test_megatron_lm_interop.py",
-               "test_slurm_real.py", "test_universal_merge_workers.py", "test_in_memory_level.py",
+               "test_universal_resume.py", "test_deepspeed_engine.py", "test_faults_matrix.py",
+               "test_megatron_lm_interop.py", "test_in_memory_level.py", "test_slurm_real.py",
                "test_trainer_non_persistent.py", "test_gpu_check.py", "test_cluster_path.py",
-               "test_trainer_parallel.py", "test_readme.py", "test_faults_crash.py",
-               "test_universal_merge_nodes.py", "test_trainer_llama.py", "test_benchmarks.py",
-               "test_hf_export.py", "test_llama3_launch_line.py", "test_universal_convert.py",
-               "test_hf_import.py")
+               "test_universal_merge_workers.py", "test_trainer_parallel.py",
+               "test_universal_merge_nodes.py", "test_trainer_llama.py", "test_readme.py",
+               "test_benchmarks.py", "test_universal_convert.py", "test_hf_export.py",
+               "test_hf_import.py", "test_faults_crash.py", "test_llama3_launch_line.py",
+               "test_faults_signals.py")
 
 
 def pytest_collection_modifyitems(items):
