@@ -113,7 +113,7 @@ def extract_tree(dest: str, mirror: str = MIRROR) -> str:
     # Compiled once, as an installed package would be: with PYTHONDONTWRITEBYTECODE set (as on
     # our machines) each process would compile the ~1,000 modules it imports from the tree.
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", dest],
-                   stdout=subprocess.DEVNULL, check=False)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     return dest
 
 
