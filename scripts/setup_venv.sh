@@ -25,9 +25,10 @@ if ! (cd / && "$PY" -c "import datastates, megatron.training, tools.errors") >/d
 fi
 # Our sources compiled to bytecode once, as pip does for every package it installs (an editable
 # install does not). Without it a process started with PYTHONDONTWRITEBYTECODE set (as on our
-# machines) compiles the modules it imports again each time: about 1 s of every rank's
-# start-up. Only files that changed are compiled again; Python never runs a stale one (it checks
-# each source's size and mtime).
+# machines) compiles the ~80 modules of ours it imports again each time: 0.17 s of CPU per
+# process (3.64 s against 3.47 s for a one-rank tiny run, median of 8), in every rank, converter
+# and probe the tests start. Only files that changed are compiled again; Python never runs a
+# stale one (it checks each source's size and mtime).
 "$PY" -m compileall -q -j 0 -x '/\.venv/' "$ROOT/datastates" "$ROOT/megatron" "$ROOT/tools" \
   "$ROOT/tests" "$ROOT/benchmarks" "$ROOT/examples" "$ROOT/scripts" >/dev/null \
   || echo "setup_venv: compiling the sources to bytecode failed; they run, compiled at each start" >&2

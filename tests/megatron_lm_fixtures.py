@@ -111,7 +111,7 @@ def extract_tree(dest: str, mirror: str = MIRROR) -> str:
     if archive.wait() != 0:
         raise SystemExit(f"git archive of {MEGATRON_LM_TAG} failed")
     # Compiled once, as an installed package would be: with PYTHONDONTWRITEBYTECODE set (as on
-    # our machines) each process would compile the ~1,000 modules it imports from the tree.
+    # our machines) each process would compile the modules it imports from the tree again.
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", dest],
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     return dest
