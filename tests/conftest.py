@@ -39,9 +39,9 @@ def pytest_unconfigure(config):
 #: 2026-12-07: 180 ... 32 s). scripts/test.sh hands them to its two workers in this order
 #: (--no-loadscope-reorder; pytest-xdist's own order puts the files with the most tests first, so
 #: the heavy files of one or a few tests came last). The gain is the idle tail: pytest's wall time
-#: minus half the tests' summed time was 63, 63 and 73 s in three runs with xdist's order and 19 s
-#: in this one. Wall times alone cannot show it: the same code took 1069 to 1314 s on this
-#: machine the same day (its CPU time varied as much).
+#: minus half the tests' summed time was 63, 63 and 73 s in three runs with xdist's order, 19 and
+#: 13 s in two with this one. Wall times alone cannot show it: nearly the same code took 1030 to
+#: 1314 s on this machine the same day (its CPU time varied as much).
 HEAVY_FIRST = ("test_peer_replica.py", "test_trainer_checkpoint.py", "test_lazy_save.py",
                "test_universal_resume.py", "test_deepspeed_engine.py", "test_faults_matrix.py",
                "test_megatron_lm_interop.py", "test_in_memory_level.py", "test_slurm_real.py",
