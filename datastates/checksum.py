@@ -14,6 +14,9 @@ from typing import Callable
 from .config import Checksum
 from .errors import CheckpointError
 
+__all__ = ["ChecksumFn", "DEVICE_COPY_THREADS", "NAMES", "from_name", "function",
+           "threads_for_device_copies"]
+
 #: Name recorded in each index (the "checksum" field) for each algorithm.
 NAMES = {Checksum.CRC32C: "crc32c", Checksum.CRC32: "zlib-crc32", Checksum.NONE: "none"}
 _BY_NAME = {v: k for k, v in NAMES.items()}
@@ -46,3 +49,19 @@ def from_name(name: object, **where) -> Checksum:
         raise CheckpointError(f"unknown checksum algorithm {name!r}: expected one of "
                               f"{sorted(_BY_NAME)}", **where)
     return _BY_NAME[name]
+
+
+#: Most checksum threads `threads_for_device_copies` gives one rank.
+DEVICE_COPY_THREADS = 4
+
+
+def threads_for_device_copies(cpus: int, ranks_on_node: int) -> int:
+    """Checksum threads per rank for an engine whose copies land by DMA (CUDA) and whose writers
+    checksum each piece after it lands (the in-memory level's: nothing else is left for them to
+    do). One thread sets the pace otherwise: CRC-32C runs at 11-18 GB/s on one core (11-12 on
+    the AMD EPYC of our 2-core VMs, 2026-12-07; 17.9 on the earlier ones), a device-to-host
+    copy at 40.5 GB/s (the H200, docs/GPU.md), so one thread checksums a 1.31 GB version in
+    75-120 ms where its copy takes 32 ms, and an iteration 45 ms. Four keep up; never more
+    than half of this rank's share of the `cpus` it may run on (its training thread, data
+    loading and the node's other ranks keep the rest), at least one."""
+    return max(1, min(DEVICE_COPY_THREADS, cpus // max(1, ranks_on_node) // 2))

@@ -312,3 +312,63 @@ def test_mapped_slots_are_reused_only_once_no_version_links_them(tmp_path):
         assert len(list(slots.iterdir())) == 2
     assert list(slots.iterdir()) == []  # the pool's links are gone, the versions' stay
     assert_same(states[6], CheckpointReader(str(tmp_path / "v6")).load_state())
+
+
+def test_mapped_copies_that_do_not_checksum_are_checksummed_by_every_writer(tmp_path,
+                                                                           monkeypatch):
+    """WriteMode.MAPPED where the copies land without a checksum (as a CUDA device-to-host copy
+    does; here the copy thread's plain memmove, without `copycrc`): the writer threads checksum
+    the pieces in the shard's pages, several of them at once (the in-memory level's
+    --lazy-save-checksum-threads), and every chunk's CRC-32C is the one of the bytes stored."""
+    import threading
+
+    import crc32c
+
+    from datastates import WriteMode, copycrc
+    from datastates import engine as engine_module
+
+    monkeypatch.setattr(copycrc, "available", False)
+    by_thread = {}
+    gate = threading.Barrier(3, timeout=10)
+
+    def crc(buf):  # each writer waits for the others once: all three must be checksumming
+        name = threading.current_thread().name
+        if not name.startswith("datastates-write-"):
+            return crc32c.crc32c(buf)  # the reader verifying them, on this thread
+        if name not in by_thread:
+            by_thread[name] = 0
+            gate.wait()
+        by_thread[name] += 1
+        return crc32c.crc32c(buf)
+
+    monkeypatch.setattr(engine_module.checksum, "function", lambda kind: crc)
+    g = torch.Generator().manual_seed(6)
+    state = {f"w{i}": torch.randn(40000, generator=g) for i in range(12)}  # 160 KB each
+    state["small"] = torch.arange(7)
+    loaded, rec, d = save_and_load(state, tmp_path, host_cache_bytes=1 << 16,
+                                   chunk_bytes=1 << 16, write_mode=WriteMode.MAPPED,
+                                   writer_threads=3)
+    assert_same(state, loaded)
+    assert rec.peak_cache_bytes == 0
+    assert sorted(by_thread) == [f"datastates-write-{i}" for i in range(3)], by_thread
+    with open(os.path.join(d, "index_r00000.json")) as f:
+        entries = {t["key"]: t for t in json.load(f)["tensors"]}
+    data = open(os.path.join(d, "shard_r00000.bin"), "rb").read()
+    for key, e in entries.items():
+        assert e["chunks"] == sorted(e["chunks"])
+        for offset, nbytes, value in e["chunks"]:
+            start = e["offset"] + offset
+            assert value == crc32c.crc32c(data[start:start + nbytes]), key
+    assert sum(len(e["chunks"]) for e in entries.values()) == sum(by_thread.values())
+
+
+@pytest.mark.parametrize("cpus,ranks,threads", [
+    (16, 1, 4),    # the lent H100/H200 machines: one rank
+    (112, 8, 4),   # a DGX H100 node: 14 cores per GPU
+    (32, 8, 2),    # 4 cores per rank: half of them
+    (8, 8, 1), (4, 8, 1), (2, 1, 1),  # never below one
+])
+def test_checksum_threads_for_device_copies_keep_half_the_ranks_cores(cpus, ranks, threads):
+    from datastates.checksum import threads_for_device_copies
+
+    assert threads_for_device_copies(cpus, ranks) == threads

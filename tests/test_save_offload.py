@@ -229,3 +229,41 @@ def test_on_the_training_thread_every_save_is_made_in_its_call(one_rank_megatron
     main = threading.current_thread().name
     assert all(run.built_on[s] == main for s in (1, 2, 3, 4)), run.built_on
     assert tracked_iteration(run.memory) == 4 and _loads(run.memory, 4)
+
+
+def test_in_memory_versions_are_checksummed_by_the_threads_set_for_them(one_rank_megatron,
+                                                                          tmp_path, monkeypatch):
+    """LazySaveConfig.checksum_threads (--lazy-save-checksum-threads): the in-memory level's
+    engine has that many writer threads, at the training threads' priority (a version commits
+    once checksummed, and the level's next save waits for that commit), while --save's engine
+    keeps one writer, lowered. With copies that do not checksum as they copy (as a device's
+    copies; here without `copycrc`), the writers checksum every version, which commits and
+    loads. By default on CPU: one writer, and nothing said about it."""
+    from datastates import copycrc
+    from datastates.megatron_adapter import LazyCheckpointer, LazySaveConfig
+    from datastates.megatron_adapter.paths import tracked_iteration
+
+    default = _Run(tmp_path / "default")
+    assert default.ckpt.node_lane.engine.cfg.writer_threads == 1
+    assert not any("checksum" in line for _, line in default.lines)
+    default.ckpt.finish()
+    monkeypatch.setattr(copycrc, "available", False)
+    memory, committed = str(tmp_path / "memory"), []
+    ckpt = LazyCheckpointer(LazySaveConfig(
+        root=str(tmp_path / "save"), cache_bytes=1 << 20, non_persistent_root=memory,
+        non_persistent_node_local=True, non_persistent_in_memory=True, checksum_threads=3),
+        log=lambda _m: None, on_record=lambda r: committed.append(r["iteration"]))
+    node, persistent = ckpt.node_lane.engine, ckpt.persistent.engine
+    assert (node.cfg.writer_threads, node.cfg.background_nice) == (3, 0)
+    assert (persistent.cfg.writer_threads, persistent.cfg.background_nice) == (1, 5)
+    assert sum(t.name.startswith("datastates-write") for t in node._threads) == 3
+    assert not node._copier.fused
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(step), root=memory)
+        ckpt.before_optimizer_step()
+        ckpt.poll(step)
+    ckpt.finish()
+    assert committed == [1, 2, 3]
+    assert tracked_iteration(memory) == 3 and _loads(memory, 3)
+    with pytest.raises(ValueError, match="checksum_threads must be >= 1, found 0"):
+        LazySaveConfig(root="x", checksum_threads=0)

@@ -63,6 +63,16 @@ def config(extra="", world_size=1):
      "--lazy-save-local-keep counts copies under --lazy-save-local-dir, which is not given"),
     ("--async-lazy-save --lazy-save-local-dir /tmp/x --lazy-save-local-keep 0", 1,
      "--lazy-save-local-keep must be >= 1, got 0"),
+    ("--lazy-save-checksum-threads 2", 1, "--lazy-save-checksum-threads configure "
+     "--async-lazy-save"),
+    ("--save /tmp/x --async-lazy-save --lazy-save-checksum-threads 2", 1,
+     "--lazy-save-checksum-threads checksums the in-memory checkpoints, but "
+     "--non-persistent-ckpt-type in_memory is not given: add it, or drop the flag"),
+    ("--save /tmp/x --async-lazy-save --non-persistent-ckpt-type local "
+     "--non-persistent-local-ckpt-dir /nvme --lazy-save-checksum-threads 2", 1,
+     "in_memory is not given (found local)"),
+    ("--save /tmp/x --async-lazy-save --non-persistent-ckpt-type in_memory "
+     "--lazy-save-checksum-threads 0", 1, "--lazy-save-checksum-threads must be >= 1, got 0"),
     ("--use-dist-ckpt --ckpt-format torch", 1,
      "--use-dist-ckpt means --ckpt-format torch_dist, but --ckpt-format torch was given"),
     ("--ckpt-fully-parallel-save --no-ckpt-fully-parallel-save", 1, "contradict each other"),

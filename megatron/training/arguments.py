@@ -375,6 +375,13 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lazy-save-checksum", choices=["crc32c", "crc32", "none"], default=None,
                    help="per-chunk checksum of --async-lazy-save shards, verified on every load: "
                         "crc32c (CPU instruction; default), crc32 (zlib), none")
+    g.add_argument("--lazy-save-checksum-threads", type=int, default=None,
+                   help="threads per rank that checksum each in-memory checkpoint "
+                        "(--non-persistent-ckpt-type in_memory) as its device-to-host copies "
+                        "land; it is complete, and the next one can start, once they are done "
+                        "(default: on GPUs as many as keep pace with the copy, at most 4 and at "
+                        "most half of the rank's share of the node's cores; on CPU 1, as the "
+                        "copy checksums what it copies)")
     g.add_argument("--lazy-save-local-dir", type=str, default=None,
                    help="node-local directory (e.g. NVMe) where each rank's shards become durable "
                         "first, then migrate in the background to --save; --load reads a rank's "
@@ -741,7 +748,7 @@ LAZY_SAVE_DEFAULTS = {"lazy_save_cache_mb": None, "lazy_save_checksum": "crc32c"
                       "lazy_save_local_dir": None,
                       "lazy_save_local_keep": 2, "lazy_save_peer_replica": False,
                       "lazy_save_peer_replica_mb": None, "lazy_save_wait_persistent": False,
-                      "lazy_save_on_training_thread": False}
+                      "lazy_save_on_training_thread": False, "lazy_save_checksum_threads": None}
 
 
 def default_memory_dir(save: str) -> str:
@@ -923,6 +930,13 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
             _check_host_cache_fits(a.lazy_save_cache_mb)
         _require(a.lazy_save_local_keep >= 1,
                  f"--lazy-save-local-keep must be >= 1, got {a.lazy_save_local_keep}")
+        if a.lazy_save_checksum_threads is not None:
+            _require(a.lazy_save_checksum_threads >= 1, "--lazy-save-checksum-threads must be "
+                     f">= 1, got {a.lazy_save_checksum_threads}")
+            kind = a.non_persistent_ckpt_type
+            _require(kind == "in_memory", "--lazy-save-checksum-threads checksums the in-memory "
+                     "checkpoints, but --non-persistent-ckpt-type in_memory is not given"
+                     + ("" if kind is None else f" (found {kind})") + ": add it, or drop the flag")
         _require(a.lazy_save_local_dir is not None or "--lazy-save-local-keep" not in given,
                  "--lazy-save-local-keep counts copies under --lazy-save-local-dir, which is not "
                  "given")
@@ -1416,6 +1430,7 @@ def build_run_config(a: argparse.Namespace, world_size: Optional[int] = None) ->
         lazy_save_peer_replica_mb=a.lazy_save_peer_replica_mb,
         lazy_save_wait_persistent=a.lazy_save_wait_persistent,
         lazy_save_on_training_thread=a.lazy_save_on_training_thread,
+        lazy_save_checksum_threads=a.lazy_save_checksum_threads,
         keep_last_n_checkpoints=a.keep_last_n_checkpoints,
         save_retain_interval=a.save_retain_interval,
         non_persistent_save_interval=(None if a.non_persistent_save_interval == "auto"

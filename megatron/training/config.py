@@ -406,6 +406,10 @@ class CheckpointConfig:
     """Every lazy save's work is made in its save call, on the training thread (False: a save
     whose structure every rank found unchanged is made by the save worker during the next
     forward/backward, `LazySaveConfig.offload_steady_saves`)."""
+    lazy_save_checksum_threads: Optional[int] = None
+    """Threads per rank checksumming each in-memory version as its copies land
+    (`LazySaveConfig.checksum_threads`); None: as many as keep pace with a device-to-host copy
+    on GPUs, one on CPU."""
     ckpt_fully_parallel_save: bool = True
     """Spread the writes of replicated shards over the data-parallel group (Megatron-LM's
     default); False: the first data-parallel rank writes them."""

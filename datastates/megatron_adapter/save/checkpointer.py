@@ -88,6 +88,7 @@ import torch
 import torch.distributed as dist
 
 from ... import control_plane, telemetry
+from ...checksum import threads_for_device_copies
 from ...config import Checksum, CommitPolicy, EngineConfig, WriteMode
 from ...devices import creator_device
 from ...engine import CheckpointEngine
@@ -188,6 +189,13 @@ class LazySaveConfig:
     (`WriteMode.MAPPED`: one copy, no host cache); with CUDA, those pages are registered for DMA,
     and where that fails (`cuda_dma_probe`) the copy goes through the pinned host cache."""
 
+    checksum_threads: Optional[int] = None
+    """Threads per rank that checksum the in-memory level's versions (its engine's writers: the
+    copies land in the shard files' pages, and a version commits, which the level's next save
+    waits for, once every piece is checksummed). None: where the copies land by DMA (CUDA), as
+    many as keep pace with the copy (`checksum.threads_for_device_copies`); else one, which has
+    nothing to do where the copy thread checksums as it copies (CPU tensors, `copycrc`)."""
+
     offload_steady_saves: bool = True
     """Steady saves (their lane's structure unchanged in the previous save, as every rank
     agreed) run on the save worker (`offload.SaveWorker`), during the next
@@ -214,6 +222,8 @@ class LazySaveConfig:
         if self.verify_replicas_every is not None and self.verify_replicas_every <= 0:
             raise ValueError(f"verify_replicas_every must be positive, found "
                              f"{self.verify_replicas_every}")
+        if self.checksum_threads is not None and self.checksum_threads < 1:
+            raise ValueError(f"checksum_threads must be >= 1, found {self.checksum_threads}")
         if self.universal_every_n is not None and self.universal_every_n <= 0:
             raise ValueError(f"universal_every_n must be positive, found {self.universal_every_n}")
 
@@ -417,7 +427,8 @@ class LazyCheckpointer:
             slot_dir = os.path.join(config.non_persistent_root, SLOT_DIR)
             mapped = config.non_persistent_in_memory and self._copies_once_into(slot_dir)
             self.node_lane = _Lane("node-local", self._new_engine(
-                None, mapped, slot_dir if mapped else None, self.memory_replicator is not None),
+                None, mapped, slot_dir if mapped else None, self.memory_replicator is not None,
+                self._checksum_threads() if config.non_persistent_in_memory else None),
                 *self._lane_threads("-node"))
             self.lanes.append(self.node_lane)
         # Errors this rank hit since the last agreement, in order (a full disk can fail both
@@ -452,11 +463,30 @@ class LazyCheckpointer:
                    f"{slot_dir} ({why})")
         return False
 
+    def _checksum_threads(self) -> int:
+        """The in-memory level's engine's writer threads (`LazySaveConfig.checksum_threads`); with
+        CUDA, rank 0 says how many checksum each rank's versions."""
+        c = self.config
+        threads = c.checksum_threads
+        if threads is None:
+            dma = torch.cuda.is_available() and c.checksum is not Checksum.NONE
+            threads = threads_for_device_copies(len(os.sched_getaffinity(0)),
+                                                len(self.node.ranks)) if dma else 1
+        if torch.cuda.is_available():
+            self.log(f"in-memory checkpoints: {threads} thread(s) per rank checksum each "
+                     "version as its device-to-host copies land (--lazy-save-checksum-threads)")
+        return threads
+
     def _new_engine(self, local_dir: Optional[str], mapped: bool = False,
-                    slot_dir: Optional[str] = None, replicated: bool = False) -> CheckpointEngine:
+                    slot_dir: Optional[str] = None, replicated: bool = False,
+                    checksum_threads: Optional[int] = None) -> CheckpointEngine:
+        """`checksum_threads`: the in-memory level's engine, with that many writer threads, at
+        the training threads' priority: its versions commit once checksummed, and the level's
+        next save waits for that commit, as the optimizer step waits for the copy threads."""
         from ..levels.in_memory import versions_held
 
         c = self.config
+        in_memory = checksum_threads is not None
         return CheckpointEngine(EngineConfig(
             mapped_slot_dir=slot_dir,
             mapped_slots=versions_held(c.non_persistent_keep, replicated),
@@ -465,7 +495,9 @@ class LazyCheckpointer:
             host_cache_bytes=MAPPED_CACHE_BYTES if mapped else c.cache_bytes,
             write_mode=WriteMode.MAPPED if mapped else WriteMode.DIRECT,
             commit_policy=CommitPolicy.MANUAL,  # committed in poll(), after every rank agrees
-            checksum=c.checksum, background_nice=c.background_nice, local_dir=local_dir))
+            writer_threads=checksum_threads if in_memory else 1,
+            checksum=c.checksum, background_nice=0 if in_memory else c.background_nice,
+            local_dir=local_dir))
 
     @staticmethod
     def _lane_threads(suffix: str):

@@ -268,6 +268,7 @@ def lazy_save_config(config: RunConfig) -> LazySaveConfig:
         failure_policy=FailurePolicy(ckpt.ckpt_failure_policy.value),
         verify_replicas_every=ckpt.ckpt_verify_replicas,
         offload_steady_saves=not ckpt.lazy_save_on_training_thread,
+        checksum_threads=ckpt.lazy_save_checksum_threads,
         run_config_json=config.to_json(),
         universal_every_n=ckpt.universal_checkpoint_interval,
         universal_root=ckpt.universal_save, universal_workers=ckpt.universal_merge_workers)
