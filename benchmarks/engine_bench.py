@@ -21,7 +21,11 @@ synchronize), both in each round, and prints engine GB/s / torch GB/s:
 With --mapped-dir (a directory on /dev/shm), each round also times the in-memory level's engine:
 WriteMode.MAPPED, copying straight into a reused shard file there (a slot, registered with CUDA
 for DMA); its slot is made in an untimed warm-up save of the whole state, as in training, where
-the level's slots are reused from the third save on.
+the level's slots are reused from the third save on. A version of that level commits once
+durable: every piece checksummed, by the engine's writers where the copies do not checksum as
+they copy (CUDA's do not), so each round also times save -> wait_for_durable with one writer and
+with --checksum-threads writers (default: what the trainer gives a GPU rank that has this
+machine's cores to itself, `checksum.threads_for_device_copies`).
 """
 from __future__ import annotations
 
@@ -35,10 +39,12 @@ import statistics
 import subprocess
 import threading
 import time
+from typing import Optional
 
 import torch
 
 from datastates import Checksum, CheckpointEngine, EngineConfig, WriteMode
+from datastates.checksum import threads_for_device_copies
 
 
 class PeakRSS:
@@ -122,17 +128,26 @@ def torch_copy(state: dict, buffer: torch.Tensor, device: str) -> float:
 
 
 def engine_snapshot(eng: CheckpointEngine, state: dict, directory: str, step: int,
-                    device: str) -> float:
+                    device: str, durable: Optional[list] = None) -> float:
     """Seconds the caller waits for the engine's snapshot (save + wait_for_snapshot: every byte
-    in the host cache). The flush to disk that follows is not timed."""
+    in the host cache). The flush to disk that follows is timed only into `durable` (appended:
+    seconds from the save until wait_for_durable returned)."""
     _synchronize(device)
     t0 = time.perf_counter()
     h = eng.save(state, directory, step=step)
     eng.wait_for_snapshot()
     dt = time.perf_counter() - t0
     eng.wait_for_durable(h)
+    if durable is not None:
+        durable.append(time.perf_counter() - t0)
     shutil.rmtree(directory)
     return dt
+
+
+def mapped_engine(slot_dir: str, writers: int = 1) -> CheckpointEngine:
+    """The in-memory level's engine: copies into a reused /dev/shm slot, `writers` checksumming."""
+    return CheckpointEngine(EngineConfig(host_cache_bytes=64 << 10, write_mode=WriteMode.MAPPED,
+                                         mapped_slot_dir=slot_dir, writer_threads=writers))
 
 
 def snapshot_bench(args) -> dict:
@@ -144,13 +159,14 @@ def snapshot_bench(args) -> dict:
     buffer.fill_(0)  # touch the pages once, as the engine does with its cache
     target = os.path.join(args.dir, "engine_snapshot")
     rounds = []
-    mapped = contextlib.nullcontext()
-    if args.mapped_dir:
-        mapped = CheckpointEngine(EngineConfig(
-            host_cache_bytes=64 << 10, write_mode=WriteMode.MAPPED,
-            mapped_slot_dir=os.path.join(args.mapped_dir, "slots")))
+    threads = args.checksum_threads or threads_for_device_copies(len(os.sched_getaffinity(0)), 1)
     with CheckpointEngine(EngineConfig(host_cache_bytes=nbytes + (16 << 20))) as eng, \
-            mapped as meng:
+            contextlib.ExitStack() as stack:
+        meng = mengs = None
+        if args.mapped_dir:  # the in-memory level's engine, with one writer and with `threads`
+            meng, mengs = (stack.enter_context(mapped_engine(
+                os.path.join(args.mapped_dir, f"slots-{i}"), n))
+                for i, n in enumerate((1, threads)))
         cache_pinned = eng._cache.pinned  # what the D2H copy lands in (pinned when CUDA exists)
         # Warm-up, untimed: the copy stream, events and the first pinned copies.
         first = {"layer000": state["layer000"]}
@@ -158,7 +174,8 @@ def snapshot_bench(args) -> dict:
         engine_snapshot(eng, first, target, 0, args.device)
         if meng is not None:
             mtarget = os.path.join(args.mapped_dir, "engine_snapshot")
-            engine_snapshot(meng, state, mtarget, 0, args.device)  # makes the slot
+            for m in (meng, mengs):
+                engine_snapshot(m, state, mtarget, 0, args.device)  # makes the slot
         for r in range(args.rounds):
             torch_s = torch_copy(state, buffer, args.device)
             engine_s = engine_snapshot(eng, state, target, r + 1, args.device)
@@ -167,16 +184,22 @@ def snapshot_bench(args) -> dict:
                            "engine_snapshot_gbps": nbytes / engine_s / 1e9,
                            "engine_vs_torch": torch_s / engine_s})
             if meng is not None:
-                mapped_s = engine_snapshot(meng, state, mtarget, r + 1, args.device)
+                durable: list = []
+                mapped_s = engine_snapshot(meng, state, mtarget, r + 1, args.device, durable)
+                engine_snapshot(mengs, state, mtarget, r + 1, args.device, durable)
                 rounds[-1].update({"mapped_snapshot_s": mapped_s,
                                    "mapped_snapshot_gbps": nbytes / mapped_s / 1e9,
-                                   "mapped_vs_torch": torch_s / mapped_s})
+                                   "mapped_vs_torch": torch_s / mapped_s,
+                                   "mapped_durable_gbps": nbytes / durable[0] / 1e9,
+                                   "mapped_durable_threads_gbps": nbytes / durable[1] / 1e9,
+                                   "mapped_durable_threads_speedup": durable[0] / durable[1]})
         slots = meng._slots.slots if meng is not None else []
         registered = bool(slots) and all(s.registered for s in slots)
     median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "round"}
     return {"mode": "snapshot", "device": args.device, "pinned_baseline": pinned,
             "engine_cache_pinned": cache_pinned, "state_bytes": nbytes,
             "mapped_slots": len(slots), "mapped_registered": registered,
+            "checksum_threads": threads if meng is not None else None,
             "tensors": args.tensors, "rounds": rounds, "median": median}
 
 
@@ -192,6 +215,10 @@ def print_snapshot(res: dict) -> None:
         print(f"| engine into a /dev/shm slot{' (registered)' if res['mapped_registered'] else ''}"
               f" (GB/s) | {m['mapped_snapshot_gbps']:.2f} |")
         print(f"| mapped GB/s / torch GB/s | {m['mapped_vs_torch']:.2f} |")
+        print(f"| mapped, until durable (checksummed), 1 writer (GB/s) | "
+              f"{m['mapped_durable_gbps']:.2f} |")
+        print(f"| mapped, until durable, {res['checksum_threads']} writers (GB/s) | "
+              f"{m['mapped_durable_threads_gbps']:.2f} |")
 
 
 def raw_dd(path: str, nbytes: int) -> float:
@@ -290,6 +317,10 @@ def main() -> None:
     p.add_argument("--mapped-dir", default=None,
                    help="with --snapshot-only: also time the in-memory level's engine copying "
                         "into a reused shard file in this directory (on /dev/shm)")
+    p.add_argument("--checksum-threads", type=int, default=None,
+                   help="with --mapped-dir: the writers of the second in-memory engine timed "
+                        "until durable (default: threads_for_device_copies of this machine's "
+                        "cores for one rank)")
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     if args.snapshot_only:

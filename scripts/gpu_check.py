@@ -378,7 +378,14 @@ def step_d2h_copy_rate(ck: Check) -> Step:
                                                for r in res["rounds"]],
                     "mapped_registered": res["mapped_registered"],
                     "mapped_snapshot_gbps": round(m["mapped_snapshot_gbps"], 3),
-                    "mapped_vs_torch": round(m["mapped_vs_torch"], 3)}
+                    "mapped_vs_torch": round(m["mapped_vs_torch"], 3),
+                    # Until a version is durable, every piece checksummed after its DMA: with
+                    # one writer, and with the writers the trainer gives a rank of this machine.
+                    "checksum_threads": res["checksum_threads"],
+                    "mapped_durable_gbps": round(m["mapped_durable_gbps"], 3),
+                    "mapped_durable_threads_gbps": round(m["mapped_durable_threads_gbps"], 3),
+                    "mapped_durable_threads_speedup": round(
+                        m["mapped_durable_threads_speedup"], 3)}
     if ck.device == "cuda" and not res["engine_cache_pinned"]:
         step.detail = "the engine's host cache is not pinned although CUDA is present"
     elif ck.device == "cuda" and not res["mapped_registered"]:
@@ -505,21 +512,35 @@ def _memory_versions(stdout: str, iteration_ms: Optional[float]) -> dict:
     checkpoints. A copy that ends after the forward/backward makes the optimizer step wait
     whatever the training thread costs; a large stall with a copy that fits is the training
     thread's own work per save."""
-    rows = [(int(c["bytes"]), c["stall (ms)"], c["copy (ms)"], c.get("copy start (ms)", 0.0))
-            for c in _in_memory_commits(stdout)]
+    rows = [(int(c["bytes"]), c["stall (ms)"], c["copy (ms)"], c.get("copy start (ms)", 0.0),
+             c["durable (s)"] * 1e3) for c in _in_memory_commits(stdout)]
     out = {"stall_ms": [r[1] for r in rows], "copy_ms": [r[2] for r in rows],
-           "copy_start_ms": [r[3] for r in rows], "version_bytes": rows[0][0] if rows else None}
+           "copy_start_ms": [r[3] for r in rows], "durable_ms": [r[4] for r in rows],
+           "version_bytes": rows[0][0] if rows else None,
+           "checksum_threads": _checksum_threads(stdout)}
     if rows:
         copy = statistics.median(r[2] for r in rows)
         until_copied = statistics.median(r[3] + r[2] for r in rows)
         out["stall_ms_median"] = statistics.median(r[1] for r in rows)
         out["copy_ms_median"] = copy
+        # After the copy, until every piece is checksummed (by the writers, after each DMA): a
+        # version commits, and the level's next save can start, only then.
+        out["checksum_after_copy_ms_median"] = statistics.median(r[4] - r[2] for r in rows)
+        out["durable_after_call_over_iteration"] = (
+            round(statistics.median(r[3] + r[4] for r in rows) / iteration_ms, 3)
+            if iteration_ms else None)
         out["copy_start_ms_median"] = statistics.median(r[3] for r in rows)
         out["copy_gbps_median"] = round(rows[0][0] / copy / 1e6, 3) if copy > 0 else None
         out["copy_over_iteration"] = round(copy / iteration_ms, 3) if iteration_ms else None
         out["copied_after_call_over_iteration"] = (round(until_copied / iteration_ms, 3)
                                                    if iteration_ms else None)
     return out
+
+
+def _checksum_threads(stdout: str) -> Optional[int]:
+    """The checksum threads per rank the trainer said it gave the in-memory level (on CUDA)."""
+    found = re.search(r"in-memory checkpoints: (\d+) thread\(s\) per rank checksum", stdout)
+    return int(found.group(1)) if found else None
 
 
 def step_replica_fingerprints(ck: Check) -> Step:

@@ -50,6 +50,8 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert len(d["engine_vs_torch_rounds"]) == d["rounds"] and d["engine_vs_torch"] == \
         pytest.approx(statistics.median(d["engine_vs_torch_rounds"]), abs=2e-3)
     assert d["mapped_snapshot_gbps"] > 0 and d["mapped_registered"] is False  # no CUDA here
+    assert d["checksum_threads"] >= 1 and d["mapped_durable_gbps"] > 0
+    assert d["mapped_durable_threads_gbps"] > 0 and d["mapped_durable_threads_speedup"] > 0
     e = steps["e_background_cost"]["figures"]
     assert len(e["slowdown"]) == len(e["bare_slowdown"]) == len(e["idle_compute_s"]) >= 1
     assert e["median_slowdown"] == pytest.approx(e["slowdown"][0], abs=1e-3)  # one pair on CPU
@@ -60,7 +62,9 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert f["ratio_on_training_thread"] == pytest.approx(
         f["on_training_thread_ms"] / f["none_ms"], rel=1e-3)
     assert len(f["stall_ms"]) == len(f["copy_ms"]) == len(f["copy_start_ms"]) == \
-        f["in_memory_versions_committed"]
+        len(f["durable_ms"]) == f["in_memory_versions_committed"]
+    assert f["checksum_after_copy_ms_median"] >= 0 and f["durable_after_call_over_iteration"] > 0
+    assert f["checksum_threads"] is None  # said only where copies land by DMA
     assert f["copy_start_ms_median"] > 0 and f["copied_after_call_over_iteration"] > \
         f["copy_over_iteration"]
     assert f["version_bytes"] > 0 and f["copy_gbps_median"] > 0
