@@ -453,10 +453,11 @@ def _steady_ms(run: Run, skip: int) -> Optional[float]:
 def step_in_memory_every_iteration(ck: Check) -> Step:
     """f. An in-memory checkpoint every iteration (--non-persistent-ckpt-type in_memory, --save
     at the end only) against no checkpointing: the 117M GPT on CUDA (issue 30 asks <= 1.05x),
-    the tiny one on CPU; and once more with every save made in its call on the training thread
+    the tiny one on CPU; once more with every save made in its call on the training thread
     (--lazy-save-on-training-thread), which tells what the save worker gains, or costs where
-    its Python shares the GIL with the kernel launches. Iteration times are the mean over the
-    iterations after the second."""
+    its Python shares the GIL with the kernel launches; and once with one checksum thread
+    (--lazy-save-checksum-threads 1), which tells what the default's threads gain. Iteration
+    times are the mean over the iterations after the second."""
     t = time.time()
     step = Step()
     cuda = ck.device == "cuda"
@@ -472,16 +473,25 @@ def step_in_memory_every_iteration(ck: Check) -> Step:
 
     memory = in_memory("f_in_memory", [])
     on_thread = in_memory("f_in_memory_on_training_thread", ["--lazy-save-on-training-thread"])
+    one_checksummer = in_memory("f_in_memory_one_checksum_thread",
+                                ["--lazy-save-checksum-threads", "1"])
     problems = [_describe_failed_run(name, run) for name, run in (
         ("no-checkpoint", none), ("in-memory", memory),
-        ("in-memory on the training thread", on_thread)) if run is None or run.returncode != 0]
+        ("in-memory on the training thread", on_thread),
+        ("in-memory with one checksum thread", one_checksummer))
+        if run is None or run.returncode != 0]
     if not problems:
         committed = len(_in_memory_commits(memory.stdout))
         a, b, c = _steady_ms(none, 2), _steady_ms(memory, 2), _steady_ms(on_thread, 2)
+        d = _steady_ms(one_checksummer, 2)
         step.figures = {"iterations": iters, "none_ms": a, "in_memory_ms": b,
                         "ratio": round(b / a, 4) if a and b else None,
                         "on_training_thread_ms": c,
                         "ratio_on_training_thread": round(c / a, 4) if a and c else None,
+                        # What the checksum threads gain where the copies land by DMA (on CPU
+                        # the copy checksums as it copies: both runs have one writer there).
+                        "one_checksum_thread_ms": d,
+                        "ratio_one_checksum_thread": round(d / a, 4) if a and d else None,
                         "in_memory_versions_committed": committed,
                         # One copy into /dev/shm pages (registered with CUDA), or the fallback
                         # through the pinned host cache, which says why in one line.

@@ -61,6 +61,8 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert f["ratio"] == pytest.approx(f["in_memory_ms"] / f["none_ms"], rel=1e-3)
     assert f["ratio_on_training_thread"] == pytest.approx(
         f["on_training_thread_ms"] / f["none_ms"], rel=1e-3)
+    assert f["ratio_one_checksum_thread"] == pytest.approx(
+        f["one_checksum_thread_ms"] / f["none_ms"], rel=1e-3)
     assert len(f["stall_ms"]) == len(f["copy_ms"]) == len(f["copy_start_ms"]) == \
         len(f["durable_ms"]) == f["in_memory_versions_committed"]
     assert f["checksum_after_copy_ms_median"] >= 0 and f["durable_after_call_over_iteration"] > 0
@@ -70,7 +72,8 @@ def test_cpu_rehearsal_runs_every_step_and_writes_what_it_measured(tmp_path):
     assert f["version_bytes"] > 0 and f["copy_gbps_median"] > 0
     assert f["copy_over_iteration"] == pytest.approx(f["copy_ms_median"] / f["none_ms"], abs=1e-3)
     assert f["one_copy_into_memory"] is True
-    assert {"f_none.out", "f_in_memory.out", "f_in_memory_on_training_thread.out", "lazy.out",
+    assert {"f_none.out", "f_in_memory.out", "f_in_memory_on_training_thread.out",
+            "f_in_memory_one_checksum_thread.out", "lazy.out",
             "torch_dist.out", "stock_load.out", "resume.out", "engine_bench.out",
             "engine_overlap.out", "engine_bench_cpu.out"} <= {p.name for p in logs.iterdir()}
     assert all(r["returncode"] == 0 for r in res["runs"].values()), res["runs"]
