@@ -32,8 +32,8 @@ from typing import Any
 
 _EXPORTS = {
     # save/
-    "COMMIT_RESERVE_BYTES": "save.checkpointer", "FailurePolicy": "save.checkpointer",
-    "LazyCheckpointer": "save.checkpointer", "LazySaveConfig": "save.checkpointer",
+    "COMMIT_RESERVE_BYTES": "save.checkpointer", "FailurePolicy": "save.config",
+    "LazyCheckpointer": "save.checkpointer", "LazySaveConfig": "save.config",
     "TELEMETRY_FILENAME": "save.checkpointer", "append_telemetry": "save.checkpointer",
     "prepare_and_probe_root": "save.checkpointer",
     "BACKEND": "save.strategies", "DataStatesLoadStrategy": "save.strategies",

@@ -4,6 +4,7 @@
                     the save strategy, agreement across ranks, spare files, the commit marker, the
                     tracker move, fault points, telemetry; it drives the levels (`..levels`) and
                     the background merge (`..merge`)
+  config.py         `LazySaveConfig` and `FailurePolicy`: what the checkpointer is configured with
   strategies.py     megatron-core dist_checkpointing strategies: our save/load strategy (backend
                     "datastates", registered when megatron-core is imported), torch_dist and
                     common.pt loads that never run code, common.pt written durably
