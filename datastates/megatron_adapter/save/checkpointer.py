@@ -357,12 +357,12 @@ class LazyCheckpointer:
         """The in-memory level's engine's writer threads (`LazySaveConfig.checksum_threads`); with
         CUDA, rank 0 says how many checksum each rank's versions."""
         c = self.config
+        dma = torch.cuda.is_available() and c.checksum is not Checksum.NONE
         threads = c.checksum_threads
         if threads is None:
-            dma = torch.cuda.is_available() and c.checksum is not Checksum.NONE
             threads = threads_for_device_copies(len(os.sched_getaffinity(0)),
                                                 len(self.node.ranks)) if dma else 1
-        if torch.cuda.is_available():
+        if dma:
             self.log(f"in-memory checkpoints: {threads} thread(s) per rank checksum each "
                      "version as its device-to-host copies land (--lazy-save-checksum-threads)")
         return threads

@@ -44,7 +44,9 @@ class LazySaveConfig:
     universal_workers: int = 1
     """Merge worker processes (`merge.background.MergerConfig.workers`)."""
     background_nice: int = 5
-    """Niceness of the engine's copy/flush threads."""
+    """Niceness added to the engines' writer (and migration) threads. Copy threads keep their
+    priority, and so do the in-memory level's writers: they checksum what its next save waits
+    for."""
     local_dir: Optional[str] = None
     """Node-local directory of this rank (e.g. NVMe): shards become durable there first, then
     migrate in the background to ROOT; a version commits only once every rank's shards are
