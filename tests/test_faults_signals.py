@@ -5,7 +5,6 @@ The flush of one step is held by DATASTATES_FAULT_DELAY_FLUSH (datastates/faults
 scenario happens on every run, not only when the timing is unlucky.
 """
 import json
-import os
 
 from crash_harness import stream_launch, verify_committed
 from trainer_launch import NO_DROPOUT, TINY_MODEL, send_sigterm_to_tree
@@ -73,3 +72,27 @@ def test_hung_writer_is_reported_within_the_drain_timeout(tmp_path):
     assert not (root / "iter_0000002" / "COMMIT.json").exists()
     assert not (root / "iter_0000002" / "done_r00000.json").exists()
     assert verify_committed(str(root)) == []
+
+
+def test_hung_torch_dist_writer_is_reported_within_the_drain_timeout(tmp_path):
+    """The stock torch_dist sync save, rank 1's writer held for an hour at iteration 2. In
+    megatron's execute_sync rank 0 would wait in its barrier until the training group's timeout
+    (10 minutes) and rank 1 for ever: a reference launch of the fault matrix once sat 240 s
+    without a line after its last iteration (2026-12-07, under the suite's load; a forked writer
+    process that cannot finish is the likely cause). The writer's wait is bounded by
+    --ckpt-drain-timeout: every rank stops with one line naming rank 1; iteration 1 stays the
+    newest complete checkpoint."""
+    root = tmp_path / "ckpt"
+    run = stream_launch(2, TINY_MODEL + NO_DROPOUT + [
+        "--eval-interval", "0", "--save-interval", "1", "--train-iters", "4", "--save",
+        str(root), "--ckpt-drain-timeout", "5"],
+        {"DATASTATES_FAULT_DELAY_FLUSH": "3600@2:1"}, timeout=180)
+    assert run.returncode == 1, run.tail()  # torchrun's, for a rank that exited with 2
+    errors = _errors(run)
+    assert len(errors) == 1, run.tail()
+    for needle in ("saving iteration 2 failed on rank(s) [1]", "timed out after 5 s",
+                   "--ckpt-drain-timeout", "it had started no writer process",
+                   "the newest complete checkpoint is iteration 1"):
+        assert needle in errors[0], (needle, errors[0])
+    assert _tracked(root) == 1 and (root / "iter_0000001" / "metadata.json").is_file()
+    assert not (root / "iter_0000002" / "metadata.json").exists()  # torch_dist's commit marker

@@ -10,7 +10,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from datastates.faults import fail_point
+from datastates.faults import fail_point, fault_point
 from datastates.fileio import atomic_write, fsync_dir
 from datastates.megatron_adapter import paths
 from datastates.megatron_adapter import durable_common_save
@@ -107,7 +107,13 @@ class TorchDistCheckpointManager(CheckpointManager):
         request = _with_fault_points(request, iteration, root, strategy,
                                      lambda: self._commit(iteration, root))
         if self._queue is None:
-            self.agreed(request.execute_sync, f"saving iteration {iteration}", root, iteration)
+            # megatron's execute_sync, with its writer bounded by --ckpt-drain-timeout and its
+            # barrier (on the training group, where a rank whose writer never returns would hold
+            # every other rank until the group's timeout) replaced by an agreement.
+            self.agreed(lambda: _write_within(request, self.ckpt.ckpt_drain_timeout, iteration),
+                        f"saving iteration {iteration}", root, iteration)
+            self.agreed(lambda: [fn() for fn in request.finalize_fns],
+                        f"saving iteration {iteration}", root, iteration)
         else:
             self._queue.schedule_async_request(request)
 
@@ -143,6 +149,56 @@ class TorchDistCheckpointManager(CheckpointManager):
             queue.close(abort=True)  # nothing is left to finalize (or it failed)
 
 
+def _write_within(request, timeout_s: float, iteration: int) -> None:
+    """This rank's part of megatron's sync torch_dist save (`AsyncRequest.execute_sync` up to its
+    barrier: the staging, then the writer, which forks a writer process per file), waited for at
+    most `timeout_s`. Past it, the writer processes it started are killed and the save fails on
+    this rank (agreed on by the caller); the thread left waiting for them is abandoned, as a hung
+    engine writer is. A forked writer can also never finish on its own: it inherits the locks the
+    trainer's other threads held at the fork."""
+    import gc
+    import threading
+
+    import psutil
+
+    args = list(request.async_fn_args)
+    if request.preload_fn:  # as execute_sync: the staged copy replaces the write buckets
+        args[1] = request.preload_fn()
+    if request.async_fn is None:
+        return
+    me = psutil.Process()
+    before = {child.pid for child in me.children()}
+    collecting = gc.isenabled()  # megatron's writer turns collection off until it returns
+    done, failed = threading.Event(), []
+
+    def write() -> None:
+        try:
+            request.async_fn(*args, **request.async_fn_kwargs)
+        except BaseException as err:  # noqa: BLE001 - raised on the caller's thread below
+            failed.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=write, name="torch-dist-writer", daemon=True).start()
+    if not done.wait(timeout_s):
+        started = [child for child in me.children(recursive=True) if child.pid not in before]
+        for child in started:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        if collecting:
+            gc.enable()
+        killed = (f"its writer processes {sorted(child.pid for child in started)} were killed"
+                  if started else "it had started no writer process")
+        raise TimeoutError(
+            f"writing iteration {iteration} timed out after {timeout_s:g} s "
+            f"(--ckpt-drain-timeout): megatron's torch_dist writer did not return (storage not "
+            f"responding, or a writer process that cannot finish); {killed}")
+    if failed:
+        raise failed[0]
+
+
 def _with_fault_points(request, iteration: int, root: str, strategy, commit):
     """megatron's request for a torch_dist save, with the `write` fault point in its writer
     (as a failed write: the rank's result is the error, gathered by megatron's finalize) and
@@ -151,6 +207,7 @@ def _with_fault_points(request, iteration: int, root: str, strategy, commit):
     write = request.async_fn
     if write is not None:
         def faulty_write(rank, buckets, results, *args, **kwargs):
+            fault_point("flush", iteration, rank)  # a pause here models a hung writer
             try:
                 fail_point("write", iteration, rank, paths.checkpoint_dir(root, iteration))
             except Exception as err:  # noqa: BLE001 - reported as this rank's write result
