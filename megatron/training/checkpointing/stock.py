@@ -169,18 +169,18 @@ def _write_within(request, timeout_s: float, iteration: int) -> None:
     me = psutil.Process()
     before = {child.pid for child in me.children()}
     collecting = gc.isenabled()  # megatron's writer turns collection off until it returns
-    done, failed = threading.Event(), []
+    failed: List[BaseException] = []
 
     def write() -> None:
         try:
             request.async_fn(*args, **request.async_fn_kwargs)
         except BaseException as err:  # noqa: BLE001 - raised on the caller's thread below
             failed.append(err)
-        finally:
-            done.set()
 
-    threading.Thread(target=write, name="torch-dist-writer", daemon=True).start()
-    if not done.wait(timeout_s):
+    writer = threading.Thread(target=write, name="torch-dist-writer", daemon=True)
+    writer.start()
+    writer.join(timeout_s)
+    if writer.is_alive():
         started = [child for child in me.children(recursive=True) if child.pid not in before]
         for child in started:
             try:
