@@ -17,7 +17,8 @@ Phases (in the order a save goes through them):
   copy     engine copy thread, before the first tensor of the save is copied to the host cache
            (training blocks in wait_for_snapshot; nothing of this version is on disk yet)
   flush    engine writer, after every byte was written, before the shard's fsync and the rank's
-           index and marker (the version has data but no marker)
+           index and marker (the version has data but no marker); for a torch_dist sync save,
+           the rank's writer before it starts (a hung writer, bounded by --ckpt-drain-timeout)
   commit   trainer (rank 0), after every rank is durable and metadata.json is written, before
            COMMIT.json
   tracker  trainer (rank 0), after COMMIT.json, before latest_checkpointed_iteration.txt moves
