@@ -5,6 +5,10 @@ The flush of one step is held by DATASTATES_FAULT_DELAY_FLUSH (datastates/faults
 scenario happens on every run, not only when the timing is unlucky.
 """
 import json
+import re
+
+import psutil
+import pytest
 
 from crash_harness import stream_launch, verify_committed
 from trainer_launch import NO_DROPOUT, TINY_MODEL, send_sigterm_to_tree
@@ -74,25 +78,36 @@ def test_hung_writer_is_reported_within_the_drain_timeout(tmp_path):
     assert verify_committed(str(root)) == []
 
 
-def test_hung_torch_dist_writer_is_reported_within_the_drain_timeout(tmp_path):
-    """The stock torch_dist sync save, rank 1's writer held for an hour at iteration 2. In
-    megatron's execute_sync rank 0 would wait in its barrier until the training group's timeout
-    (10 minutes) and rank 1 for ever: a reference launch of the fault matrix once sat 240 s
-    without a line after its last iteration (2026-12-07, under the suite's load; a forked writer
-    process that cannot finish is the likely cause). The writer's wait is bounded by
-    --ckpt-drain-timeout: every rank stops with one line naming rank 1; iteration 1 stays the
-    newest complete checkpoint."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_hung_torch_dist_writer_is_reported_within_the_drain_timeout(tmp_path, mode):
+    """The stock torch_dist save, rank 1's writer held for an hour at iteration 2. In megatron's
+    execute_sync (sync) rank 0 would wait in its barrier until the training group's timeout (10
+    minutes) and rank 1 for ever: a reference launch of the fault matrix once sat 240 s without a
+    line after its last iteration (2026-12-07, under the suite's load; a forked writer process
+    that cannot finish is the likely cause). With --async-save the writer is megatron's forked
+    process, joined without a bound by its blocking finalize (the next save's, rank 1) while
+    rank 0 waits in its all-reduce. Either wait is bounded by --ckpt-drain-timeout: every rank
+    stops with one line naming rank 1 (with --async-save: the writer process killed, no orphan
+    left); iteration 1 stays the newest complete checkpoint."""
     root = tmp_path / "ckpt"
-    run = stream_launch(2, TINY_MODEL + NO_DROPOUT + [
+    flags = ["--async-save"] if mode == "async" else []
+    run = stream_launch(2, TINY_MODEL + NO_DROPOUT + flags + [
         "--eval-interval", "0", "--save-interval", "1", "--train-iters", "4", "--save",
         str(root), "--ckpt-drain-timeout", "5"],
         {"DATASTATES_FAULT_DELAY_FLUSH": "3600@2:1"}, timeout=180)
     assert run.returncode == 1, run.tail()  # torchrun's, for a rank that exited with 2
     errors = _errors(run)
     assert len(errors) == 1, run.tail()
+    killed = ("it had started no writer process" if mode == "sync" else
+              "megatron's --async-save writer process did not finish")
     for needle in ("saving iteration 2 failed on rank(s) [1]", "timed out after 5 s",
-                   "--ckpt-drain-timeout", "it had started no writer process",
+                   "--ckpt-drain-timeout", killed,
                    "the newest complete checkpoint is iteration 1"):
         assert needle in errors[0], (needle, errors[0])
     assert _tracked(root) == 1 and (root / "iter_0000001" / "metadata.json").is_file()
     assert not (root / "iter_0000002" / "metadata.json").exists()  # torch_dist's commit marker
+    if mode == "async":
+        pids = [int(p) for p in re.search(r"its processes \[([\d, ]+)\] were killed",
+                                          errors[0]).group(1).split(",")]
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() !=
+                       psutil.STATUS_ZOMBIE for p in pids), pids

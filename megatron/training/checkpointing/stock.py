@@ -5,11 +5,13 @@ sync or ``--async-save``) and the legacy ``torch`` format. When is the base clas
 from __future__ import annotations
 
 import os
-from typing import List
+import time
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from datastates import CheckpointError
 from datastates.faults import fail_point, fault_point
 from datastates.fileio import atomic_write, fsync_dir
 from datastates.megatron_adapter import paths
@@ -37,6 +39,7 @@ class TorchDistCheckpointManager(CheckpointManager):
     def __init__(self, config: RunConfig):
         super().__init__(config)
         self._queue = None
+        self._in_flight: Optional[Tuple[str, int]] = None  # --async-save: (root, iteration)
         self._strategy = None  # kept across saves with --ckpt-assume-constant-structure
         if self.ckpt.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -116,6 +119,7 @@ class TorchDistCheckpointManager(CheckpointManager):
                         f"saving iteration {iteration}", root, iteration)
         else:
             self._queue.schedule_async_request(request)
+            self._in_flight = (root, iteration)
 
     def _commit(self, iteration: int, root: str) -> None:
         """Every rank, once every rank's files of `iteration` are written (megatron's finalize
@@ -132,8 +136,25 @@ class TorchDistCheckpointManager(CheckpointManager):
         self.agreed(commit, f"committing iteration {iteration}", root, iteration)
 
     def _agreed_poll(self, blocking: bool) -> None:
+        root, iteration = self._in_flight or (self.ckpt.save, None)
+        if blocking and self._queue.get_num_unfinalized_calls():
+            # megatron's blocking finalize joins each rank's writer process without a bound,
+            # while the ranks whose writer is done wait in its all-reduce on the training group:
+            # the writers are waited for here first, bounded, and agreed on. A timed-out save is
+            # dropped on every rank (its writer processes killed, nothing of it finalized).
+            try:
+                self.agreed(lambda: _writers_exit_within(self._queue, self.ckpt.ckpt_drain_timeout,
+                                                         iteration),
+                            f"saving iteration {iteration}", root, iteration)
+            except CheckpointError:
+                queue, self._queue = self._queue, type(self._queue)(persistent=False)
+                queue.close(abort=True)
+                self._in_flight = None
+                raise
         self.agreed(lambda: self._queue.maybe_finalize_async_calls(blocking=blocking),
-                    "finishing an --async-save checkpoint", self.ckpt.save, None)
+                    "finishing an --async-save checkpoint", root, iteration)
+        if not self._queue.get_num_unfinalized_calls():
+            self._in_flight = None
 
     def _poll(self, iteration: int) -> None:
         if self._queue is not None:
@@ -167,7 +188,7 @@ def _write_within(request, timeout_s: float, iteration: int) -> None:
     if request.async_fn is None:
         return
     me = psutil.Process()
-    before = {child.pid for child in me.children()}
+    before = {child.pid for child in me.children(recursive=True)}
     collecting = gc.isenabled()  # megatron's writer turns collection off until it returns
     failed: List[BaseException] = []
 
@@ -181,22 +202,59 @@ def _write_within(request, timeout_s: float, iteration: int) -> None:
     writer.start()
     writer.join(timeout_s)
     if writer.is_alive():
-        started = [child for child in me.children(recursive=True) if child.pid not in before]
-        for child in started:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
+        started = _kill([child for child in me.children(recursive=True)
+                         if child.pid not in before])
         if collecting:
             gc.enable()
-        killed = (f"its writer processes {sorted(child.pid for child in started)} were killed"
-                  if started else "it had started no writer process")
+        killed = (f"its writer processes {started} were killed" if started
+                  else "it had started no writer process")
         raise TimeoutError(
             f"writing iteration {iteration} timed out after {timeout_s:g} s "
             f"(--ckpt-drain-timeout): megatron's torch_dist writer did not return (storage not "
             f"responding, or a writer process that cannot finish); {killed}")
     if failed:
         raise failed[0]
+
+
+def _writers_exit_within(queue, timeout_s: float, iteration: Optional[int]) -> None:
+    """This rank's --async-save writer processes (megatron's forked caller, one per save in
+    flight), waited for at most `timeout_s` in all. Past it each one still running is killed with
+    the processes it started (one per file) and the save fails on this rank (agreed on by the
+    caller); no collective here."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    for call in list(queue.async_calls):
+        process = getattr(call.async_caller, "process", None)
+        if process is None:
+            continue
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            try:
+                top = psutil.Process(process.pid)
+                tree = top.children(recursive=True) + [top]
+            except psutil.Error:
+                tree = []
+            killed = _kill(tree)
+            raise TimeoutError(
+                f"writing iteration {iteration} timed out after {timeout_s:g} s "
+                f"(--ckpt-drain-timeout): megatron's --async-save writer process did not finish "
+                f"(storage not responding, or a writer process that cannot finish); its "
+                f"processes {killed} were killed")
+
+
+def _kill(processes) -> List[int]:
+    """SIGKILL each of `processes` (psutil) that is still there; the pids signalled, sorted."""
+    import psutil
+
+    killed = []
+    for proc in processes:
+        try:
+            proc.kill()
+            killed.append(proc.pid)
+        except psutil.Error:
+            pass
+    return sorted(killed)
 
 
 def _with_fault_points(request, iteration: int, root: str, strategy, commit):
