@@ -89,6 +89,12 @@ def agree(fn: Callable[[], T], what: str,
     raise failure from err
 
 
+def reason_of(err: BaseException) -> str:
+    """A `describe` for `agree`: a CheckpointError's reason without its [rank, file] prefix (the
+    agreed message names the ranks; the same words on several ranks are then listed once)."""
+    return getattr(err, "reason", None) or str(err)
+
+
 def agreed_failure(err: Optional[BaseException], what: str,
                    describe: Callable[[BaseException], Optional[str]] = str
                    ) -> Optional[CheckpointError]:

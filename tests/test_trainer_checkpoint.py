@@ -388,13 +388,14 @@ def test_entry_point_reports_bad_layout_and_missing_load_in_one_line(dropout_run
 
 def test_resume_with_another_schedule_follows_megatron_lms_rule(dropout_run):
     """Resuming with another --train-iters changes the decay length: refused by default with what
-    differs and the two flags; --override-opt_param-scheduler follows this run's flags,
-    --use-checkpoint-opt_param-scheduler the checkpoint's, each saying so. (From the dropout
-    run's iteration 6; these runs save nothing.)"""
+    differs and the two flags, in one line for the two ranks that find it (agreed on);
+    --override-opt_param-scheduler follows this run's flags, --use-checkpoint-opt_param-scheduler
+    the checkpoint's, each saying so. (From the dropout run's iteration 6; these runs save
+    nothing.)"""
     _, root = dropout_run
     longer = TINY_MODEL + ["--train-iters", "7", "--load", str(root), "--eval-interval", "0"]
-    refused = launch(1, longer)
-    assert refused.returncode == 2, refused.describe()
+    refused = launch(2, longer)
+    assert refused.returncode == 1, refused.describe()  # torchrun's, for ranks that exited with 2
     errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
     assert len(errors) == 1, refused.describe()
     for needle in ("another learning-rate schedule", "decay samples (--lr-decay-iters, default "

@@ -949,7 +949,7 @@ class LazyCheckpointer:
         try:
             control_plane.agree(check, f"checking that every rank can write its "
                                        f"{local_tier.FLAG}",
-                                describe=lambda e: getattr(e, "reason", None) or str(e))
+                                describe=control_plane.reason_of)
         except CheckpointError as err:
             raise CheckpointError(err.reason + ". Nothing was saved or removed", rank=self.rank,
                                   file=local_dir, ranks=err.ranks) from err.__cause__
@@ -1258,7 +1258,7 @@ class LazyCheckpointer:
             err = ReplicaMismatch("; ".join(problems), rank=self.rank, file=p.directory)
         failure = control_plane.agreed_failure(
             err, f"the replica check of iteration {p.iteration}",
-            describe=lambda e: getattr(e, "reason", None) or str(e))
+            describe=control_plane.reason_of)
         if failure is None:
             return
         if self.on_refused is not None:

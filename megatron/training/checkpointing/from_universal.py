@@ -214,10 +214,12 @@ def load_universal(state: TrainState, config: RunConfig, directory: str,
             raise CheckpointError("could not load the universal checkpoint: another rank found "
                                   "it damaged (see that rank's error)", path=directory)
         _apply_common(loaded, m, load_optim, distributed, u.megatron_common)
-    note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=False,
-                                   finetune=ckpt.finetune or bool(m.get("release")),
-                                   schedule=config.optimizer.scheduler_on_resume, path=directory,
-                                   allow_unsafe_pickle=ckpt.allow_unsafe_pickle)
+    note = control_plane.agree(lambda: apply_loaded_state_dict(  # one line (`loading._load`)
+        state, loaded, load_optim=load_optim, load_rng=False,
+        finetune=ckpt.finetune or bool(m.get("release")),
+        schedule=config.optimizer.scheduler_on_resume, path=directory,
+        allow_unsafe_pickle=ckpt.allow_unsafe_pickle), f"loading {directory}",
+        describe=control_plane.reason_of)
     if note:
         print_rank_0(note)
     print_rank_0(f"loaded universal checkpoint {directory} (iteration {m['iteration']}, saved at "

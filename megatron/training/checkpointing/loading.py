@@ -254,10 +254,13 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
                     view.copy_(got)
         for key in ("param_state", "param_state_sharding_type"):
             loaded["optimizer"].pop(key, None)
-    note = apply_loaded_state_dict(state, loaded, load_optim=load_optim, load_rng=load_rng,
-                                   finetune=ckpt.finetune,
-                                   schedule=config.optimizer.scheduler_on_resume, path=directory,
-                                   allow_unsafe_pickle=unsafe, partial=bool(lacking[0]))
+    # Agreed on: a refusal (another schedule, a model that does not fit) is one line, not one
+    # per rank, and a rank whose part fails stops every rank before the next collective.
+    note = control_plane.agree(lambda: apply_loaded_state_dict(
+        state, loaded, load_optim=load_optim, load_rng=load_rng, finetune=ckpt.finetune,
+        schedule=config.optimizer.scheduler_on_resume, path=directory, allow_unsafe_pickle=unsafe,
+        partial=bool(lacking[0])), f"loading {directory}",
+        describe=control_plane.reason_of)
     if own_boxes and distopt_shards.state_pointers(state.optimizer) != pointers:
         raise CheckpointError("megatron-core's DistributedOptimizer.load_state_dict replaced the "
                               "optimizer's state tensors that the load read into; this version "
