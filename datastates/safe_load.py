@@ -13,8 +13,9 @@ one of these, and nothing else in the code base may call `pickle.load(s)` or `to
   `pickle.load`); ours is a restricted unpickler that builds only DCP's metadata dataclasses,
   torch dtypes/sizes/layouts and paths, then checks that every storage file it names stays inside
   the checkpoint directory.
-- `SafeFileSystemReader` / `SafeLoadPlanner`: DCP's reader and planner with those two reads swapped
-  in (DCP's default planner unpickles every saved object with `weights_only=False`).
+- `SafeBytesMixin`: DCP saved objects read with `torch_load` (DCP's default planner unpickles every
+  saved object with `weights_only=False`); `safe_dcp.py` builds DCP's reader and planner with
+  these reads swapped in.
 - `opt_in_pickle_loads`: the engine's own `allow_pickle` objects, read only on opt-in.
 """
 from __future__ import annotations
@@ -31,13 +32,12 @@ import zipfile
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from .errors import CheckpointError
 
-__all__ = ["UNSAFE_PICKLE_FLAG", "SafeBytesMixin", "SafeFileSystemReader", "SafeLoadPlanner",
-           "UnsafePickleError", "opt_in_pickle_loads", "pickle_imports", "read_dcp_metadata",
-           "reraise_dcp_failure", "safe_globals", "torch_load"]
+__all__ = ["UNSAFE_PICKLE_FLAG", "SafeBytesMixin", "UnsafePickleError", "opt_in_pickle_loads",
+           "pickle_imports", "read_dcp_metadata", "reraise_dcp_failure", "safe_globals",
+           "torch_load"]
 
 UNSAFE_PICKLE_FLAG = "--allow-unsafe-pickle"
 
@@ -264,27 +264,6 @@ def _check_storage_paths(md, directory: str, path: str) -> None:
                                   f"to {full}, outside the checkpoint directory", file=path)
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader whose `.metadata` is read by `read_dcp_metadata`."""
-
-    def __init__(self, path, *args, allow_unsafe: bool = False, **kwargs):
-        super().__init__(path, *args, **kwargs)
-        self._directory = str(path)
-        self._allow_unsafe = allow_unsafe
-        self._metadata = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self._metadata is None:
-            md = read_dcp_metadata(self._directory, allow_unsafe=self._allow_unsafe)
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            if getattr(md, "storage_meta", None) is None:
-                md.storage_meta = StorageMeta()
-            md.storage_meta.load_id = self.load_id
-            self._metadata = md
-        return self._metadata
-
-
 class SafeBytesMixin:
     """Mix into any DCP `LoadPlanner` (DCP's default one, megatron-core's `MCoreLoadPlanner`):
     saved objects (`BytesStorageMetadata`) are unpickled with `torch_load` instead of
@@ -319,7 +298,3 @@ def reraise_dcp_failure(err: BaseException) -> None:
         for _, (exc, _trace) in sorted(err.failures.items()):
             if isinstance(exc, CheckpointError):
                 raise exc from None
-
-
-class SafeLoadPlanner(SafeBytesMixin, DefaultLoadPlanner):
-    """DCP's default planner with `SafeBytesMixin`."""

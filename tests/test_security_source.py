@@ -5,7 +5,7 @@ Reads every Python file of the repository with `ast` (never imports it) and fail
 - any `weights_only=False`;
 - `pickle.load`, `pickle.loads`, `pickle.Unpickler`, `numpy.load(..., allow_pickle=True)`;
 - PyTorch DCP's `FileSystemReader(...)` (its `read_metadata` is a plain `pickle.load`: use
-  `datastates.safe_load.SafeFileSystemReader`).
+  `datastates.safe_dcp.SafeFileSystemReader`).
 The allowed places are listed by (file, function) below; each is the body of an explicit opt-in.
 """
 import ast
@@ -92,7 +92,7 @@ class _Checker(ast.NodeVisitor):
             self._flag(node, f"{name}(allow_pickle=True)")
         if name.endswith("FileSystemReader") and name.split(".")[-1] == "FileSystemReader":
             self._flag(node, f"{name}(...) reads .metadata with pickle.load; use "
-                             "datastates.safe_load.SafeFileSystemReader")
+                             "datastates.safe_dcp.SafeFileSystemReader")
         self.generic_visit(node)
 
     def visit_Attribute(self, node: ast.Attribute):

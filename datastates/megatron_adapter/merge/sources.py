@@ -15,8 +15,7 @@ import torch
 
 from ...errors import CheckpointError
 from ...reader import CheckpointReader
-from ...safe_load import (SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata,
-                         reraise_dcp_failure)
+from ...safe_load import read_dcp_metadata, reraise_dcp_failure
 from ...universal import Entry, MergeSource
 from . import plan as merge_plan
 from ..paths import METADATA_FILENAME, Format, saved_common, sharded_backend
@@ -128,6 +127,8 @@ class TorchDistSource(Source):
 
     def _load(self, state: dict) -> dict:
         from torch.distributed.checkpoint import load
+
+        from ...safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
         unsafe = self.allow_unsafe_pickle
         try:

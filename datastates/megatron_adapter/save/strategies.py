@@ -56,7 +56,8 @@ from ...engine import CheckpointEngine, SaveHandle
 from ...errors import CheckpointError
 from ...layout import local_version_dir
 from ...reader import CheckpointReader
-from ...safe_load import SafeBytesMixin, SafeFileSystemReader, reraise_dcp_failure, torch_load
+from ...safe_dcp import SafeFileSystemReader
+from ...safe_load import SafeBytesMixin, reraise_dcp_failure, torch_load
 from ...flatten import TensorShard
 from ..paths import COMMON_FILENAME, saved_common, sharded_backend
 # A module reference, not its names: importing payload first imports megatron.core, whose import
