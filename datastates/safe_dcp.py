@@ -2,7 +2,7 @@
 pickle read by `read_dcp_metadata`, saved objects by `SafeBytesMixin` (DCP's own unpickle both with
 `pickle.load` / `weights_only=False`).
 
-A module of its own because importing DCP costs ~0.9 s of CPU (it imports DTensor): the processes
+A module of its own because importing DCP costs ~1.2 s of CPU (it imports DTensor): the processes
 that import `datastates` but never read a torch_dist checkpoint (merge workers, DeepSpeed's
 engine, the converters of other formats) no longer pay it at start.
 """
