@@ -15,8 +15,15 @@ fi
 PY="$VENV/bin/python"
 # Install only what is missing so a reused venv costs a second, not a minute.
 if ! "$PY" -c "import torch, megatron.core, psutil, pytest, xdist, safetensors, crc32c, matplotlib, importlinter, tensorboard, wandb, transformers, deepspeed" >/dev/null 2>&1; then
-  # One resolver run for torch and the rest (two cost ~10 s more on a fresh venv).
-  "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0 -r "$ROOT/requirements.txt"
+  # One resolver run for torch and the rest (two cost ~10 s more on a fresh venv). pip compiles
+  # what it installs to bytecode on one core; compileall does the same files on every core: 41 +
+  # 26 s against 76 s for a fresh venv on 2 cores (the same 13,846 .pyc files).
+  "$PY" -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 \
+    -r "$ROOT/requirements.txt"
+  SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  # A few packaged files are not valid Python 3.11 (templates, tests of other versions): pip
+  # skips them too.
+  "$PY" -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 || true
 fi
 # From / so that the repository's own directory on sys.path cannot hide a missing install.
 if ! (cd / && "$PY" -c "import datastates, megatron.training, tools.errors") >/dev/null 2>&1 \
