@@ -206,12 +206,9 @@ def _write_within(request, timeout_s: float, iteration: int) -> None:
                          if child.pid not in before])
         if collecting:
             gc.enable()
-        killed = (f"its writer processes {started} were killed" if started
-                  else "it had started no writer process")
-        raise TimeoutError(
-            f"writing iteration {iteration} timed out after {timeout_s:g} s "
-            f"(--ckpt-drain-timeout): megatron's torch_dist writer did not return (storage not "
-            f"responding, or a writer process that cannot finish); {killed}")
+        raise _timed_out(iteration, timeout_s, "torch_dist writer did not return",
+                         f"its writer processes {started} were killed" if started
+                         else "it had started no writer process")
     if failed:
         raise failed[0]
 
@@ -235,12 +232,17 @@ def _writers_exit_within(queue, timeout_s: float, iteration: Optional[int]) -> N
                 tree = top.children(recursive=True) + [top]
             except psutil.Error:
                 tree = []
-            killed = _kill(tree)
-            raise TimeoutError(
-                f"writing iteration {iteration} timed out after {timeout_s:g} s "
-                f"(--ckpt-drain-timeout): megatron's --async-save writer process did not finish "
-                f"(storage not responding, or a writer process that cannot finish); its "
-                f"processes {killed} were killed")
+            raise _timed_out(iteration, timeout_s, "--async-save writer process did not finish",
+                             f"its processes {_kill(tree)} were killed")
+
+
+def _timed_out(iteration: Optional[int], timeout_s: float, what: str,
+               killed: str) -> TimeoutError:
+    """The error of a wait on megatron's writer past --ckpt-drain-timeout: `what` of megatron's
+    did not end; `killed` says what was killed."""
+    return TimeoutError(f"writing iteration {iteration} timed out after {timeout_s:g} s "
+                        f"(--ckpt-drain-timeout): megatron's {what} (storage not responding, or "
+                        f"a writer process that cannot finish); {killed}")
 
 
 def _kill(processes) -> List[int]:
