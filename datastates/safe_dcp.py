@@ -36,6 +36,5 @@ class SafeFileSystemReader(FileSystemReader):
         return self._metadata
 
 
-
 class SafeLoadPlanner(SafeBytesMixin, DefaultLoadPlanner):
     """DCP's default planner with `SafeBytesMixin`."""
