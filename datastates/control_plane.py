@@ -65,11 +65,13 @@ def control_group(timeout_s: Optional[float] = None):
 
 
 def agree(fn: Callable[[], T], what: str,
-          describe: Callable[[BaseException], Optional[str]] = str) -> T:
+          describe: Callable[[BaseException], Optional[str]] = str,
+          undo: Optional[Callable[[T], None]] = None) -> T:
     """Every rank: run `fn` and return its result, unless it raised on any rank; then every rank
     raises the same `CheckpointError` ("`what` failed on rank(s) [...]: ...", each failing
-    rank's error as `describe` words it, or `(text, ranks)` for an error about other ranks). One
-    all-gather of one integer when nothing failed.
+    rank's error as `describe` words it, or `(text, ranks)` for an error about other ranks),
+    after `undo(result)` where `fn` succeeded (e.g. closing what it opened). One all-gather of
+    one integer when nothing failed.
     Exceptions outside `Exception` count too (PyTorch DCP's CheckpointException is a
     BaseException), but not KeyboardInterrupt and SystemExit."""
     err: Optional[BaseException] = None
@@ -83,6 +85,8 @@ def agree(fn: Callable[[], T], what: str,
     failure = agreed_failure(err, what, describe)
     if failure is None:
         return result
+    if err is None and undo is not None:
+        undo(result)
     if isinstance(err, CheckpointError) and err.agreed and \
             failure.ranks == list(range(dist.get_world_size())):
         raise err  # every rank raised an error agreed on inside `fn` (a nested agreement)

@@ -259,11 +259,37 @@ def test_load_refuses_a_flipped_byte_naming_file_and_tensor(probed):
     results, root = probed
     r = results["flipped"]
     assert not r["ok"] and r["error"].startswith("CheckpointError: "), r
-    for needle in ("could not load the universal checkpoint", "checksum mismatch",
+    for needle in ("loading the universal checkpoint ", "failed on rank(s) [0]: ",
+                   "checksum mismatch",
                    "flipped/iter_0000002/model-00001-of-00001.safetensors",
                    "tensor 'embedding.word_embeddings.weight'", "expected crc32c 0x",
                    "--ckpt-fallback-to-previous to resume from iteration 1"):
         assert needle in r["error"], (needle, r["error"])
+
+
+def test_a_byte_damaged_where_one_rank_reads_is_one_line_naming_that_rank(probed, tmp_path):
+    """At PP2 only rank 1 reads layers 2-3: it names the damage, every rank stops, one line (was
+    rank 1's error and rank 0's "another rank found it damaged")."""
+    from trainer_launch import NO_DROPOUT, TINY_MODEL, launch
+
+    _, root = probed
+    for i in (1, 2):  # checksummed per 4 KiB, so that the two stages read different chunks
+        write_universal(open_source(str(root / "save" / f"iter_{i:07d}")),
+                        str(tmp_path / "u" / f"iter_{i:07d}"), chunk_bytes=4096)
+    (tmp_path / "u" / "latest_checkpointed_iteration.txt").write_text("2")
+    it = str(tmp_path / "u" / "iter_0000002")
+    name = "decoder.layers.self_attention.linear_qkv.weight"  # the 4 layers stacked
+    path, offset, nbytes = tensor_span(it, name)
+    flip_byte(path, offset + nbytes - 5)
+    run = launch(2, TINY_MODEL + NO_DROPOUT + ["--eval-interval", "0", "--train-iters", "3",
+                                               "--pipeline-model-parallel-size", "2",
+                                               "--load", str(tmp_path / "u")])
+    assert run.returncode != 0, run.describe()
+    (line,) = [ln for ln in run.stderr.splitlines() if "pretrain_gpt.py: error:" in ln]
+    for needle in (f"loading the universal checkpoint {it} failed on rank(s) [1]: ",
+                   f"tensor '{name}'", "checksum mismatch",
+                   "--ckpt-fallback-to-previous to resume from iteration 1"):
+        assert needle in line, (needle, line)
 
 
 def test_fallback_resumes_from_the_newest_intact_universal_checkpoint(probed):

@@ -22,7 +22,6 @@ import os
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 import datastates
 from datastates import control_plane
@@ -188,7 +187,12 @@ def load_universal(state: TrainState, config: RunConfig, directory: str,
     load on every rank (none is left waiting in a collective). `damage_hint()` says what to do
     about a damaged file (e.g. the older checkpoints to fall back to)."""
     ckpt = config.checkpoint
-    with open_universal(directory, config, damage_hint) as u:
+    what = f"loading the universal checkpoint {directory}"
+    # Every rank reads the manifest and finds the same mistake (another model, a forged object):
+    # one line; a tensor file damaged where one rank reads it stops every rank, named once.
+    opened = control_plane.agree(lambda: open_universal(directory, config, damage_hint), what,
+                                 describe=control_plane.reason_of, undo=UniversalCheckpoint.close)
+    with opened as u:
         m = u.manifest
         load_optim = ckpt.load_optim and not ckpt.finetune and m["optimizer"] is not None
         if m.get("release"):
@@ -198,28 +202,18 @@ def load_universal(state: TrainState, config: RunConfig, directory: str,
             init_distributed_optimizer_state(state.optimizer)
         sd = build_sharded_state_dict(state, config, is_loading=True, include_optim=load_optim,
                                       include_rng=False)
-        error: Optional[BaseException] = None
-        try:
-            loaded = _fill(sd, u)
-        except UnsafePickleError:
-            raise  # the same on every rank (objects are read by all): names the manifest
-        except datastates.CheckpointError as err:
-            error = CheckpointError(f"could not load the universal checkpoint: {err}"
-                                    + damage_hint(), path=directory)
-            error.__cause__ = err
-        (ok,) = control_plane.all_reduce([0 if error is not None else 1], op=dist.ReduceOp.MIN)
-        if error is not None:
-            raise error
-        if not ok:
-            raise CheckpointError("could not load the universal checkpoint: another rank found "
-                                  "it damaged (see that rank's error)", path=directory)
-        _apply_common(loaded, m, load_optim, distributed, u.megatron_common)
-    note = control_plane.agree(lambda: apply_loaded_state_dict(  # one line (`loading._load`)
-        state, loaded, load_optim=load_optim, load_rng=False,
-        finetune=ckpt.finetune or bool(m.get("release")),
-        schedule=config.optimizer.scheduler_on_resume, path=directory,
-        allow_unsafe_pickle=ckpt.allow_unsafe_pickle), f"loading {directory}",
-        describe=control_plane.reason_of)
+        loaded = control_plane.agree(
+            lambda: _fill(sd, u), what, describe=lambda err: str(err) + (
+                "" if isinstance(err, UnsafePickleError) else damage_hint()))
+
+        def apply() -> Optional[str]:  # one line for a refusal (as in `loading._load`)
+            _apply_common(loaded, m, load_optim, distributed, u.megatron_common)
+            return apply_loaded_state_dict(
+                state, loaded, load_optim=load_optim, load_rng=False,
+                finetune=ckpt.finetune or bool(m.get("release")),
+                schedule=config.optimizer.scheduler_on_resume, path=directory,
+                allow_unsafe_pickle=ckpt.allow_unsafe_pickle)
+        note = control_plane.agree(apply, what, describe=control_plane.reason_of)
     if note:
         print_rank_0(note)
     print_rank_0(f"loaded universal checkpoint {directory} (iteration {m['iteration']}, saved at "
