@@ -228,11 +228,35 @@ def test_tracker_naming_an_uncommitted_checkpoint_is_refused(dp2, tmp_path):
     os.remove(tmp_path / "load" / "iter_0000005" / "COMMIT.json")
     resumed = launch(2, TINY_MODEL + SIX + DISTOPT + ["--load", load])
     assert resumed.returncode != 0
-    # torchrun prints its own traceback for a failed worker; ours is one line per rank.
+    # torchrun prints its own traceback for a failed worker; ours is one line, agreed on.
     errors = [line for line in (resumed.stdout + resumed.stderr).splitlines()
               if line.startswith("pretrain_gpt.py: error:")]
-    assert errors and all("not committed" in line and "iter_0000005" in line for line in errors), \
+    assert len(errors) == 1 and "not committed" in errors[0] and "iter_0000005" in errors[0], \
         resumed.describe()
+
+
+def test_a_shard_damaged_where_one_rank_reads_stops_every_rank_in_one_line(dp2, tmp_path):
+    """A flipped byte in rank 1's range of the distributed optimizer's state: only rank 1 reads
+    it, every rank stops before anything is applied, one line naming rank 1, the file and the
+    tensor (was rank 1's error, and rank 0 waiting for it in the next collective)."""
+    _, root = dp2
+    load = copy_checkpoints(root, [5], 5, tmp_path / "load")
+    version = tmp_path / "load" / "iter_0000005"
+    index = json.loads((version / "index_r00001.json").read_text())
+    t = next(t for t in index["tensors"] if t["key"].startswith("optimizer.") and t["nbytes"] > 64)
+    with open(version / t["file"], "r+b") as f:
+        f.seek(t["offset"] + t["nbytes"] // 2)
+        byte = f.read(1)[0]
+        f.seek(t["offset"] + t["nbytes"] // 2)
+        f.write(bytes([byte ^ 0x40]))
+    resumed = launch(2, TINY_MODEL + SIX + DISTOPT + ["--load", load])
+    assert resumed.returncode != 0
+    errors = [line for line in (resumed.stdout + resumed.stderr).splitlines()
+              if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1, resumed.describe()
+    for needle in (f"loading {version} failed on rank(s) [1]: ", "checksum mismatch",
+                   f"file {version / t['file']}", f"tensor '{t['key']}'"):
+        assert needle in errors[0], (needle, errors[0])
 
 
 def test_rampup_batch_size_saves_where_the_batch_grows_and_resumes_on_the_ramp(tmp_path):

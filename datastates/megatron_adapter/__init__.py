@@ -41,7 +41,7 @@ _EXPORTS = {
     "SafeCommonLoadStrategy": "save.strategies", "SafeTorchDistLoadStrategy": "save.strategies",
     "durable_common_save": "save.strategies", "engine_payload": "save.payload",
     "load_strategies": "save.strategies", "read_sharded_tensor": "save.strategies",
-    "save_strategy": "save.strategies",
+    "AgreedLoadStrategy": "save.strategies", "save_strategy": "save.strategies",
     # save plan
     "SavePlanCache": "save.plan", "StructurePolicy": "save.plan",
     # merge

@@ -51,7 +51,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
 )
 
-from ... import fileio
+from ... import control_plane, fileio
 from ...engine import CheckpointEngine, SaveHandle
 from ...errors import CheckpointError
 from ...layout import local_version_dir
@@ -400,6 +400,40 @@ class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
     def load_sharded_metadata(self, checkpoint_dir):
         with self._safe_readers(checkpoint_dir):
             return super().load_sharded_metadata(checkpoint_dir)
+
+
+class AgreedLoadStrategy(LoadShardedStrategy):
+    """`base`'s reads of a checkpoint's tensors, agreed on by every rank (`control_plane.agree`):
+    a shard damaged where one rank reads stops every rank with one error naming the ranks that
+    found it (`describe` words each), instead of one line per rank or a rank left waiting in the
+    next collective. Every rank calls `load` at the same point of `dist_checkpointing.load` (its
+    last step, after its collectives; inside `FullyParallelLoadStrategyWrapper`, before its
+    exchange), so the agreement meets no other collective."""
+
+    def __init__(self, base: LoadShardedStrategy, what: str,
+                 describe: Callable[[BaseException], Optional[str]] = str):
+        super().__init__()
+        self.base, self.what, self.describe = base, what, describe
+
+    def load(self, sharded_state_dict, checkpoint_dir):
+        return control_plane.agree(lambda: self.base.load(sharded_state_dict, checkpoint_dir),
+                                   self.what, describe=self.describe)
+
+    def load_tensors_metadata(self, checkpoint_dir, *args, **kwargs):
+        return self.base.load_tensors_metadata(checkpoint_dir, *args, **kwargs)
+
+    def load_sharded_metadata(self, checkpoint_dir):
+        return self.base.load_sharded_metadata(checkpoint_dir)
+
+    @property
+    def can_handle_sharded_objects(self):
+        return self.base.can_handle_sharded_objects
+
+    def check_backend_compatibility(self, loaded_backend):
+        return self.base.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version):
+        return self.base.check_version_compatibility(loaded_version)
 
 
 def load_strategies(checkpoint_dir: str, allow_unsafe_pickle: bool = False,

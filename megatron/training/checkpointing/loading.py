@@ -20,9 +20,9 @@ import torch.distributed as dist
 import datastates
 from datastates import control_plane
 from datastates.fileio import safe_join
-from datastates.megatron_adapter import adopt_left_memory, assemble_memory_for_layout, \
-    is_assembled_memory, load_strategies, memory_holds_other_ranks, newest_on_every_node, \
-    node_index, paths, restore_memory_from_peers
+from datastates.megatron_adapter import AgreedLoadStrategy, adopt_left_memory, \
+    assemble_memory_for_layout, is_assembled_memory, load_strategies, memory_holds_other_ranks, \
+    newest_on_every_node, node_index, paths, restore_memory_from_peers
 from datastates.safe_load import UnsafePickleError
 from datastates.universal import is_universal
 
@@ -155,71 +155,25 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
             root = chosen
         directory = paths.checkpoint_dir(root, iteration)
     also = ckpt.load if ckpt.load and root != ckpt.load else None  # for the damage hints
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"tracker names {os.path.basename(directory)} but {directory} is "
-                              "missing" + _hint(directory, also), path=root)
+    # Every rank reads the same files and finds the same mistake (another model, a missing
+    # directory, a forged common state): agreed on before the first collective, one line.
+    plan = control_plane.agree(lambda: _inspect(state, config, directory, release, also),
+                               f"loading {directory}", describe=_words)
     state.loaded = directory
-    if _load_if_universal(state, config, directory):  # e.g. --load <save>/universal
-        return True
-    # DataStates checkpoints load through dist_checkpointing like torch_dist ones.
-    kind = paths.detect_format(directory)
-    fmt = CkptFormat.TORCH if kind is paths.Format.TORCH else CkptFormat.TORCH_DIST
-    unsafe = ckpt.allow_unsafe_pickle
-    saved_json = _saved_config(directory, kind, unsafe, also)
-    strictness = ckpt.dist_ckpt_strictness if fmt is CkptFormat.TORCH_DIST else STRICTNESS[0]
-    bridged = check_model_shape(saved_json, config, directory,
-                                tensor_set_may_differ=strictness in LENIENT_STRICTNESS)
-    if bridged:
-        print_rank_0(f"--dist-ckpt-strictness {strictness}: the checkpoint's model differs in "
-                     f"tensors it holds ({'; '.join(bridged)}); the tensors both have are loaded")
-    saved = json.loads(saved_json)
-    saved_layout = _layout_of(saved)
-    run_layout = parallel_layout(config)
-    same_layout = saved_layout == run_layout
-    load_optim = (ckpt.load_optim and not ckpt.finetune and not release
-                  and saved["checkpoint"]["save_optim"])
-    load_rng = (ckpt.load_rng and not ckpt.finetune and not release
-                and saved["checkpoint"]["save_rng"])
-    # torch files were read by saved_run_config, which requires ours
-    common = None if kind is paths.Format.TORCH else paths.saved_common(directory, unsafe)
-    megatron_lm = common if common is not None and upstream_compat.is_upstream(common) else None
-    rng_layout = (RngLayout.MEGATRON_LM if megatron_lm is not None else
-                  rng_layout_of(common) if common is not None else RngLayout.PER_RANK)
-    # Ours is per rank; Megatron-LM's per (PP, TP) rank, restored on every DP rank as it does.
-    rng_fits = same_layout if megatron_lm is None else _same_tp_pp(saved_layout, run_layout)
-    if load_rng and not rng_fits:
-        print_rank_0(f"checkpoint layout {saved_layout} differs from this run's {run_layout}: "
-                     "RNG states are per rank and are not restored")
-        load_rng = False
-    if fmt is CkptFormat.TORCH and not same_layout:
-        raise CheckpointError(f"torch-format checkpoint saved at layout {saved_layout} cannot be "
-                              f"loaded at {run_layout}; use --ckpt-format torch_dist to "
-                              "change TP/PP/DP", path=directory)
-    if load_optim and config.parallel.use_distributed_optimizer != \
-            saved["parallel"]["use_distributed_optimizer"]:
-        raise CheckpointError("optimizer state was saved with use_distributed_optimizer="
-                              f"{saved['parallel']['use_distributed_optimizer']}; load it with the "
-                              "same setting or pass --no-load-optim", path=directory)
-    optimizer_metadata = None
-    if megatron_lm is not None and load_optim and config.parallel.use_distributed_optimizer:
-        optimizer_metadata = _megatron_lm_optimizer_metadata(megatron_lm, saved_layout,
-                                                             run_layout, directory)
+    if plan is None:  # e.g. --load <save>/universal
+        return _load_if_universal(state, config, directory)
+    kind, fmt, unsafe = plan.kind, plan.fmt, ckpt.allow_unsafe_pickle
+    load_optim, load_rng, megatron_lm = plan.load_optim, plan.load_rng, plan.megatron_lm
+    strictness, own_boxes = plan.strictness, plan.own_boxes
     node_local = root != ckpt.load and ckpt.non_persistent_node_local
-    # Ours, with the distributed optimizer: each rank reads its own ranges of the optimizer's
-    # state straight into the optimizer, at any layout (distopt_shards), instead of megatron's
-    # whole-model buffers on every rank. A node-local version holds only its node's ranks'
-    # pieces of that state, which are exactly those ranges at its own layout.
-    own_boxes = (load_optim and config.parallel.use_distributed_optimizer
-                 and kind is paths.Format.DATASTATES and _fully_reshardable(common)
-                 and distopt_shards.supported(state.optimizer))
     if load_optim and config.parallel.use_distributed_optimizer and not (
             own_boxes and distopt_shards.allocate_state(state.optimizer)):
         init_distributed_optimizer_state(state.optimizer)
     if fmt is CkptFormat.TORCH_DIST:
         sd = build_sharded_state_dict(state, config, is_loading=True,
                                       include_optim=load_optim and not own_boxes,
-                                      include_rng=load_rng, optimizer_metadata=optimizer_metadata,
-                                      rng_layout=rng_layout)
+                                      include_rng=load_rng, rng_layout=plan.rng_layout,
+                                      optimizer_metadata=plan.optimizer_metadata)
         if own_boxes:
             sd[_OWN_BOXES] = distopt_shards.param_state_sharded_tensors(state.optimizer, sd)
             views = [sh.data for sh in sd[_OWN_BOXES]]
@@ -243,8 +197,9 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
         if megatron_lm is not None:
             loaded = upstream_compat.normalize_loaded(loaded, directory)
     else:
-        loaded = safe_torch_load(os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME),
-                                 unsafe)
+        loaded = control_plane.agree(lambda: safe_torch_load(  # each rank reads its own file
+            os.path.join(torch_rank_dir(directory), paths.TORCH_FILENAME), unsafe),
+            f"loading {directory}", describe=_words)
         lacking = ((), ())
     count_loaded(loaded)
     if own_boxes:  # param groups, step, scaler here; the parameter state is in place already
@@ -482,6 +437,85 @@ def _memory_at_this_layout(root: str, why: Optional[str], other_layout: bool) ->
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a torch_dist, torch or DataStates checkpoint holds and what this run restores of it,
+    decided from its files alone."""
+    kind: paths.Format
+    fmt: CkptFormat
+    strictness: str
+    load_optim: bool
+    load_rng: bool
+    common: Optional[dict]
+    megatron_lm: Optional[dict]  # the common state, when Megatron-LM wrote the checkpoint
+    rng_layout: RngLayout
+    optimizer_metadata: Optional[dict]
+    own_boxes: bool  # each rank reads its distributed-optimizer ranges in place
+
+
+def _inspect(state: TrainState, config: RunConfig, directory: str, release: bool,
+             also: Optional[str]) -> Optional[_Plan]:
+    """Every rank, no collective: the `_Plan` for loading `directory`, None for a universal
+    checkpoint, or the refusal (the same on every rank)."""
+    ckpt = config.checkpoint
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"tracker names {os.path.basename(directory)} but {directory} is "
+                              "missing" + _hint(directory, also), path=os.path.dirname(directory))
+    if is_universal(directory):
+        return None
+    # DataStates checkpoints load through dist_checkpointing like torch_dist ones.
+    kind = paths.detect_format(directory)
+    fmt = CkptFormat.TORCH if kind is paths.Format.TORCH else CkptFormat.TORCH_DIST
+    unsafe = ckpt.allow_unsafe_pickle
+    saved_json = _saved_config(directory, kind, unsafe, also)
+    strictness = ckpt.dist_ckpt_strictness if fmt is CkptFormat.TORCH_DIST else STRICTNESS[0]
+    bridged = check_model_shape(saved_json, config, directory,
+                                tensor_set_may_differ=strictness in LENIENT_STRICTNESS)
+    if bridged:
+        print_rank_0(f"--dist-ckpt-strictness {strictness}: the checkpoint's model differs in "
+                     f"tensors it holds ({'; '.join(bridged)}); the tensors both have are loaded")
+    saved = json.loads(saved_json)
+    saved_layout = _layout_of(saved)
+    run_layout = parallel_layout(config)
+    same_layout = saved_layout == run_layout
+    load_optim = (ckpt.load_optim and not ckpt.finetune and not release
+                  and saved["checkpoint"]["save_optim"])
+    load_rng = (ckpt.load_rng and not ckpt.finetune and not release
+                and saved["checkpoint"]["save_rng"])
+    # torch files were read by saved_run_config, which requires ours
+    common = None if kind is paths.Format.TORCH else paths.saved_common(directory, unsafe)
+    megatron_lm = common if common is not None and upstream_compat.is_upstream(common) else None
+    rng_layout = (RngLayout.MEGATRON_LM if megatron_lm is not None else
+                  rng_layout_of(common) if common is not None else RngLayout.PER_RANK)
+    # Ours is per rank; Megatron-LM's per (PP, TP) rank, restored on every DP rank as it does.
+    rng_fits = same_layout if megatron_lm is None else _same_tp_pp(saved_layout, run_layout)
+    if load_rng and not rng_fits:
+        print_rank_0(f"checkpoint layout {saved_layout} differs from this run's {run_layout}: "
+                     "RNG states are per rank and are not restored")
+        load_rng = False
+    if fmt is CkptFormat.TORCH and not same_layout:
+        raise CheckpointError(f"torch-format checkpoint saved at layout {saved_layout} cannot be "
+                              f"loaded at {run_layout}; use --ckpt-format torch_dist to "
+                              "change TP/PP/DP", path=directory)
+    distributed = config.parallel.use_distributed_optimizer
+    if load_optim and distributed != saved["parallel"]["use_distributed_optimizer"]:
+        raise CheckpointError("optimizer state was saved with use_distributed_optimizer="
+                              f"{saved['parallel']['use_distributed_optimizer']}; load it with the "
+                              "same setting or pass --no-load-optim", path=directory)
+    optimizer_metadata = None
+    if megatron_lm is not None and load_optim and distributed:
+        optimizer_metadata = _megatron_lm_optimizer_metadata(megatron_lm, saved_layout,
+                                                             run_layout, directory)
+    # Ours, with the distributed optimizer: each rank reads its own ranges of the optimizer's
+    # state straight into the optimizer, at any layout (distopt_shards), instead of megatron's
+    # whole-model buffers on every rank. A node-local version holds only its node's ranks'
+    # pieces of that state, which are exactly those ranges at its own layout.
+    own_boxes = (load_optim and distributed and kind is paths.Format.DATASTATES
+                 and _fully_reshardable(common) and distopt_shards.supported(state.optimizer))
+    return _Plan(kind, fmt, strictness, load_optim, load_rng, common, megatron_lm, rng_layout,
+                 optimizer_metadata, own_boxes)
+
+
 def _newest_intact(root: str, iteration: int, config: RunConfig):
     """--ckpt-fallback-to-previous: (root, iteration) of the newest version intact on every rank,
     from `root` (tracked: `iteration`) and, when `root` is a non-persistent level's, from --load
@@ -574,9 +608,7 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
     the checkpoint's keys no rank asked for)); the keys are found only with a lenient `strict`
     (--dist-ckpt-strictness), whose tensors left out keep their values."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    from torch.distributed.checkpoint.api import CheckpointException as DcpException
 
     if strict in LENIENT_STRICTNESS:  # the keys come back to be reported here, on rank 0
         strict = "return_all" if strict.endswith("_all") else "return_unexpected"
@@ -584,14 +616,15 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
         if loader is not None:
             return loader(sd, directory), ((), ())
         sharded, common = load_strategies(directory, allow_unsafe_pickle, local_dir)
-        strategy = sharded
+        strategy = AgreedLoadStrategy(sharded, f"loading {directory}", describe=lambda err: (
+            _words(_read_error(err, directory, also))))
         if fully_parallel:  # --ckpt-fully-parallel-load (CUDA only, checked with the flags)
             from megatron.core import parallel_state as ps
             from megatron.core.dist_checkpointing.strategies.fully_parallel import \
                 FullyParallelLoadStrategyWrapper
 
             strategy = FullyParallelLoadStrategyWrapper(
-                sharded, ps.get_data_parallel_group(with_context_parallel=True))
+                strategy, ps.get_data_parallel_group(with_context_parallel=True))
         loaded = dist_checkpointing.load(sd, directory, sharded_strategy=strategy,
                                          common_strategy=common, strict=StrictHandling(strict))
         lacking = ((), ())
@@ -604,16 +637,41 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
             if on_read is not None:
                 on_read(sharded.last_read)
         return loaded, lacking
-    except UnsafePickleError:
-        raise  # already names the file and the offending global
-    except (CheckpointingException, datastates.CheckpointError, OSError, ValueError) as err:
-        raise CheckpointError(f"could not load the checkpoint: {err}"
-                              + _hint(directory, also), path=directory) from err
-    except DcpException as err:  # a BaseException: PyTorch DCP's per-rank failure report
+    except datastates.CheckpointError as err:
+        if err.agreed:
+            raise  # the tensors' read, agreed on: one line
+        raise _read_error(err, directory, also) from err
+    except BaseException as err:  # noqa: BLE001 - DCP's per-rank failure report is one
+        translated = _read_error(err, directory, also)
+        if translated is err:
+            raise
+        raise translated from err
+
+
+def _words(err: BaseException) -> str:
+    """A rank's error as a load's agreement words it (the agreed line names the ranks): a forged
+    pickle by its type and file, any other by its reason (`control_plane.reason_of`)."""
+    if isinstance(err, UnsafePickleError):
+        return f"{type(err).__name__}: {err}"
+    return control_plane.reason_of(err)
+
+
+def _read_error(err: BaseException, directory: str, also: Optional[str]) -> BaseException:
+    """The trainer's error for a failed read of `directory` (`err` itself when it has none)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException as DcpException
+
+    if isinstance(err, UnsafePickleError):
+        return err  # already names the file and the offending global
+    if isinstance(err, (CheckpointingException, datastates.CheckpointError, OSError, ValueError)):
+        return CheckpointError(f"could not load the checkpoint: {err}" + _hint(directory, also),
+                               path=directory)
+    if isinstance(err, DcpException):  # a BaseException: PyTorch DCP's per-rank failure report
         lines = [line for line in str(err).splitlines() if line.strip()]
-        raise CheckpointError(f"could not load the checkpoint (torch_dist reader): "
-                              f"{lines[-1] if lines else err}" + _backend_note(directory)
-                              + _hint(directory, also), path=directory) from None
+        return CheckpointError(f"could not load the checkpoint (torch_dist reader): "
+                               f"{lines[-1] if lines else err}" + _backend_note(directory)
+                               + _hint(directory, also), path=directory)
+    return err
 
 
 def _report_mismatch(strictness: str, lacking: Tuple[tuple, tuple], load_optim: bool,
