@@ -379,12 +379,14 @@ def test_entry_point_reports_bad_layout_and_missing_load_in_one_line(dropout_run
     assert f"WARNING: --load directory {_never_saved(root)} does not exist: no checkpoint to " \
            "load, starting from scratch" in missing.stdout
     assert sorted(missing.losses()) == list(range(1, 7))
-    # Megatron-LM's --exit-on-missing-checkpoint: an error instead (exit 2, not Megatron-LM's 0).
-    refused = launch(1, TINY_MODEL + SIX + ["--load", str(_never_saved(root)),
+    # Megatron-LM's --exit-on-missing-checkpoint: an error instead (exit 2, not Megatron-LM's 0;
+    # torchrun's 1), found by every rank, agreed on: one line.
+    refused = launch(2, TINY_MODEL + SIX + ["--load", str(_never_saved(root)),
                                             "--exit-on-missing-checkpoint"])
-    assert refused.returncode == 2, refused.describe()
+    assert refused.returncode == 1, refused.describe()
     assert refused.stderr.count("pretrain_gpt.py: error: CheckpointError: ") == 1, \
         refused.describe()
+    assert "failed on rank(s) [0, 1]: " in refused.stderr
     assert f"--load directory {_never_saved(root)} does not exist: no checkpoint to load; not " \
            "starting from scratch (--exit-on-missing-checkpoint)" in refused.stderr
 

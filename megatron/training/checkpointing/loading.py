@@ -125,29 +125,19 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
     root = resume_root(config) if ckpt.ckpt_step is None else _step_root(config)
     if root is None:
         return False
-    if not os.path.isdir(root):
-        if ckpt.ckpt_step is not None:
-            raise CheckpointError(f"--ckpt-step {ckpt.ckpt_step}: the --load directory does not "
-                                  "exist", path=root)
-        # Megatron-LM's behaviour: nothing to load is a warning, not an error.
-        flag = "--pretrained-checkpoint" if pretrained else "--load"
-        return _nothing_to_load(config, f"{flag} directory {root} does not exist: no "
-                                        "checkpoint to load", root, warn=True,
-                                pretrained=pretrained)
-    if _load_if_universal(state, config, root):  # --load names a universal checkpoint
+    # Every rank reads the same tracker and finds the same mistake (a missing --ckpt-step, a
+    # damaged tracker, --exit-on-missing-checkpoint): agreed on, one line.
+    found = control_plane.agree(lambda: _find(config, root, pretrained), f"loading {root}",
+                                describe=_words)
+    if found is None:
+        return False
+    if found == _UNIVERSAL:  # --load names a universal checkpoint
+        _load_if_universal(state, config, root)
         state.loaded = root
         return True
-    if ckpt.ckpt_step is None and not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
-        # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
-        return _nothing_to_load(config, f"no {paths.TRACKER_FILENAME} in {root}: no complete "
-                                        "checkpoint there yet", root, pretrained=pretrained)
-    release = ckpt.ckpt_step is None and paths.tracker_names_release(root)
-    if release:  # Megatron-LM's released weights: iteration 0, no optimizer or RNG state
-        iteration = 0
-        directory = safe_join(root, paths.RELEASE_DIRNAME, what=paths.TRACKER_FILENAME)
-    else:
-        iteration = _read_tracker(root) if ckpt.ckpt_step is None else \
-            _complete_step(root, ckpt.ckpt_step)
+    iteration, directory = found
+    release = directory is not None  # Megatron-LM's released weights: iteration 0, no optimizer
+    if not release:
         if ckpt.ckpt_fallback_to_previous:  # universal roots too: their checksums are verified
             chosen, iteration = _newest_intact(root, iteration, config)
             if chosen != root and is_assembled_memory(root):
@@ -304,6 +294,37 @@ def resume_root(config: RunConfig) -> Optional[str]:
                  f"{non_persistent} (" + ("no complete persistent checkpoint" if persistent is None
                                           else f"persistent: iteration {persistent}") + ")")
     return non_persistent
+
+
+#: `_find`: the root is a universal checkpoint.
+_UNIVERSAL = "universal"
+
+
+def _find(config: RunConfig, root: str, pretrained: bool):
+    """Every rank, no collective: what `root` holds to resume from: None for nothing (rank 0
+    said why) or the refusal, `_UNIVERSAL`, or (iteration, the release directory or None)."""
+    ckpt = config.checkpoint
+    if not os.path.isdir(root):
+        if ckpt.ckpt_step is not None:
+            raise CheckpointError(f"--ckpt-step {ckpt.ckpt_step}: the --load directory does not "
+                                  "exist", path=root)
+        # Megatron-LM's behaviour: nothing to load is a warning, not an error.
+        flag = "--pretrained-checkpoint" if pretrained else "--load"
+        _nothing_to_load(config, f"{flag} directory {root} does not exist: no checkpoint to "
+                                 "load", root, warn=True, pretrained=pretrained)
+        return None
+    if is_universal(root):
+        return _UNIVERSAL
+    if ckpt.ckpt_step is not None:
+        return _complete_step(root, ckpt.ckpt_step), None
+    if not os.path.isfile(os.path.join(root, paths.TRACKER_FILENAME)):
+        # Megatron-LM's behaviour, which makes `--save D --load D` restartable from scratch.
+        _nothing_to_load(config, f"no {paths.TRACKER_FILENAME} in {root}: no complete "
+                                 "checkpoint there yet", root, pretrained=pretrained)
+        return None
+    if paths.tracker_names_release(root):
+        return 0, safe_join(root, paths.RELEASE_DIRNAME, what=paths.TRACKER_FILENAME)
+    return _read_tracker(root), None
 
 
 def _nothing_to_load(config: RunConfig, why: str, root: str, warn: bool = False,
