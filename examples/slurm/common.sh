@@ -194,7 +194,7 @@ launch() {
   mkdir -p "$RESULTS_DIR"
   if [ "${DRY_RUN:-0}" = 1 ]; then
     echo "== dry run: $tag"
-    "$PYTHON" "$REPO/tools/dry_run.py" --world-size "$WORLD" -- "${ARGS[@]}"
+    "$PYTHON" "$REPO/tools/dry_run.py" --world-size "$WORLD" --ranks-per-node "$NPROC" -- "${ARGS[@]}"
     return
   fi
   MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
