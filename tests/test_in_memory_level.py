@@ -19,6 +19,7 @@ from datastates.megatron_adapter import check_memory_room, paths, release_memory
 from megatron.training.config import shared_memory_dir
 
 from tools import dry_run as dry_run_cli
+from tools import memory_level
 from trainer_launch import TINY_MODEL, _kill_tree, after, launch
 
 
@@ -26,7 +27,8 @@ def _memory_root(save: str) -> str:
     return shared_memory_dir(save, "in_memory/node0")
 
 
-def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tmp_path):
+def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tmp_path,
+                                                                              capsys):
     """2 ranks, an in-memory version every iteration, --save every 4. Rank 0's writer of the
     persistent save of iteration 8 is held (a disk that does not keep up): in-memory versions
     are still committed every iteration, and the persistent save due at 12 is deferred, once,
@@ -85,6 +87,13 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
         assert newest in kept and kept[-1] in (newest, newest + 1) and 2 <= len(kept) <= 3, \
             (kept, newest)
         previous = max(it for it in kept if it < newest)
+        # tools/memory_level.py tells what the killed job left on this node.
+        memory_level.main([save])
+        told = capsys.readouterr().out
+        assert "holds " in told and f"for --save {save} (its newest complete checkpoint: " \
+            "iteration 4)" in told, told
+        assert f"  in_memory/node0: complete iteration(s) {kept}, a restart takes {newest}" \
+            in told and f"newer than --save's: iteration(s) {kept}" in told, told
         # Each rank's engine reuses one shard file per version held, and no other.
         assert sorted(os.listdir(os.path.join(memory, ".datastates_slots"))) == [
             f"r0000{r}-{k}.bin" for r in (0, 1) for k in range(3)]
@@ -133,6 +142,14 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
         assert paths.tracked_iteration(save) == 24
         assert "in-memory checkpoints: removed iteration(s)" in resumed.stdout
         assert not os.path.exists(memory) and not os.path.exists(os.path.dirname(memory))
+        # The copy's memory, which no clean end gave back: removed with what it loses.
+        memory_level.main([copy, "--remove"])
+        told = capsys.readouterr().out
+        top = os.path.dirname(os.path.dirname(_memory_root(copy)))
+        assert f"removed {top} (" in told and "; lost iteration(s) [" in told, told
+        assert not os.path.exists(top)
+        memory_level.main([save])
+        assert f"no shared memory held for --save {save}" in capsys.readouterr().out
     finally:
         for root in (save, str(tmp_path / "copy")):
             shutil.rmtree(os.path.dirname(os.path.dirname(_memory_root(root))),

@@ -31,12 +31,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ... import control_plane
 from ...errors import CheckpointError
-from ..paths import TRACKER_FILENAME, tracked_iteration
+from ..paths import TRACKER_FILENAME, complete_iterations, tracked_iteration
 from .local_tier import local_iterations
 from .node_local import forget_node_marks
 
-__all__ = ["FLAG", "Room", "SLOT_DIR", "VERSIONS_KEPT", "adopt_left_memory", "check_room",
-           "held_bytes", "release", "take_over"]
+__all__ = ["FLAG", "Held", "Room", "SLOT_DIR", "VERSIONS_KEPT", "adopt_left_memory",
+           "check_room", "held_bytes", "held_versions", "processes_using", "release", "take_over"]
 
 FLAG = "--non-persistent-ckpt-type in_memory"
 
@@ -111,6 +111,49 @@ def held_bytes(root: str) -> int:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_size
     return total
+
+
+@dataclass(frozen=True)
+class Held:
+    """A directory of versions in a job's shared memory (`held_versions`)."""
+
+    path: str
+    complete: List[int]     # iterations with a commit marker, ascending
+    tracked: Optional[int]  # what its tracker names (the newest complete one a restart takes)
+    other: List[int]        # iterations without one (a save cut short)
+
+
+def held_versions(top: str) -> List[Held]:
+    """The directories under `top` (the shared-memory directory of one --save,
+    `megatron.training.config.shared_memory_dir`) that hold versions: each node's directory of
+    the in-memory level, and those of the peer replicas and their local copies, sorted."""
+    found = []
+    for path, dirs, _ in os.walk(top):
+        iterations = set(local_iterations(path))
+        dirs[:] = sorted(d for d in dirs if d != SLOT_DIR and not d.startswith("iter_"))
+        if iterations or os.path.exists(os.path.join(path, TRACKER_FILENAME)):
+            done = complete_iterations(path)
+            found.append(Held(path, done, tracked_iteration(path),
+                              sorted(iterations - set(done))))
+    return sorted(found, key=lambda h: h.path)
+
+
+def processes_using(top: str) -> List[int]:
+    """The processes (of those this user may inspect) that have a file under `top` open or
+    mapped, as /proc shows them: a training process of a job that still runs on this node."""
+    prefix, pids = os.path.realpath(top) + os.sep, []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                mapped = any(prefix in line for line in maps)
+            fds = f"/proc/{pid}/fd"
+            used = mapped or any(os.readlink(os.path.join(fds, fd)).startswith(prefix)
+                                 for fd in os.listdir(fds))
+        except OSError:  # gone, or another user's
+            continue
+        if used:
+            pids.append(int(pid))
+    return pids
 
 
 def _free_bytes(root: str) -> int:
