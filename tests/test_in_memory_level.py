@@ -156,6 +156,50 @@ def test_in_memory_versions_survive_a_kill_keep_their_pace_and_are_given_back(tm
                           ignore_errors=True)
 
 
+def test_torchrun_max_restarts_resumes_from_memory(tmp_path):
+    """`torchrun --max-restarts 1`, as Megatron-LM users launch for elastic restarts: one rank is
+    SIGKILLed once the in-memory version of iteration 9 is committed; torchrun starts both
+    workers again on the same node, which resume from memory (newer than --save's 5), print the
+    killed attempt's losses bit for bit and end with status 0. Before, every restarted worker
+    failed in init_process_group (the agent's store still held the first attempt's addresses)."""
+    import psutil
+
+    save = str(tmp_path / "ckpt")
+    memory = _memory_root(save)
+    flags = TINY_MODEL + ["--num-layers", "2", "--train-iters", "16", "--save", save, "--load",
+                          save, "--save-interval", "5", "--async-lazy-save",
+                          "--non-persistent-ckpt-type", "in_memory",
+                          "--non-persistent-save-interval", "1"]
+    killed = []
+
+    def kill_a_rank(line, proc):
+        if not killed and line.rstrip().endswith(f"committed: {memory}/iter_0000009"):
+            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if "pretrain_gpt.py" in " ".join(p.cmdline())]
+            assert len(ranks) == 2, ranks
+            ranks[-1].kill()
+            killed.append(line)
+
+    try:
+        run = launch(2, flags, on_line=kill_a_rank, torchrun_args=["--max-restarts", "1"])
+        assert killed and run.returncode == 0, run.describe()
+        (resumed,) = re.findall(r"loading the in-memory checkpoint of iteration (\d+) from "
+                                + re.escape(memory) + r" \(persistent: iteration (\d+)\)",
+                                run.stdout)
+        assert int(resumed[0]) >= 9 and int(resumed[1]) == 5, resumed
+        # Each iteration after the resume printed twice where the first attempt got that far:
+        # the same loss both times.
+        printed = re.findall(r" iteration\s+(\d+)/\s*16 \|.*? lm loss: (\S+) \|", run.stdout)
+        losses = {}
+        for it, loss in printed:
+            losses.setdefault(int(it), set()).add(loss)
+        assert sorted(losses) == list(range(1, 17)) and all(len(v) == 1 for v in
+                                                            losses.values()), printed
+        assert paths.tracked_iteration(save) == 16 and not os.path.exists(memory)
+    finally:
+        shutil.rmtree(os.path.dirname(os.path.dirname(memory)), ignore_errors=True)
+
+
 def test_a_failed_commit_stops_every_rank_with_one_line_and_keeps_the_newest_version(tmp_path):
     """2 ranks, an in-memory version every iteration; rank 0's commit of iteration 3 fails. The
     next save settles that commit inside its plan check (one all-reduce): both ranks stop with

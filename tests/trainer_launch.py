@@ -76,15 +76,16 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def launch(nproc: int, args: List[str], timeout: float = 240.0,
            on_line: Optional[Callable[[str, subprocess.Popen], None]] = None,
-           entry: str = ENTRY, extra_env: Optional[Dict[str, str]] = None) -> Run:
+           entry: str = ENTRY, extra_env: Optional[Dict[str, str]] = None,
+           torchrun_args: List[str] = ()) -> Run:
     """Run pretrain_gpt.py (or a launcher of it, `entry`) on ``nproc`` local ranks (plain python
-    for 1, torchrun otherwise); ``extra_env`` reaches only this run (e.g. a
-    DATASTATES_FAULT_DELAY_* fault point)."""
+    for 1, torchrun otherwise, with `torchrun_args`); ``extra_env`` reaches only this run (e.g.
+    a DATASTATES_FAULT_DELAY_* fault point)."""
     if nproc == 1:
         cmd = [sys.executable, entry] + args
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", entry] + args
+               f"--nproc_per_node={nproc}", *torchrun_args, entry] + args
     # Also not transformer-engine's attention switches: megatron-core sets them in the process
     # that builds a model (in-process tests here) and a launch's build would assert on them.
     env = {k: v for k, v in os.environ.items()

@@ -34,13 +34,18 @@ def initialize_distributed(parallel: ParallelConfig,
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if cuda_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # Without torchrun (one process) pick a free port, without touching os.environ: child
-        # processes would inherit it and collide with a store that is still closing.
-        init_method = "env://" if "MASTER_PORT" in os.environ else \
-            f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(backend=backend_name(), init_method=init_method, rank=rank,
-                                world_size=world,
-                                timeout=timedelta(minutes=parallel.distributed_timeout_minutes))
+        timeout = timedelta(minutes=parallel.distributed_timeout_minutes)
+        store = _attempt_store(world, timeout)
+        if store is not None:
+            dist.init_process_group(backend=backend_name(), store=store, rank=rank,
+                                    world_size=world, timeout=timeout)
+        else:
+            # Without torchrun (one process) pick a free port, without touching os.environ:
+            # child processes would inherit it and collide with a store that is still closing.
+            init_method = "env://" if "MASTER_PORT" in os.environ else \
+                f"tcp://127.0.0.1:{_free_port()}"
+            dist.init_process_group(backend=backend_name(), init_method=init_method, rank=rank,
+                                    world_size=world, timeout=timeout)
     if dist.get_world_size() != parallel.world_size:
         raise ValueError(f"config was built for world size {parallel.world_size} but "
                          f"torch.distributed has {dist.get_world_size()} ranks")
@@ -59,6 +64,24 @@ def control_timeout(drain_timeout_s: float) -> float:
     a tenth and 10 s, so that a rank whose own bounded wait on its writers expires reports that
     (naming the stuck file) before the others give up on it."""
     return 1.1 * drain_timeout_s + 10.0
+
+
+def _attempt_store(world: int, timeout: timedelta):
+    """Under torchrun, whose agent hosts the store (TORCHELASTIC_USE_AGENT_STORE), that store
+    seen through a prefix of its own per restart (TORCHELASTIC_RESTART_COUNT); None elsewhere.
+    torch's env:// rendezvous uses the agent's store as it is, so after `torchrun
+    --max-restarts` restarted the workers, a rank could read the previous attempt's addresses of
+    the others (gloo, NCCL's unique id) and fail or hang connecting to processes that are gone
+    (seen with torch 2.13: every restart of a 2-rank job failed in init_process_group,
+    "connectFullMesh failed ... Connection refused"). The restart then resumes from the
+    newest version on any level, memory's on the same nodes."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or \
+            "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/datastates/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
+                            store)
 
 
 def _free_port() -> int:
