@@ -312,6 +312,19 @@ def test_memory_of_another_model_or_layout_is_skipped_with_its_reason(tmp_path):
     why, other_layout = _foreign_reason(str(tmp_path / "wider"), ours)
     assert why.startswith("saved by another model (hidden_size: ") and " here" in why
     assert not other_layout
+    # Memory of a --load that was removed (`rm -rf` to start over) or made anew since: the run
+    # that saved it prepared --load at its start (the tracker's spare), so it is not this one's.
+    load = str(tmp_path / "load")
+    resumed = config(f"--save {load} --load {load} --async-lazy-save "
+                     "--non-persistent-save-interval 1 --non-persistent-ckpt-type in_memory")
+    why, other_layout = _foreign_reason(root, resumed)
+    assert why == (f"{load} holds no trace of the run that saved it (neither its "
+                   "latest_checkpointed_iteration.txt nor the spare made at its start): "
+                   f"{load} was removed or made anew since") and not other_layout
+    os.makedirs(load)
+    assert _foreign_reason(root, resumed)[0] == why  # made anew: empty
+    paths.prepare_root(load)  # what the run that saved it did at its start
+    assert _foreign_reason(root, resumed) == (None, False)
 
 
 def test_memory_is_given_back_only_when_save_is_as_new(tmp_path):

@@ -21,6 +21,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from datastates import layout
+from datastates.megatron_adapter import paths
 from datastates.errors import CheckpointError
 from datastates.megatron_adapter.levels.peer_replica import Ring
 
@@ -529,7 +530,7 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
 
     def nodes(name, env=None):
         port, logs = free_port(), tmp_path / name
-        logs.mkdir()
+        logs.mkdir(exist_ok=True)
         return [Node(r, 2, 1, port, flags, logs, extra_env=env) for r in (0, 1)]
 
     def replicated():  # node 1's newest version that node 0 holds whole, if any
@@ -617,6 +618,9 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         alone = tmp_path / "alone"
         alone_memory = shared_memory_dir(str(alone / "save"), "in_memory")
         shutil.copytree(tmp_path / "node0_memory", os.path.join(alone_memory, "node0"))
+        # --save as the run that saved that memory left it at its start (no checkpoint yet; a
+        # --save without that trace is one made anew, whose memory is an older run's).
+        paths.prepare_root(str(alone / "save"))
         run = launch(1, [str(alone / "save") if f == str(save) else f for f in first_flags])
         assert run.returncode == 0, run.describe()
         # One node: nothing to replicate, so no memory is set aside for replicas.
@@ -654,6 +658,7 @@ def test_in_memory_versions_replicate_to_the_next_node_and_a_lost_node_resumes_f
         shutil.copytree(tmp_path / "node0_memory",
                         os.path.join(shared_memory_dir(str(moved), "in_memory"), "node1"),
                         ignore=shutil.ignore_patterns(".datastates_node_*", ".datastates_slots"))
+        paths.prepare_root(str(moved))  # as its run left it at its start (see `alone`)
         flags = [str(moved) if f == str(save) else f for f in first_flags]
         fourth = [n.result(timeout=240) for n in nodes("moved")]
         assert all(r.returncode == 0 for r in fourth), fourth[0].describe() + fourth[1].describe()

@@ -321,7 +321,7 @@ class LazyCheckpointManager(CheckpointManager):
         """Every rank (collective with a node-local level): node-local versions newer than the
         iteration this run starts from are removed by each node's leader (`drop_node_local_newer`:
         not every node held them intact (--ckpt-fallback-to-previous skipped a damaged one), or
-        they were of another model or layout), then the roots are scanned again, so the run's own
+        they were of another model or layout or of a --load made anew), then the roots are scanned again, so the run's own
         saves of those iterations never meet them. Every rank's --lazy-save-local-dir copies of
         newer iterations go too. Then the shared roots' newer checkpoints are set aside
         (`set_aside_newer`)."""
@@ -340,8 +340,8 @@ class LazyCheckpointManager(CheckpointManager):
                 say(f"[rank {dist.get_rank()}] {level} checkpoints: removed iteration(s) "
                     f"{removed} from {root}: newer than iteration {start_iteration}, which "
                     "this run starts from (not every node held them intact, they were of "
-                    "another model or layout, or --ckpt-step named an older one); they are "
-                    "saved again")
+                    "another model or layout or of a --load made anew, or --ckpt-step named an "
+                    "older one); they are saved again")
             control_plane.barrier()
             self.start()
         try:

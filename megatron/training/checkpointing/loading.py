@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import datastates
 from datastates import control_plane
-from datastates.fileio import safe_join
+from datastates.fileio import safe_join, spare_path
 from datastates.megatron_adapter import AgreedLoadStrategy, adopt_left_memory, \
     assemble_memory_for_layout, is_assembled_memory, load_strategies, memory_holds_other_ranks, \
     newest_on_every_node, node_index, paths, restore_memory_from_peers
@@ -423,6 +423,15 @@ def _foreign_reason(root: str, config: RunConfig) -> Tuple[Optional[str], bool]:
     altogether (`config.shared_memory_dir`)."""
     if paths.tracked_iteration(root) is None:
         return None, False
+    load = config.checkpoint.load
+    tracker = os.path.join(load, paths.TRACKER_FILENAME) if load else None
+    if tracker and not (os.path.exists(tracker) or os.path.exists(spare_path(tracker))):
+        # The run that saved these versions prepared --load at its start (`paths.prepare_root`:
+        # the tracker's spare, then the tracker); neither there: --load was removed or made anew
+        # since (`rm -rf` to start over), and its memory is an older run's, not this one's.
+        return (f"{load} holds no trace of the run that saved it (neither its "
+                f"{paths.TRACKER_FILENAME} nor the spare made at its start): {load} was removed "
+                "or made anew since"), False
     try:
         with open(os.path.join(root, paths.RUN_CONFIG_FILENAME)) as f:
             saved = json.load(f)
