@@ -55,7 +55,7 @@ def _stub_env(tmp_path, nodes):
 
 def _srun_calls(tmp_path):
     raw = (tmp_path / "srun_calls").read_bytes().decode()
-    return [call.strip("\n").split("\0")[:-1] for call in raw.split("\0\n") if call.strip("\n")]
+    return [call.strip("\n").split("\0") for call in raw.split("\0\n") if call.strip("\n")]
 
 
 def test_throughput_script_launches_every_variant_and_collects_a_csv(tmp_path):
@@ -262,3 +262,40 @@ def test_dry_run_as_documented_checks_each_launch_without_slurm(tmp_path):
     proc = subprocess.run(["bash", "examples/slurm/throughput.sbatch", "7B"], cwd=ROOT, capture_output=True,
                           text=True, env={**env, "ONLY_VARIANTS": "torch fast"})
     assert proc.returncode == 2 and "unknown variant 'fast'" in proc.stderr
+
+
+@pytest.mark.parametrize("fails", [0, 3])
+def test_train_restarts_a_failed_step_then_gives_the_memory_back(tmp_path, fails):
+    """train.sbatch with srun stubbed: the training step fails `fails` times (every attempt of
+    MAX_RESTARTS=2 when 3); each attempt is a new rendezvous (port and id) with the same
+    --save/--load; after the last one every node runs tools/memory_level.py --remove once, and
+    the job's status is the last attempt's."""
+    env = _stub_env(tmp_path, nodes=2)
+    stub = tmp_path / "bin" / "srun"
+    stub.write_text(FAKE_SRUN.replace(
+        'log=torch_dist\n', 'log=torch_dist\n'
+        'if [[ " $* " == *" pretrain_gpt.py "* || " $* " == *"/pretrain_gpt.py "* ]]; then\n'
+        '  n=$(cat "$STUB_DIR/attempts" 2>/dev/null || echo 0); echo $((n + 1)) > "$STUB_DIR/attempts"\n'
+        '  [ "$n" -lt "$FAILS" ] && exit 1\n'
+        'fi\n'
+        '[[ " $* " == *" --remove "* ]] && exit 0\n'))
+    proc = subprocess.run(["bash", os.path.join(SLURM, "train.sbatch"), "7B"], capture_output=True,
+                          text=True, env={**env, "FAILS": str(fails), "MAX_RESTARTS": "2",
+                                          "ITERATIONS": "20", "MASTER_PORT": "29600"})
+    assert proc.returncode == (1 if fails else 0), proc.stdout + proc.stderr
+    calls = _srun_calls(tmp_path)
+    *trainings, cleanup = calls
+    assert len(trainings) == (3 if fails else 1), calls
+    ckpt = os.path.join(str(tmp_path / "ckpt"), "train_7B_dp1")
+    for k, call in enumerate(trainings):
+        launcher = call[call.index("torch.distributed.run") + 1:call.index(os.path.join(ROOT, "pretrain_gpt.py"))]
+        assert launcher[launcher.index("--rdzv-endpoint") + 1] == f"node001:{29600 + k}"
+        assert launcher[-1].endswith(f"_attempt{k + 1}")
+        flat = " ".join(call)
+        assert f"--save {ckpt} --save-interval 10 --non-persistent-save-interval 1 " in flat
+        assert "--non-persistent-ckpt-type in_memory" in flat and f" --load {ckpt}" in flat
+    assert cleanup == ["--nodes", "2", "--ntasks-per-node=1", sys.executable,
+                       os.path.join(ROOT, "tools", "memory_level.py"), ckpt, "--remove"]
+    if fails:
+        assert "attempt 2 failed; restarting on the same nodes (1 restart(s) left)" in proc.stdout
+        assert "attempt 3 failed; no restart left (MAX_RESTARTS=2)" in proc.stdout
