@@ -176,7 +176,16 @@ def reference(ranks: int, work: Path) -> Dict[int, str]:
 
 def run_cell(cell: Cell, work: Path, ref: Dict[int, str]) -> Dict[str, object]:
     """Run one cell in `work` (its own directory); raises AssertionError naming what broke.
-    Returns the figures: seconds to fail, the iteration resumed from, error lines."""
+    Returns the figures: seconds to fail, the iteration resumed from, error lines. The
+    in-memory level's directory (/dev/shm), which a failed job leaves, goes at the end."""
+    try:
+        return _run_cell(cell, work, ref)
+    finally:
+        shutil.rmtree(os.path.dirname(os.path.dirname(memory_root(str(work / "save")))),
+                      ignore_errors=True)
+
+
+def _run_cell(cell: Cell, work: Path, ref: Dict[int, str]) -> Dict[str, object]:
     save = work / "save"
     marker = f"{cell.name}-{uuid.uuid4().hex}"
     env = {f"DATASTATES_FAULT_FAIL_{cell.step.upper()}": f"{cell.kind}@"
@@ -260,9 +269,6 @@ def main(argv=None) -> int:
                 print(f"FAILED {cell.name}: {str(err)[:3000]}", flush=True)
                 failed += 1
             shutil.rmtree(work, ignore_errors=True)
-            # An in-memory level's directory (/dev/shm), left by a job that failed.
-            shutil.rmtree(os.path.dirname(os.path.dirname(memory_root(str(work / "save")))),
-                          ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     part = f", cells {a.start + 1}-{a.start + len(chosen)} of the seeded order" if a.start else ""
