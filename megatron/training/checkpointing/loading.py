@@ -132,7 +132,7 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
     if found is None:
         return False
     if found == _UNIVERSAL:  # --load names a universal checkpoint
-        _load_if_universal(state, config, root)
+        _load_universal(state, config, root)
         state.loaded = root
         return True
     iteration, directory = found
@@ -151,7 +151,8 @@ def _load(state: TrainState, config: RunConfig, loader: Optional[Callable[[dict,
                                f"loading {directory}", describe=_words)
     state.loaded = directory
     if plan is None:  # e.g. --load <save>/universal
-        return _load_if_universal(state, config, directory)
+        _load_universal(state, config, directory)
+        return True
     kind, fmt, unsafe = plan.kind, plan.fmt, ckpt.allow_unsafe_pickle
     load_optim, load_rng, megatron_lm = plan.load_optim, plan.load_rng, plan.megatron_lm
     strictness, own_boxes = plan.strictness, plan.own_boxes
@@ -476,7 +477,6 @@ class _Plan:
     strictness: str
     load_optim: bool
     load_rng: bool
-    common: Optional[dict]
     megatron_lm: Optional[dict]  # the common state, when Megatron-LM wrote the checkpoint
     rng_layout: RngLayout
     optimizer_metadata: Optional[dict]
@@ -542,7 +542,7 @@ def _inspect(state: TrainState, config: RunConfig, directory: str, release: bool
     # pieces of that state, which are exactly those ranges at its own layout.
     own_boxes = (load_optim and distributed and kind is paths.Format.DATASTATES
                  and _fully_reshardable(common) and distopt_shards.supported(state.optimizer))
-    return _Plan(kind, fmt, strictness, load_optim, load_rng, common, megatron_lm, rng_layout,
+    return _Plan(kind, fmt, strictness, load_optim, load_rng, megatron_lm, rng_layout,
                  optimizer_metadata, own_boxes)
 
 
@@ -567,11 +567,8 @@ def _read_tracker(root: str) -> int:
         raise CheckpointError(err.reason, path=err.file) from err
 
 
-def _load_if_universal(state: TrainState, config: RunConfig, directory: str) -> bool:
-    if not is_universal(directory):
-        return False
+def _load_universal(state: TrainState, config: RunConfig, directory: str) -> None:
     load_universal(state, config, directory, damage_hint=lambda: _universal_hint(directory))
-    return True
 
 
 def _universal_hint(directory: str) -> str:
@@ -667,12 +664,9 @@ def _load_torch_dist(sd: dict, directory: str, loader, allow_unsafe_pickle: bool
             if on_read is not None:
                 on_read(sharded.last_read)
         return loaded, lacking
-    except datastates.CheckpointError as err:
-        if err.agreed:
-            raise  # the tensors' read, agreed on: one line
-        raise _read_error(err, directory, also) from err
     except BaseException as err:  # noqa: BLE001 - DCP's per-rank failure report is one
-        translated = _read_error(err, directory, also)
+        # The tensors' read was agreed on (one line): as it is; else the trainer's words.
+        translated = err if getattr(err, "agreed", False) else _read_error(err, directory, also)
         if translated is err:
             raise
         raise translated from err
